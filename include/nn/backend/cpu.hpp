@@ -1,0 +1,694 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// nn::cpu: the host backend policy. Elementwise kernels are plain loops (OpenMP when built with
+// it); GEMM goes to CBLAS (OpenBLAS) when NN_USE_BLAS is defined, else to Eigen's own GEMM.
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <numbers>
+
+#include <Eigen/Core>
+
+#if defined(NN_USE_BLAS)
+#include <cblas.h>
+#endif
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "policy.hpp"
+
+namespace nn {
+
+namespace detail {
+
+/// Runs f.template operator()<T>() for T = float or double; other dtypes are an error naming op.
+template <class F>
+void dispatch_float(DType t, const char* op, F&& f) {
+  if (t == DType::f32) f.template operator()<float>();
+  else if (t == DType::f64) f.template operator()<double>();
+  else fail(op, "needs a float32 or float64 tensor, got ", dtype_name(t));
+}
+
+// dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
+// accumulating (permuting token ids is fine; adding them is not a gradient).
+template <class F>
+void dispatch_any(DType t, const char* op, bool acc, F&& f) {
+  switch (t) {
+    case DType::f32: f.template operator()<float>(); return;
+    case DType::f64: f.template operator()<double>(); return;
+    default: break;
+  }
+  if (acc) fail(op, "cannot accumulate into ", dtype_name(t));
+  switch (dtype_size(t)) {
+    case 1: f.template operator()<std::uint8_t>(); return;
+    case 2: f.template operator()<std::uint16_t>(); return;
+    case 4: f.template operator()<std::uint32_t>(); return;
+    default: f.template operator()<std::uint64_t>(); return;
+  }
+}
+
+/// Reads an integer id tensor (i32 or i64) at i.
+inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
+  if (ids.dtype() == DType::i32) return static_cast<const std::int32_t*>(ids.raw())[i];
+  return static_cast<const std::int64_t*>(ids.raw())[i];
+}
+
+/// Elementwise loops run in parallel only past this size: below it thread start-up costs more
+/// than it saves.
+inline constexpr std::int64_t kParallelGrain = 1 << 15;
+
+/// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
+/// right, and a dimension of size 1 (or a missing one) gets stride 0, which is broadcasting.
+inline std::array<std::int64_t, kMaxRank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<std::int64_t, kMaxRank> st{};
+  std::int64_t s = 1;
+  const int off = out.rank() - in.rank();
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    st[static_cast<std::size_t>(i + off)] = in[i] == 1 ? 0 : s;
+    s *= in[i];
+  }
+  return st;
+}
+
+/// Calls f(out_index, offset_0, offset_1, ...) for every element of `out`, with the offsets of
+/// each broadcast input, walking an odometer so no division is needed per element.
+template <std::size_t N, class F>
+void for_each_broadcast(const Shape& out, const std::array<std::array<std::int64_t, kMaxRank>, N>& strides, F&& f) {
+  const int r = out.rank();
+  const std::int64_t n = out.numel();
+  if (n == 0) return;
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::array<std::int64_t, N> off{};
+  const std::int64_t inner = r ? out[r - 1] : 1;
+  for (std::int64_t i = 0; i < n; i += inner) {
+    for (std::int64_t j = 0; j < inner; ++j) {
+      std::array<std::int64_t, N> o = off;
+      if (r)
+        for (std::size_t k = 0; k < N; ++k) o[k] += j * strides[k][static_cast<std::size_t>(r - 1)];
+      std::apply([&](auto... oo) { f(i + j, oo...); }, o);
+    }
+    // advance the odometer over dims [0, r-1)
+    for (int d = r - 2; d >= 0; --d) {
+      auto du = static_cast<std::size_t>(d);
+      ++idx[du];
+      for (std::size_t k = 0; k < N; ++k) off[k] += strides[k][du];
+      if (idx[du] < out[d]) break;
+      for (std::size_t k = 0; k < N; ++k) off[k] -= strides[k][du] * out[d];
+      idx[du] = 0;
+    }
+  }
+}
+
+template <class T>
+inline T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+/// The forward math of every unary op.
+template <class T>
+inline T unary_f(Unary op, T x, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
+  switch (op) {
+    case Unary::neg: return -x;
+    case Unary::exp: return std::exp(x);
+    case Unary::log: return std::log(x);
+    case Unary::sqrt: return std::sqrt(x);
+    case Unary::rsqrt: return T(1) / std::sqrt(x);
+    case Unary::tanh: return std::tanh(x);
+    case Unary::sigmoid: return sigmoid(x);
+    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::abs: return std::abs(x);
+    case Unary::pow: return std::pow(x, a);
+    case Unary::silu: return x * sigmoid(x);
+    case Unary::gelu: return T(0.5) * x * (T(1) + std::erf(x / std::numbers::sqrt2_v<T>));
+    case Unary::gelu_approx: return T(0.5) * x * (T(1) + std::tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
+    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
+    case Unary::scale: return a * x;
+    case Unary::add_scalar: return x + a;
+  }
+  return x;
+}
+
+/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
+/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
+template <class T>
+inline T unary_df(Unary op, T x, T y, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);
+  switch (op) {
+    case Unary::neg: return T(-1);
+    case Unary::exp: return y;
+    case Unary::log: return T(1) / x;
+    case Unary::sqrt: return T(0.5) / y;
+    case Unary::rsqrt: return T(-0.5) * y / x;
+    case Unary::tanh: return T(1) - y * y;
+    case Unary::sigmoid: return y * (T(1) - y);
+    case Unary::relu: return x > T(0) ? T(1) : T(0);
+    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
+    case Unary::pow: return a == T(0) ? T(0) : a * std::pow(x, a - T(1));
+    case Unary::silu: {
+      T s = sigmoid(x);
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Unary::gelu: {
+      T cdf = T(0.5) * (T(1) + std::erf(x / std::numbers::sqrt2_v<T>));
+      T pdf = std::exp(T(-0.5) * x * x) / std::sqrt(T(2) * std::numbers::pi_v<T>);
+      return cdf + x * pdf;
+    }
+    case Unary::gelu_approx: {
+      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
+      T t = std::tanh(u);
+      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
+    }
+    case Unary::gelu_fast: {
+      T s = sigmoid(T(1.702) * x);
+      return s + x * T(1.702) * s * (T(1) - s);
+    }
+    case Unary::scale: return a;
+    case Unary::add_scalar: return T(1);
+  }
+  return T(0);
+}
+
+template <class T>
+inline T binary_f(Binary op, T a, T b) {
+  switch (op) {
+    case Binary::add: return a + b;
+    case Binary::sub: return a - b;
+    case Binary::mul: return a * b;
+    case Binary::div: return a / b;
+    case Binary::maximum: return a >= b ? a : b;
+    case Binary::minimum: return a <= b ? a : b;
+  }
+  return a;
+}
+
+/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
+/// to a (documented in ops/elementwise.hpp).
+template <class T>
+inline T binary_df(Binary op, int which, T a, T b) {
+  switch (op) {
+    case Binary::add: return T(1);
+    case Binary::sub: return which == 0 ? T(1) : T(-1);
+    case Binary::mul: return which == 0 ? b : a;
+    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
+    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
+    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
+  }
+  return T(0);
+}
+
+template <class T>
+inline void put(T* y, std::int64_t i, T v, bool acc) {
+  if (acc) y[i] += v;
+  else y[i] = v;
+}
+
+/// Splits a reduction of `x` to `y` (y's dims equal x's or 1, right-aligned) into
+/// (outer, reduced, inner) when the reduced dims are one contiguous block; false otherwise.
+inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer, std::int64_t& red,
+                            std::int64_t& inner) {
+  const int r = x.rank(), off = x.rank() - y.rank();
+  int first = -1, last = -1;
+  for (int i = 0; i < r; ++i) {
+    std::int64_t yd = i < off ? 1 : y[i - off];
+    bool reduced = yd == 1 && x[i] != 1;
+    if (reduced) {
+      if (first < 0) first = i;
+      else if (last != i - 1) return false;
+      last = i;
+    }
+  }
+  if (first < 0) { outer = x.numel(); red = 1; inner = 1; return true; }
+  outer = x.prod(0, first);
+  red = x.prod(first, last + 1);
+  inner = x.prod(last + 1, r);
+  return true;
+}
+
+}  // namespace detail
+
+/// The CPU backend policy.
+struct cpu {
+  static constexpr Device device = Device::cpu;
+  static constexpr const char* name = "cpu";
+
+  static Tensor alloc(const Shape& s, DType t) { return Tensor::empty(s, t, Device::cpu); }
+
+  static void fill(Tensor& y, double v) {
+    if (v == 0.0) { std::memset(y.raw(), 0, y.nbytes()); return; }
+    if (y.dtype() == DType::f32) std::fill_n(static_cast<float*>(y.raw()), y.numel(), static_cast<float>(v));
+    else if (y.dtype() == DType::f64) std::fill_n(static_cast<double*>(y.raw()), y.numel(), v);
+    else for (std::int64_t i = 0; i < y.numel(); ++i) detail::store_from_double(y.raw(), y.dtype(), i, v);
+  }
+
+  static void copy(const Tensor& x, Tensor& y, bool acc) {
+    if (!acc) { std::memcpy(y.raw(), x.raw(), x.nbytes()); return; }
+    detail::dispatch_float(y.dtype(), "copy", [&]<class T>() {
+      const T* s = static_cast<const T*>(x.raw());
+      T* d = static_cast<T*>(y.raw());
+      const std::int64_t n = y.numel();
+#pragma omp parallel for simd if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+    });
+  }
+
+  static void cast(const Tensor& x, Tensor& y) {
+    Tensor t = x.to(y.dtype());
+    std::memcpy(y.raw(), t.raw(), y.nbytes());
+  }
+
+  static void unary(Unary op, double arg, const Tensor& x, Tensor& y) {
+    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T a = static_cast<T>(arg);
+      const std::int64_t n = x.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::unary_f(op, xs[i], a);
+    });
+  }
+
+  static void unary_vjp(Unary op, double arg, const Tensor& x, const Tensor& y, const Tensor& g, Tensor& gx,
+                        bool acc) {
+    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ys = static_cast<const T*>(y.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      const T a = static_cast<T>(arg);
+      const std::int64_t n = x.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) detail::put(out, i, gs[i] * detail::unary_df(op, xs[i], ys[i], a), acc);
+    });
+  }
+
+  static void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), binary_name(op), [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const std::int64_t n = y.numel();
+      if (a.shape() == y.shape() && b.shape() == y.shape()) {
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::binary_f(op, as[i], bs[i]);
+      } else if (a.shape() == y.shape() && b.numel() == 1) {
+        const T bv = bs[0];
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::binary_f(op, as[i], bv);
+      } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
+        const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(op, as[r * nb + j], bs[j]);
+      } else {
+        std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), y.shape()),
+                                                              detail::broadcast_strides(b.shape(), y.shape())};
+        detail::for_each_broadcast<2>(y.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+          ys[i] = detail::binary_f(op, as[ia], bs[ib]);
+        });
+      }
+    });
+  }
+
+  /// dst (+)= g * d(a op b)/d(input `which`), at the output's full shape (the op reduces it to
+  /// the input's shape afterwards with sum_to, the one place broadcasting gradients are summed).
+  static void binary_vjp(Binary op, int which, const Tensor& a, const Tensor& b, const Tensor& g, Tensor& dst,
+                         bool acc) {
+    detail::dispatch_float(g.dtype(), binary_name(op), [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(dst.raw());
+      const std::int64_t n = g.numel();
+      if (a.shape() == g.shape() && b.shape() == g.shape()) {
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t i = 0; i < n; ++i) detail::put(out, i, gs[i] * detail::binary_df(op, which, as[i], bs[i]), acc);
+      } else {
+        std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), g.shape()),
+                                                              detail::broadcast_strides(b.shape(), g.shape())};
+        detail::for_each_broadcast<2>(g.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+          detail::put(out, i, gs[i] * detail::binary_df(op, which, as[ia], bs[ib]), acc);
+        });
+      }
+    });
+  }
+
+  /// y (+)= scale * (x summed over the dims where y has size 1 or is missing). The one kernel
+  /// behind sum, mean and every broadcast gradient. Deterministic: fixed summation order.
+  static void sum_to(const Tensor& x, Tensor& y, double scale, bool acc) {
+    detail::dispatch_float(x.dtype(), "sum", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sc = static_cast<T>(scale);
+      std::int64_t outer, red, inner;
+      if (detail::reduction_as_3d(x.shape(), y.shape(), outer, red, inner)) {
+        if (inner == 1) {  // reduce contiguous rows
+#pragma omp parallel for if (outer * red > detail::kParallelGrain && outer > 1)
+          for (std::int64_t o = 0; o < outer; ++o) {
+            const T* row = xs + o * red;
+            T s = 0;
+            for (std::int64_t k = 0; k < red; ++k) s += row[k];
+            detail::put(ys, o, sc * s, acc);
+          }
+        } else {  // reduce a middle dim: accumulate rows of length `inner`
+#pragma omp parallel for if (outer * red * inner > detail::kParallelGrain)
+          for (std::int64_t o = 0; o < outer; ++o) {
+            T* dst = ys + o * inner;
+            const T* src = xs + o * red * inner;
+            for (std::int64_t i = 0; i < inner; ++i) {
+              T s = 0;
+              for (std::int64_t k = 0; k < red; ++k) s += src[k * inner + i];
+              detail::put(dst, i, sc * s, acc);
+            }
+          }
+        }
+        return;
+      }
+      // General case: several non-adjacent reduced dims. Serial scatter into y.
+      if (!acc) std::fill_n(ys, y.numel(), T(0));
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(y.shape(), x.shape())};
+      detail::for_each_broadcast<1>(x.shape(), st, [&](std::int64_t i, std::int64_t iy) { ys[iy] += sc * xs[i]; });
+    });
+  }
+
+  /// y (+)= scale * x broadcast to y's shape (the vjp of sum and mean).
+  static void broadcast_to(const Tensor& x, Tensor& y, double scale, bool acc) {
+    detail::dispatch_float(x.dtype(), "broadcast", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sc = static_cast<T>(scale);
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(x.shape(), y.shape())};
+      detail::for_each_broadcast<1>(y.shape(), st, [&](std::int64_t i, std::int64_t ix) { detail::put(ys, i, sc * xs[ix], acc); });
+    });
+  }
+
+  /// y = mask != 0 ? a : b, every input broadcast to y. mask: u8, or the dtype of y.
+  static void where(const Tensor& mask, const Tensor& a, const Tensor& b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "where", [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      T* ys = static_cast<T*>(y.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 3> st{detail::broadcast_strides(mask.shape(), y.shape()),
+                                                            detail::broadcast_strides(a.shape(), y.shape()),
+                                                            detail::broadcast_strides(b.shape(), y.shape())};
+      detail::for_each_broadcast<3>(y.shape(), st, [&](std::int64_t i, std::int64_t im, std::int64_t ia, std::int64_t ib) {
+        ys[i] = mask_at(mask, im) ? as[ia] : bs[ib];
+      });
+    });
+  }
+
+  /// dst (+)= g where the mask selects branch `which` (0: a, taken where mask != 0), else 0.
+  static void where_vjp(const Tensor& mask, const Tensor& g, int which, Tensor& dst, bool acc) {
+    detail::dispatch_float(g.dtype(), "where", [&]<class T>() {
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(dst.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(mask.shape(), g.shape())};
+      detail::for_each_broadcast<1>(g.shape(), st, [&](std::int64_t i, std::int64_t im) {
+        bool take = mask_at(mask, im) == (which == 0);
+        detail::put(out, i, take ? gs[i] : T(0), acc);
+      });
+    });
+  }
+
+  /// y = max of x over `axis` (y has keepdims shape), idx (i32, y's shape) = the first index
+  /// attaining it. NaN propagates (a NaN wins, as PyTorch).
+  static void max_axis(const Tensor& x, int axis, Tensor& y, Tensor& idx) {
+    detail::dispatch_float(x.dtype(), "max", [&]<class T>() {
+      const Shape& s = x.shape();
+      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      auto* is = static_cast<std::int32_t*>(idx.raw());
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t i = 0; i < inner; ++i) {
+          const T* p = xs + o * red * inner + i;
+          T best = p[0];
+          std::int32_t bi = 0;
+          for (std::int64_t k = 1; k < red && !std::isnan(best); ++k) {
+            T v = p[k * inner];
+            if (v > best || std::isnan(v)) { best = v; bi = static_cast<std::int32_t>(k); }
+          }
+          ys[o * inner + i] = best;
+          is[o * inner + i] = bi;
+        }
+    });
+  }
+
+  /// gx (+)= g placed at the argmax positions recorded by max_axis.
+  static void max_axis_vjp(const Tensor& g, const Tensor& idx, int axis, Tensor& gx, bool acc) {
+    detail::dispatch_float(g.dtype(), "max", [&]<class T>() {
+      const Shape& s = gx.shape();
+      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
+      const T* gs = static_cast<const T*>(g.raw());
+      const auto* is = static_cast<const std::int32_t*>(idx.raw());
+      T* out = static_cast<T*>(gx.raw());
+      if (!acc) std::fill_n(out, gx.numel(), T(0));
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t i = 0; i < inner; ++i)
+          out[(o * red + is[o * inner + i]) * inner + i] += gs[o * inner + i];
+    });
+  }
+
+  /// c (+)= op(a) @ op(b). Each operand is (batch, rows, cols) with batch = the product of its
+  /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
+  /// their batch, or 1 to sum the products over the batch.
+  /// op(x) = x^T when the flag is set: read transposed, never copied.
+  static void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    detail::dispatch_float(c.dtype(), "matmul", [&]<class T>() {
+      const Shape &sa = a.shape(), &sb = b.shape(), &sc = c.shape();
+      const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = sb.dim(-2), bc = sb.dim(-1);
+      const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
+      const std::int64_t ba = sa.prod(0, sa.rank() - 2), bb = sb.prod(0, sb.rank() - 2);
+      const std::int64_t bcnt = sc.prod(0, sc.rank() - 2), batch = std::max(ba, bb);
+      const T* A = static_cast<const T*>(a.raw());
+      const T* Bp = static_cast<const T*>(b.raw());
+      T* C = static_cast<T*>(c.raw());
+      // bcnt == 1 < batch: the product is summed over the batch into one C (the gradient of an
+      // operand shared across a batch).
+      for (std::int64_t i = 0; i < batch; ++i)
+        gemm<T>(ta, tb, M, N, K, A + (ba == 1 ? 0 : i * ar * ac), ac, Bp + (bb == 1 ? 0 : i * br * bc), bc,
+                C + (bcnt == 1 ? 0 : i * M * N), acc || (bcnt == 1 && i > 0));
+    });
+  }
+
+  /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
+  static void permute(const Tensor& x, const std::array<int, kMaxRank>& perm, Tensor& y, bool acc) {
+    detail::dispatch_any(x.dtype(), "permute", acc, [&]<class T>() {
+      const int r = x.rank();
+      std::array<std::int64_t, kMaxRank> xst{}, st{};
+      std::int64_t s = 1;
+      for (int i = r - 1; i >= 0; --i) { xst[static_cast<std::size_t>(i)] = s; s *= x.shape()[i]; }
+      for (int i = 0; i < r; ++i) st[static_cast<std::size_t>(i)] = xst[static_cast<std::size_t>(perm[static_cast<std::size_t>(i)])];
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 1> sts{st};
+      detail::for_each_broadcast<1>(y.shape(), sts, [&](std::int64_t i, std::int64_t ix) {
+        if constexpr (std::is_floating_point_v<T>) detail::put(ys, i, xs[ix], acc);
+        else ys[i] = xs[ix];
+      });
+    });
+  }
+
+  /// y = x[..., start:start + y.shape[axis], ...]
+  static void slice_copy(const Tensor& x, int axis, std::int64_t start, Tensor& y) {
+    const std::size_t es = dtype_size(x.dtype());
+    const Shape& s = x.shape();
+    const std::int64_t outer = s.prod(0, axis), inner = s.prod(axis + 1, s.rank());
+    const std::int64_t len = y.shape()[axis], full = s[axis];
+    const auto* xs = static_cast<const char*>(x.raw());
+    auto* ys = static_cast<char*>(y.raw());
+    for (std::int64_t o = 0; o < outer; ++o)
+      std::memcpy(ys + static_cast<std::size_t>(o * len * inner) * es,
+                  xs + static_cast<std::size_t>((o * full + start) * inner) * es, static_cast<std::size_t>(len * inner) * es);
+  }
+
+  /// y[..., start:start + x.shape[axis], ...] (+)= x; the rest of y is left as it is.
+  static void slice_scatter(const Tensor& x, int axis, std::int64_t start, Tensor& y, bool acc) {
+    const Shape& s = y.shape();
+    const std::int64_t outer = s.prod(0, axis), inner = s.prod(axis + 1, s.rank());
+    const std::int64_t len = x.shape()[axis], full = s[axis];
+    if (!acc) {
+      const std::size_t es = dtype_size(x.dtype());
+      const auto* xs = static_cast<const char*>(x.raw());
+      auto* ys = static_cast<char*>(y.raw());
+      for (std::int64_t o = 0; o < outer; ++o)
+        std::memcpy(ys + static_cast<std::size_t>((o * full + start) * inner) * es,
+                    xs + static_cast<std::size_t>(o * len * inner) * es, static_cast<std::size_t>(len * inner) * es);
+      return;
+    }
+    detail::dispatch_float(x.dtype(), "slice", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t k = 0; k < len * inner; ++k) ys[(o * full + start) * inner + k] += xs[o * len * inner + k];
+    });
+  }
+
+  /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
+  static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
+    const std::int64_t D = table.dim(-1), n = ids.numel();
+    const std::size_t row = static_cast<std::size_t>(D) * dtype_size(table.dtype());
+    const auto* ts = static_cast<const char*>(table.raw());
+    auto* ys = static_cast<char*>(y.raw());
+    const std::int64_t N = table.dim(0);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t id = detail::load_index(ids, i);
+      if (id < 0 || id >= N)
+        detail::fail("gather_rows", "id ", id, " at position ", i, " is out of range for a table of ", N, " rows");
+      std::memcpy(ys + static_cast<std::size_t>(i) * row, ts + static_cast<std::size_t>(id) * row, row);
+    }
+  }
+
+  /// gtable[ids[i], :] += g[i, :]; repeated ids accumulate, in order (deterministic).
+  static void scatter_add_rows(const Tensor& g, const Tensor& ids, Tensor& gtable) {
+    detail::dispatch_float(g.dtype(), "embedding", [&]<class T>() {
+      const std::int64_t D = gtable.dim(-1), n = ids.numel();
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gtable.raw());
+      for (std::int64_t i = 0; i < n; ++i) {
+        T* dst = out + detail::load_index(ids, i) * D;
+        const T* src = gs + i * D;
+        for (std::int64_t j = 0; j < D; ++j) dst[j] += src[j];
+      }
+    });
+  }
+
+  /// y[i] = x[i, idx[i]] for x: (R, V), idx: (R) i32/i64; y[i] = 0 where idx[i] < 0.
+  static void pick(const Tensor& x, const Tensor& idx, Tensor& y) {
+    detail::dispatch_float(x.dtype(), "pick", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = idx.numel();
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      for (std::int64_t i = 0; i < R; ++i) {
+        std::int64_t k = detail::load_index(idx, i);
+        if (k >= V) detail::fail("pick", "index ", k, " at row ", i, " is out of range for ", V, " classes");
+        ys[i] = k < 0 ? T(0) : xs[i * V + k];
+      }
+    });
+  }
+
+  /// gx[i, idx[i]] += g[i] (gx must already hold its other values).
+  static void pick_vjp(const Tensor& g, const Tensor& idx, Tensor& gx) {
+    detail::dispatch_float(g.dtype(), "pick", [&]<class T>() {
+      const std::int64_t V = gx.dim(-1), R = idx.numel();
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      for (std::int64_t i = 0; i < R; ++i) {
+        std::int64_t k = detail::load_index(idx, i);
+        if (k >= 0) out[i * V + k] += gs[i];
+      }
+    });
+  }
+
+  /// Softmax (or log-softmax) over the last axis, max-subtracted so logits in the thousands
+  /// neither overflow nor lose precision.
+  static void softmax(const Tensor& x, Tensor& y, bool log) {
+    detail::dispatch_float(x.dtype(), log ? "log_softmax" : "softmax", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = x.numel() / std::max<std::int64_t>(V, 1);
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* in = xs + r * V;
+        T* out = ys + r * V;
+        T m = -std::numeric_limits<T>::infinity();
+        for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
+        if (m == -std::numeric_limits<T>::infinity()) m = 0;  // a fully masked row stays finite in its max
+        T s = 0;
+        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
+        if (log) {
+          T lse = m + std::log(s);
+          for (std::int64_t j = 0; j < V; ++j) out[j] = in[j] - lse;
+        } else {
+          T inv = T(1) / s;
+          for (std::int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m) * inv;
+        }
+      }
+    });
+  }
+
+  /// gx (+)= J^T g for y = softmax(x):  y * (g - sum(g*y));  log_softmax: g - softmax * sum(g).
+  static void softmax_vjp(const Tensor& y, const Tensor& g, Tensor& gx, bool log, bool acc) {
+    detail::dispatch_float(y.dtype(), log ? "log_softmax" : "softmax", [&]<class T>() {
+      const std::int64_t V = y.dim(-1), R = y.numel() / std::max<std::int64_t>(V, 1);
+      const T* ys = static_cast<const T*>(y.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+#pragma omp parallel for if (y.numel() > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* yr = ys + r * V;
+        const T* gr = gs + r * V;
+        T* o = out + r * V;
+        T s = 0;
+        if (log) {
+          for (std::int64_t j = 0; j < V; ++j) s += gr[j];
+          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr[j] - std::exp(yr[j]) * s, acc);
+        } else {
+          for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
+          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
+        }
+      }
+    });
+  }
+
+ private:
+  static bool is_suffix(const Shape& b, const Shape& y) {
+    if (b.rank() > y.rank()) return false;
+    for (int i = 1; i <= b.rank(); ++i)
+      if (b[b.rank() - i] != y[y.rank() - i]) return false;
+    return true;
+  }
+  static bool mask_at(const Tensor& m, std::int64_t i) {
+    switch (m.dtype()) {
+      case DType::u8: return static_cast<const std::uint8_t*>(m.raw())[i] != 0;
+      case DType::f32: return static_cast<const float*>(m.raw())[i] != 0.0f;
+      case DType::f64: return static_cast<const double*>(m.raw())[i] != 0.0;
+      case DType::i32: return static_cast<const std::int32_t*>(m.raw())[i] != 0;
+      default: return detail::load_as_double(m.raw(), m.dtype(), i) != 0.0;
+    }
+  }
+
+  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
+  template <class T>
+  static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                   const T* Bp, std::int64_t ldb, T* C, bool acc) {
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+      if (!acc) std::fill_n(C, M * N, T(0));
+      return;
+    }
+#if defined(NN_USE_BLAS)
+    const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
+    const T beta = acc ? T(1) : T(0);
+    if constexpr (std::is_same_v<T, float>)
+      cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
+                  static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
+    else
+      cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
+                  static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
+#else
+    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
+    Eigen::Map<Mat> Cm(C, M, N);
+    CMap Am(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda));
+    CMap Bm(Bp, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
+    auto run = [&](const auto& a, const auto& b) {
+      if (acc) Cm.noalias() += a * b;
+      else Cm.noalias() = a * b;
+    };
+    if (ta && tb) run(Am.transpose(), Bm.transpose());
+    else if (ta) run(Am.transpose(), Bm);
+    else if (tb) run(Am, Bm.transpose());
+    else run(Am, Bm);
+#endif
+  }
+};
+
+
+static_assert(BackendPolicy<cpu>);
+
+}  // namespace nn

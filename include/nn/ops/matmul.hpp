@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// matmul: batched over leading dims, either operand read transposed without a copy.
+#pragma once
+
+#include "common.hpp"
+
+namespace nn {
+
+namespace detail {
+
+/// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
+/// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
+template <class B>
+struct MatmulPrim {
+  // The views every kernel call uses: folded to 2-D when A is batched, B a matrix, A not transposed.
+  static bool foldable(const Tensor& a, const Tensor& b, bool ta) { return a.rank() > 2 && b.rank() == 2 && !ta; }
+  static Tensor rows(const Tensor& t) { return t.reshape(Shape{t.numel() / t.dim(-1), t.dim(-1)}); }
+
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
+    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    if (foldable(a, b, ta)) {
+      Tensor c = rows(n.value);
+      B::matmul(rows(a), false, b, tb, c, false);
+    } else {
+      B::matmul(a, ta, b, tb, n.value, false);
+    }
+  }
+
+  // C = op(A) op(B):  dA = G op(B)^T  (or op(B) G^T when A is read transposed),
+  //                   dB = op(A)^T G  (or G^T op(A) when B is read transposed).
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
+    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    const bool fold = foldable(a, b, ta);
+    const Tensor a2 = fold ? rows(a) : a;
+    const Tensor g = fold ? rows(n.grad) : n.grad;
+    if (tp.needs_grad(n, 0)) {
+      GradSlot s = tp.grad_slot(n, 0);
+      Tensor ga = fold ? rows(s.g) : s.g;
+      if (!ta) B::matmul(g, false, b, !tb, ga, s.acc);
+      else B::matmul(b, tb, g, true, ga, s.acc);
+    }
+    if (tp.needs_grad(n, 1)) {
+      GradSlot s = tp.grad_slot(n, 1);
+      if (!tb) B::matmul(a2, !ta, g, false, s.g, s.acc);
+      else B::matmul(g, true, a2, ta, s.g, s.acc);
+    }
+  }
+  static constexpr OpDef<B> def{"matmul", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// op(a) @ op(b) where op transposes the last two dims when its flag is set (read transposed,
+/// never copied). a: (..., M, K) — or (..., K, M) with trans_a; b: (..., K, N) — or (..., N, K)
+/// with trans_b. Leading (batch) dims must be equal, or one operand is a plain matrix shared by
+/// every batch element. Result: (..., M, N).
+template <class B>
+GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
+  detail::require_same_dtype(tp, a, b, "matmul");
+  const Shape &sa = tp.shape(a), &sb = tp.shape(b);
+  if (sa.rank() < 2 || sb.rank() < 2)
+    detail::fail("matmul", "operands need rank >= 2, got ", sa.str(), " and ", sb.str());
+  const std::int64_t M = trans_a ? sa.dim(-1) : sa.dim(-2), Ka = trans_a ? sa.dim(-2) : sa.dim(-1);
+  const std::int64_t Kb = trans_b ? sb.dim(-1) : sb.dim(-2), N = trans_b ? sb.dim(-2) : sb.dim(-1);
+  if (Ka != Kb)
+    detail::fail("matmul", "inner dimensions differ: ", sa.str(), trans_a ? "^T" : "", " @ ", sb.str(),
+                 trans_b ? "^T" : "", " (", Ka, " vs ", Kb, ")");
+  Shape out;
+  if (sa.rank() > 2 && sb.rank() > 2) {
+    if (sa.rank() != sb.rank())
+      detail::fail("matmul", "batch dims differ: ", sa.str(), " @ ", sb.str());
+    for (int i = 0; i < sa.rank() - 2; ++i) {
+      if (sa[i] != sb[i]) detail::fail("matmul", "batch dims differ: ", sa.str(), " @ ", sb.str());
+      out.push_back(sa[i]);
+    }
+  } else {
+    const Shape& batched = sa.rank() > 2 ? sa : sb;
+    for (int i = 0; i < batched.rank() - 2; ++i) out.push_back(batched[i]);
+  }
+  out.push_back(M);
+  out.push_back(N);
+  Attrs at;
+  at.flag_a = trans_a;
+  at.flag_b = trans_b;
+  GVar in[] = {a, b};
+  return tp.record(detail::MatmulPrim<B>::def, in, at, out, tp.dtype(a));
+}
+
+}  // namespace nn

@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Reductions: sum and mean over axes (or all), keepdims or not; max over one axis.
+#pragma once
+
+#include <algorithm>
+
+#include "common.hpp"
+
+namespace nn {
+
+namespace detail {
+
+/// sum / mean: attrs.shape is the keepdims shape, attrs.scalar the scale (1 or 1/count).
+template <class B>
+struct SumPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor y = n.value.reshape(n.attrs.shape);
+    B::sum_to(tp.in(n, 0), y, n.attrs.scalar, false);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::broadcast_to(n.grad.reshape(n.attrs.shape), s.g, n.attrs.scalar, s.acc);
+  }
+  static constexpr OpDef<B> def{"sum", &forward, &vjp};
+};
+
+/// max over attrs.axis; saved[0] holds the argmax (i32, keepdims shape).
+template <class B>
+struct MaxPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor& idx = tp.scratch(n, 0, n.attrs.shape, DType::i32);
+    Tensor y = n.value.reshape(n.attrs.shape);
+    B::max_axis(tp.in(n, 0), static_cast<int>(n.attrs.axis), y, idx);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::max_axis_vjp(n.grad.reshape(n.attrs.shape), n.saved[0], static_cast<int>(n.attrs.axis), s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"max", &forward, &vjp};
+};
+
+/// Normalised, sorted, de-duplicated axes; an empty list means every axis.
+inline std::vector<int> norm_axes(const Shape& s, std::initializer_list<int> axes, const char* op) {
+  std::vector<int> out;
+  if (axes.size() == 0) {
+    for (int i = 0; i < s.rank(); ++i) out.push_back(i);
+    return out;
+  }
+  for (int a : axes) {
+    int n = a < 0 ? a + s.rank() : a;
+    if (n < 0 || n >= s.rank()) fail(op, "axis ", a, " out of range for shape ", s.str());
+    out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+template <class B>
+GVar reduce_sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes, bool keepdims, bool mean, const char* op) {
+  require_float(tp, x, op);
+  const Shape& s = tp.shape(x);
+  std::vector<int> ax = norm_axes(s, axes, op);
+  Shape keep, out;
+  std::int64_t count = 1;
+  for (int i = 0; i < s.rank(); ++i) {
+    bool red = std::find(ax.begin(), ax.end(), i) != ax.end();
+    keep.push_back(red ? 1 : s[i]);
+    if (red) count *= s[i];
+    else out.push_back(s[i]);
+  }
+  Attrs a;
+  a.shape = keep;
+  a.scalar = mean ? 1.0 / static_cast<double>(count) : 1.0;
+  if (mean && count == 0) fail(op, "mean over an empty axis of shape ", s.str());
+  GVar in[] = {x};
+  return tp.record(SumPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
+}
+
+}  // namespace detail
+
+/// Sum over `axes` (all axes when empty); keepdims keeps reduced axes as size 1.
+template <class B>
+GVar sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return detail::reduce_sum(tp, x, axes, keepdims, false, "sum");
+}
+/// Mean over `axes` (all axes when empty).
+template <class B>
+GVar mean(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return detail::reduce_sum(tp, x, axes, keepdims, true, "mean");
+}
+
+/// Max over one axis. Ties: the gradient goes to the first index attaining the max (NumPy's
+/// argmax); PyTorch's amax splits it evenly, its max(dim) picks one index as we do.
+template <class B>
+GVar max(GTape<B>& tp, GVar x, int axis, bool keepdims = false) {
+  detail::require_float(tp, x, "max");
+  const Shape& s = tp.shape(x);
+  if (s.rank() == 0) detail::fail("max", "needs at least one axis, got a scalar");
+  int ax = s.axis(axis);
+  if (s[ax] == 0) detail::fail("max", "axis ", axis, " of shape ", s.str(), " is empty");
+  Shape keep, out;
+  for (int i = 0; i < s.rank(); ++i) {
+    keep.push_back(i == ax ? 1 : s[i]);
+    if (i != ax) out.push_back(s[i]);
+  }
+  Attrs a;
+  a.axis = ax;
+  a.shape = keep;
+  GVar in[] = {x};
+  return tp.record(detail::MaxPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
+}
+
+}  // namespace nn

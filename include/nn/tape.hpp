@@ -1,0 +1,315 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// GTape<Backend>: a Wengert list of primitive ops recorded in construction order (already a
+// topological order), swept in reverse by backward(), and replayable without re-recording.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "backend/policy.hpp"
+
+namespace nn {
+
+/// A handle to one value on a tape: the tape's identity and the node's index. Cheap to copy.
+struct GVar {
+  const void* tape = nullptr;
+  std::int32_t index = -1;
+  bool valid() const { return tape != nullptr && index >= 0; }
+};
+
+/// What kind of leaf a node is; ops are LeafKind::none.
+enum class LeafKind : std::uint8_t { none, param, constant, input };
+
+/// Per-node attributes. Every primitive reads the fields it documents and ignores the rest, so a
+/// node is plain data that a replay or another backend can run again.
+struct Attrs {
+  double scalar = 0.0;          // pow's exponent, a scale, an epsilon
+  std::int64_t axis = 0;        // reduction, slice, concat, softmax axis
+  std::int64_t start = 0;       // slice start
+  int code = 0;                 // the Unary / Binary kernel, a where-branch, ...
+  bool flag_a = false;          // transpose a, keepdims, log, ...
+  bool flag_b = false;          // transpose b, ...
+  std::array<int, kMaxRank> perm{};  // permute order
+  Shape shape;                  // a target shape (reshape, broadcast)
+  std::uint64_t key = 0;        // an RNG key (dropout)
+};
+
+template <class B>
+class GTape;
+template <class B>
+struct Node;
+
+/// A primitive's definition: its name (for errors), its forward kernel call and its vjp, side by
+/// side in the op's header. Nodes point at a static OpDef, so a node stays data, not a closure.
+template <class B>
+struct OpDef {
+  const char* name;
+  void (*forward)(GTape<B>&, Node<B>&);
+  void (*vjp)(GTape<B>&, Node<B>&);
+  bool aliases_input = false;  // forward makes value a view of input 0 (reshape): no output buffer
+};
+
+/// One entry of the tape.
+template <class B>
+struct Node {
+  const OpDef<B>* def = nullptr;  // null for leaves
+  LeafKind leaf = LeafKind::none;
+  std::vector<std::int32_t> inputs;
+  Attrs attrs;
+  Tensor value;                   // the output, allocated when recorded, rewritten on replay
+  Tensor grad;                    // d loss / d value, allocated on the first backward
+  std::vector<Tensor> saved;      // buffers the op keeps between forward and vjp (and scratch)
+  Tensor* bound = nullptr;        // a param leaf's tensor, re-read on every replay
+  bool requires_grad = false;
+  bool grad_live = false;         // grad holds a contribution from the current backward
+
+  const char* name() const {
+    if (def) return def->name;
+    switch (leaf) {
+      case LeafKind::param: return "param";
+      case LeafKind::constant: return "constant";
+      case LeafKind::input: return "input";
+      default: return "?";
+    }
+  }
+};
+
+/// Where a vjp writes its contribution to one input's gradient: the buffer, and whether to add
+/// to it (another consumer already wrote) or overwrite it (first contribution this sweep).
+struct GradSlot {
+  Tensor& g;
+  bool acc;
+};
+
+/// The tape. Explicit object, passed to every builder; no global state, one tape per thread.
+template <class B>
+class GTape {
+  static_assert(BackendPolicy<B>, "the tape's backend must satisfy nn::BackendPolicy");
+
+ public:
+  using backend = B;
+
+  GTape() = default;
+  GTape(const GTape&) = delete;  // GVars name their tape by address
+  GTape& operator=(const GTape&) = delete;
+
+  // ---- leaves ------------------------------------------------------------------------------
+
+  /// Binds `t` by reference: the leaf reads t's storage (updated in place by an optimizer, and
+  /// re-read by a replay). Its gradient is computed when `trainable` and t is floating point.
+  GVar param(Tensor& t, bool trainable = true) {
+    check_leaf(t, "param");
+    Node<B>& n = push(LeafKind::param);
+    n.value = t;
+    n.bound = &t;
+    n.requires_grad = trainable && is_floating(t.dtype());
+    return handle();
+  }
+  /// A value that never gets a gradient (shares t's storage).
+  GVar constant(const Tensor& t) {
+    check_leaf(t, "constant");
+    Node<B>& n = push(LeafKind::constant);
+    n.value = t;
+    return handle();
+  }
+  /// A slot whose value set() may swap between replays (a batch). No gradient unless asked.
+  GVar input(const Tensor& t, bool requires_grad = false) {
+    check_leaf(t, "input");
+    Node<B>& n = push(LeafKind::input);
+    n.value = t;
+    n.requires_grad = requires_grad && is_floating(t.dtype());
+    return handle();
+  }
+  /// Puts a new value in an input slot; shape and dtype must match what was recorded (a new
+  /// shape means a new recording).
+  void set(GVar v, const Tensor& t) {
+    Node<B>& n = node(v);
+    if (n.leaf != LeafKind::input) fail_at(v, "set", "only input slots can be set; this is a ", n.name());
+    if (!(t.shape() == n.value.shape()) || t.dtype() != n.value.dtype())
+      detail::fail("tape.set", "input slot ", v.index, " was recorded as ", n.value.shape().str(), " ",
+                   dtype_name(n.value.dtype()), ", got ", t.shape().str(), " ", dtype_name(t.dtype()),
+                   " (a new shape needs a new recording)");
+    n.value = t;
+  }
+
+  // ---- reading -----------------------------------------------------------------------------
+
+  const Tensor& value(GVar v) const { return node(v).value; }
+  const Shape& shape(GVar v) const { return node(v).value.shape(); }
+  DType dtype(GVar v) const { return node(v).value.dtype(); }
+  bool requires_grad(GVar v) const { return node(v).requires_grad; }
+
+  /// d loss / d v after backward(). Zeros when v needs a gradient the last backward never
+  /// reached; an error when v cannot have one (a constant, a frozen param, an integer).
+  const Tensor& grad(GVar v) {
+    Node<B>& n = node(v);
+    if (!n.requires_grad)
+      detail::fail("tape.grad", "node ", v.index, " (", n.name(), ", shape ", n.value.shape().str(),
+                   ") has no gradient: it does not depend on a trainable leaf");
+    if (!n.grad_live) {
+      ensure_grad(n);
+      B::fill(n.grad, 0.0);
+      n.grad_live = true;
+    }
+    return n.grad;
+  }
+
+  std::size_t size() const { return nodes_.size(); }
+  /// Forgets every node (a new recording); the tensors bound as params are not touched.
+  void clear() {
+    nodes_.clear();
+    loss_ = -1;
+  }
+
+  // ---- backward ----------------------------------------------------------------------------
+
+  /// Reverse sweep from a scalar loss (d loss / d loss = 1).
+  void backward(GVar loss) {
+    Node<B>& n = node(loss);
+    if (n.value.numel() != 1)
+      detail::fail("backward", "the loss must have one element, got shape ", n.value.shape().str(),
+                   "; pass an explicit cotangent for a non-scalar output");
+    begin_backward(n);
+    B::fill(n.grad, 1.0);
+    sweep(loss.index);
+  }
+  /// Reverse sweep from any output with an explicit cotangent of the output's shape.
+  void backward(GVar out, const Tensor& cotangent) {
+    Node<B>& n = node(out);
+    if (!(cotangent.shape() == n.value.shape()) || cotangent.dtype() != n.value.dtype())
+      detail::fail("backward", "cotangent ", cotangent.shape().str(), " ", dtype_name(cotangent.dtype()),
+                   " does not match the output ", n.value.shape().str(), " ", dtype_name(n.value.dtype()));
+    begin_backward(n);
+    B::copy(cotangent, n.grad, false);
+    sweep(out.index);
+  }
+
+  // ---- replay ------------------------------------------------------------------------------
+
+  /// Re-runs every recorded node into the buffers it already owns: params re-read from their
+  /// bound tensors (which must keep their shape), inputs as last set(). Allocates nothing.
+  void replay_forward() {
+    for (auto& n : nodes_) {
+      if (n.leaf == LeafKind::param) {
+        if (!(n.bound->shape() == n.value.shape()) || n.bound->dtype() != n.value.dtype())
+          detail::fail("tape.replay", "a bound parameter changed from ", n.value.shape().str(), " to ",
+                       n.bound->shape().str(), "; record the step again");
+        n.value = *n.bound;
+      } else if (n.def) {
+        n.def->forward(*this, n);
+      }
+    }
+  }
+  /// Replays the forward pass, then the last backward() from a scalar loss.
+  void replay() {
+    replay_forward();
+    if (loss_ >= 0) backward(GVar{this, loss_});
+  }
+
+  // ---- for op implementations ----------------------------------------------------------------
+
+  /// Appends an op node with output shape/dtype, allocates its output, runs its forward.
+  GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const Attrs& attrs, const Shape& out_shape,
+              DType out_dtype) {
+    for (GVar v : inputs) node(v);  // validates ownership
+    Node<B>& n = push(LeafKind::none);
+    n.def = &def;
+    n.attrs = attrs;
+    n.inputs.reserve(inputs.size());
+    for (GVar v : inputs) {
+      n.inputs.push_back(v.index);
+      n.requires_grad = n.requires_grad || nodes_[static_cast<std::size_t>(v.index)].requires_grad;
+    }
+    n.requires_grad = n.requires_grad && is_floating(out_dtype);
+    if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
+    def.forward(*this, n);
+    return handle();
+  }
+
+  Node<B>& node(GVar v) {
+    check(v);
+    return nodes_[static_cast<std::size_t>(v.index)];
+  }
+  const Node<B>& node(GVar v) const {
+    check(v);
+    return nodes_[static_cast<std::size_t>(v.index)];
+  }
+  Node<B>& at(std::int32_t i) { return nodes_[static_cast<std::size_t>(i)]; }
+  /// Input k's value of node n.
+  const Tensor& in(const Node<B>& n, std::size_t k) const {
+    return nodes_[static_cast<std::size_t>(n.inputs[k])].value;
+  }
+  /// Whether input k of node n wants a gradient.
+  bool needs_grad(const Node<B>& n, std::size_t k) const {
+    return nodes_[static_cast<std::size_t>(n.inputs[k])].requires_grad;
+  }
+  /// The destination for input k's gradient (allocated once, reused by every later sweep).
+  GradSlot grad_slot(const Node<B>& n, std::size_t k) {
+    Node<B>& in = nodes_[static_cast<std::size_t>(n.inputs[k])];
+    ensure_grad(in);
+    bool acc = in.grad_live;
+    in.grad_live = true;
+    return {in.grad, acc};
+  }
+  /// Adds `full` (at the op output's broadcast shape) into input k's gradient, summed down to the
+  /// input's shape: the one place broadcasting gradients are reduced.
+  void accumulate_reduced(const Node<B>& n, std::size_t k, const Tensor& full) {
+    GradSlot s = grad_slot(n, k);
+    if (full.shape() == s.g.shape()) B::copy(full, s.g, s.acc);
+    else B::sum_to(full, s.g, 1.0, s.acc);
+  }
+  /// Buffer `slot` of node n with the given shape and dtype, allocated the first time only.
+  Tensor& scratch(Node<B>& n, std::size_t slot, const Shape& s, DType t) {
+    if (n.saved.size() <= slot) n.saved.resize(slot + 1);
+    Tensor& b = n.saved[slot];
+    if (!b.defined() || !(b.shape() == s) || b.dtype() != t) b = B::alloc(s, t);
+    return b;
+  }
+
+  /// Raises "[op] message" naming the node; used by ops when validating.
+  template <class... P>
+  [[noreturn]] void fail_at(GVar v, const char* op, const P&... parts) const {
+    detail::fail(op, parts..., " (node ", v.index, ")");
+  }
+
+ private:
+  Node<B>& push(LeafKind k) {
+    nodes_.emplace_back();
+    nodes_.back().leaf = k;
+    return nodes_.back();
+  }
+  GVar handle() const { return GVar{this, static_cast<std::int32_t>(nodes_.size() - 1)}; }
+  void check(GVar v) const {
+    if (v.tape != this)
+      detail::fail("tape", v.tape ? "the variable belongs to another tape" : "the variable is empty (default GVar)");
+    if (v.index < 0 || static_cast<std::size_t>(v.index) >= nodes_.size())
+      detail::fail("tape", "variable index ", v.index, " is out of range (", nodes_.size(), " nodes)");
+  }
+  static void check_leaf(const Tensor& t, const char* what) {
+    if (!t.defined()) detail::fail(what, "cannot register an empty tensor");
+    if (t.device() != B::device)
+      detail::fail(what, "tensor ", t.shape().str(), " lives on ", t.device(), " but this tape runs on ", B::name);
+  }
+  static void ensure_grad(Node<B>& n) {
+    if (!n.grad.defined()) n.grad = B::alloc(n.value.shape(), n.value.dtype());
+  }
+  void begin_backward(Node<B>& out) {
+    if (!out.requires_grad)
+      detail::fail("backward", "the output does not depend on any trainable parameter or input");
+    for (auto& n : nodes_) n.grad_live = false;
+    ensure_grad(out);
+    out.grad_live = true;
+  }
+  void sweep(std::int32_t from) {
+    loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
+    for (std::int32_t i = from; i >= 0; --i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.def && n.requires_grad && n.grad_live) n.def->vjp(*this, n);
+    }
+  }
+
+  std::vector<Node<B>> nodes_;
+  std::int32_t loss_ = -1;
+};
+
+}  // namespace nn
