@@ -3,10 +3,13 @@
 // topological order), swept in reverse by backward(), and replayable without re-recording.
 #pragma once
 
+#include <deque>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "backend/policy.hpp"
+#include "random.hpp"
 
 namespace nn {
 
@@ -59,7 +62,7 @@ struct Node {
   Tensor value;                   // the output, allocated when recorded, rewritten on replay
   Tensor grad;                    // d loss / d value, allocated on the first backward
   std::vector<Tensor> saved;      // buffers the op keeps between forward and vjp (and scratch)
-  Tensor* bound = nullptr;        // a param leaf's tensor, re-read on every replay
+  const Tensor* bound = nullptr;  // a param leaf's tensor, re-read on every replay
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
 
@@ -97,8 +100,20 @@ class GTape {
 
   /// Binds `t` by reference: the leaf reads t's storage (updated in place by an optimizer, and
   /// re-read by a replay). Its gradient is computed when `trainable` and t is floating point.
-  GVar param(Tensor& t, bool trainable = true) {
+  /// Binding the same tensor again returns the same leaf, so a weight used twice (a tied head)
+  /// gets one gradient holding both contributions.
+  GVar param(const Tensor& t, bool trainable = true) {
     check_leaf(t, "param");
+    for (std::int32_t i : params_) {
+      const Node<B>& p = nodes_[static_cast<std::size_t>(i)];
+      if (p.bound == &t) {
+        if (p.requires_grad != (trainable && is_floating(t.dtype())))
+          detail::fail("param", "tensor ", t.shape().str(), " was bound ", p.requires_grad ? "trainable" : "frozen",
+                       " and is now bound ", trainable ? "trainable" : "frozen");
+        return GVar{this, i};
+      }
+    }
+    params_.push_back(static_cast<std::int32_t>(nodes_.size()));
     Node<B>& n = push(LeafKind::param);
     n.value = t;
     n.bound = &t;
@@ -120,6 +135,19 @@ class GTape {
     n.requires_grad = requires_grad && is_floating(t.dtype());
     return handle();
   }
+  /// A fresh MLX key (uint32 (2)) from nn::random's global sequence, held in an input slot that
+  /// refresh_keys() refills in recording order: how Dropout gets its key, so that a replayed step
+  /// and an eager step draw the same keys (and so the same masks) from the same sequence.
+  GVar random_key() {
+    GVar k = input(random::next_key());
+    key_slots_.push_back(k.index);
+    return k;
+  }
+  /// Refills every random_key() slot with the global sequence's next keys (before a replay).
+  void refresh_keys() {
+    for (std::int32_t i : key_slots_) random::next_key_into(nodes_[static_cast<std::size_t>(i)].value);
+  }
+
   /// Puts a new value in an input slot; shape and dtype must match what was recorded (a new
   /// shape means a new recording).
   void set(GVar v, const Tensor& t) {
@@ -155,9 +183,17 @@ class GTape {
   }
 
   std::size_t size() const { return nodes_.size(); }
+  /// The param leaf bound to `t`, if any (how value_and_grad finds each parameter's gradient).
+  std::optional<GVar> find_param(const Tensor& t) const {
+    for (std::int32_t i : params_)
+      if (nodes_[static_cast<std::size_t>(i)].bound == &t) return GVar{this, i};
+    return std::nullopt;
+  }
   /// Forgets every node (a new recording); the tensors bound as params are not touched.
   void clear() {
     nodes_.clear();
+    params_.clear();
+    key_slots_.clear();
     loss_ = -1;
   }
 
@@ -222,7 +258,12 @@ class GTape {
     }
     n.requires_grad = n.requires_grad && is_floating(out_dtype);
     if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
-    def.forward(*this, n);
+    try {
+      def.forward(*this, n);
+    } catch (...) {
+      nodes_.pop_back();  // a failed op (an id out of range) leaves the tape as it was, replayable
+      throw;
+    }
     return handle();
   }
 
@@ -308,7 +349,11 @@ class GTape {
     }
   }
 
-  std::vector<Node<B>> nodes_;
+  // A deque, not a vector: appending a node never moves the others, so a `const Tensor&` from
+  // value() or grad() stays valid while more ops are recorded.
+  std::deque<Node<B>> nodes_;
+  std::vector<std::int32_t> params_;  // indices of param leaves, to find a re-bound tensor
+  std::vector<std::int32_t> key_slots_;  // random_key() slots, refilled in order by refresh_keys()
   std::int32_t loss_ = -1;
 };
 

@@ -43,3 +43,11 @@ TEST_CASE("replay re-reads params and set() inputs without re-recording") {
   CHECK(tp.grad(w).data<double>()[0] == 2.0);
   test::check_error([&] { tp.set(x, Tensor::from<double>({2}, {1, 1})); }, {"tape.set", "(1, 2)", "(2)"});
 }
+
+TEST_CASE("a value() reference stays valid while more ops are recorded") {
+  GTape<cpu> tp;
+  GVar x = tp.constant(Tensor::from<double>({2}, {1.0, 2.0}));
+  const Tensor& first = tp.value(exp(tp, x));
+  for (int i = 0; i < 1000; ++i) x = add_scalar(tp, x, 1.0);  // grows the tape well past any block
+  CHECK(first.item(1) == doctest::Approx(std::exp(2.0)));
+}

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numbers>
+#include <new>
 
 #include <Eigen/Core>
 
@@ -18,6 +19,7 @@
 #endif
 
 #include "policy.hpp"
+#include "../random.hpp"
 
 namespace nn {
 
@@ -227,6 +229,112 @@ inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer,
   inner = x.prod(last + 1, r);
   return true;
 }
+
+// ---- GEMM on Eigen's kernel without Eigen's per-call heap allocations ------------------------
+// `C.noalias() = A * B` heap-allocates Eigen's packing blocks on every call once they pass
+// EIGEN_STACK_ALLOCATION_LIMIT (128 KiB: products past about 180 x 180 floats), and its OpenMP
+// path allocates the shared packed A on every call. A replay must not allocate, so nn runs Eigen's
+// blocked kernel (internal::general_matrix_matrix_product, stable since 3.3.90) itself, packing
+// into a per-thread buffer that only grows, and splits the product over threads itself.
+#if !defined(NN_USE_BLAS) && EIGEN_VERSION_AT_LEAST(3, 3, 90)
+
+/// This thread's GEMM packing space: at least `bytes`, 64-byte aligned. It grows only when a
+/// larger product comes, so replaying products already seen allocates nothing.
+inline void* gemm_workspace(std::size_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    std::size_t n = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buf;
+  if (buf.n < bytes) {
+    const std::size_t n = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, n);
+    if (!p) throw std::bad_alloc();
+    std::free(buf.p);
+    buf.p = p;
+    buf.n = n;
+  }
+  return buf.p;
+}
+
+/// Eigen's blocking descriptor, pointing at nn's packing space instead of owning its own.
+template <class T>
+struct GemmBlocking : Eigen::internal::level3_blocking<T, T> {
+  GemmBlocking(Eigen::Index mc, Eigen::Index nc, Eigen::Index kc, T* a, T* b) {
+    this->m_mc = mc;
+    this->m_nc = nc;
+    this->m_kc = kc;
+    this->m_blockA = a;
+    this->m_blockB = b;
+  }
+};
+
+/// Row-major C[M,N] (row stride ldc) += op(A) @ op(B) on the calling thread; OrderA/OrderB say
+/// how op(A), op(B) lie in memory (ColMajor = read transposed).
+template <class T, int OrderA, int OrderB>
+void eigen_gemm_serial(Eigen::Index M, Eigen::Index N, Eigen::Index K, const T* A, Eigen::Index lda, const T* B,
+                       Eigen::Index ldb, T* C, Eigen::Index ldc) {
+  // Eigen runs a row-major product as the column-major C^T = op(B)^T op(A)^T, so the blocking is
+  // sized as its gemm_blocking_space sizes it for a row-major destination: mc along N, nc along M.
+  Eigen::Index kc = K, mc = N, nc = M;
+  Eigen::internal::computeProductBlockingSizes<T, T, 1>(kc, mc, nc, Eigen::Index(1));
+  const std::size_t a_bytes = (static_cast<std::size_t>(mc * kc) * sizeof(T) + 63) / 64 * 64;
+  const std::size_t b_bytes = static_cast<std::size_t>(kc * nc) * sizeof(T);
+  auto* ws = static_cast<char*>(gemm_workspace(a_bytes + b_bytes));
+  GemmBlocking<T> blocking(mc, nc, kc, reinterpret_cast<T*>(ws), reinterpret_cast<T*>(ws + a_bytes));
+  Eigen::internal::general_matrix_matrix_product<Eigen::Index, T, OrderA, false, T, OrderB, false, Eigen::RowMajor,
+                                                 1>::run(M, N, K, A, lda, B, ldb, C, 1, ldc, T(1), blocking);
+}
+
+/// Row-major C[M,N] (+)= op(A) @ op(B), split into row (or column) blocks over as many threads
+/// as Eigen's own GEMM would use; each block is one serial Eigen GEMM.
+template <class T>
+void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K, const T* A, Eigen::Index lda,
+                const T* B, Eigen::Index ldb, T* C, bool acc) {
+  const Eigen::Index ldc = N;
+  auto block = [&](Eigen::Index m0, Eigen::Index m1, Eigen::Index n0, Eigen::Index n1) {
+    if (!acc)
+      for (Eigen::Index i = m0; i < m1; ++i) std::fill_n(C + i * ldc + n0, n1 - n0, T(0));
+    const T* a = A + (ta ? m0 : m0 * lda);
+    const T* b = B + (tb ? n0 * ldb : n0);
+    T* c = C + m0 * ldc + n0;
+    const Eigen::Index m = m1 - m0, n = n1 - n0;
+    constexpr int R = Eigen::RowMajor, Cm = Eigen::ColMajor;
+    if (ta && tb) eigen_gemm_serial<T, Cm, Cm>(m, n, K, a, lda, b, ldb, c, ldc);
+    else if (ta) eigen_gemm_serial<T, Cm, R>(m, n, K, a, lda, b, ldb, c, ldc);
+    else if (tb) eigen_gemm_serial<T, R, Cm>(m, n, K, a, lda, b, ldb, c, ldc);
+    else eigen_gemm_serial<T, R, R>(m, n, K, a, lda, b, ldb, c, ldc);
+  };
+#if defined(_OPENMP)
+  // Eigen's rule (Parallelizer.h): a thread per 50,000 multiply-adds, at most nbThreads(), none
+  // when already inside a parallel region; and here at least 16 rows (or columns) per thread.
+  Eigen::Index threads = 1;
+  if (!omp_in_parallel()) {
+    const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+    threads = std::min<Eigen::Index>({static_cast<Eigen::Index>(Eigen::nbThreads()),
+                                      static_cast<Eigen::Index>(work / 50000.0), std::max(M, N) / 16});
+  }
+  if (threads > 1) {
+    const bool by_rows = M >= N;
+    const Eigen::Index D = by_rows ? M : N;
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    {
+      const Eigen::Index nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const Eigen::Index per = ((D + nt - 1) / nt + 15) / 16 * 16;
+      const Eigen::Index d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
+      if (d0 < d1) {
+        if (by_rows) block(d0, d1, 0, N);
+        else block(0, M, d0, d1);
+      }
+    }
+    return;
+  }
+#endif
+  block(0, M, 0, N);
+}
+
+#endif  // !NN_USE_BLAS && Eigen >= 3.3.90
 
 }  // namespace detail
 
@@ -584,6 +692,31 @@ struct cpu {
     });
   }
 
+  /// mask[i] = value where MLX's bernoulli(p_keep, mask.shape, key) is true, else 0 (mask: f32,
+  /// f64 or u8). key: u32 (2), read here so a replay draws from whatever key its slot holds now.
+  /// The word layout and u < float32(p) test are random.hpp's, so the mask is MLX's bit for bit.
+  static void bernoulli_mask(const Tensor& key, double p_keep, double value, Tensor& mask) {
+    const auto* k = static_cast<const std::uint32_t*>(key.raw());
+    const std::uint32_t k0 = k[0], k1 = k[1];
+    const float p = static_cast<float>(p_keep);
+    const std::int64_t n = mask.numel(), blocks = random::detail::bits_blocks(n);
+    auto draw = [&]<class T>() {
+      T* m = static_cast<T*>(mask.raw());
+      const T on = static_cast<T>(value);
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t j = 0; j < blocks; ++j)
+        random::detail::bits_block(k0, k1, n, j, [&](std::int64_t i, std::uint32_t w) {
+          m[i] = random::detail::uniform01(w) < p ? on : T(0);
+        });
+    };
+    switch (mask.dtype()) {
+      case DType::f32: draw.template operator()<float>(); break;
+      case DType::f64: draw.template operator()<double>(); break;
+      case DType::u8: draw.template operator()<std::uint8_t>(); break;
+      default: detail::fail("bernoulli_mask", "needs a float32, float64 or uint8 mask, got ", dtype_name(mask.dtype()));
+    }
+  }
+
   /// Softmax (or log-softmax) over the last axis, max-subtracted so logits in the thousands
   /// neither overflow nor lose precision.
   static void softmax(const Tensor& x, Tensor& y, bool log) {
@@ -601,8 +734,10 @@ struct cpu {
         T s = 0;
         for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
         if (log) {
-          T lse = m + std::log(s);
-          for (std::int64_t j = 0; j < V; ++j) out[j] = in[j] - lse;
+          // (x - m) - log(s), not x - (m + log(s)): m + log(s) would round to m's ulp, an
+          // absolute error of 1e-4 for float32 logits in the thousands.
+          const T ls = std::log(s);
+          for (std::int64_t j = 0; j < V; ++j) out[j] = (in[j] - m) - ls;
         } else {
           T inv = T(1) / s;
           for (std::int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m) * inv;
@@ -635,6 +770,241 @@ struct cpu {
     });
   }
 
+  /// Softmax cross-entropy against integer targets (i32/i64): loss_r = logsumexp(x_row) -
+  /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
+  /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
+  /// scores T - 1 positions without copying the logits); N == T (x (R, V), t (R)) is one row per
+  /// target. A target equal to `ignore` contributes nothing. reduction 0: y (t's shape) per
+  /// target (0 where ignored); 1: y (one element) the sum; 2: the mean over the targets not
+  /// ignored (NaN when all are, as PyTorch). lse (t.numel()) keeps logsumexp for the vjp. Any
+  /// other target outside [0, V) raises.
+  static void cross_entropy(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction, Tensor& y,
+                            Tensor& lse) {
+    detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = t.numel();
+      const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t k = detail::load_index(t, r);
+        if (k != ignore && (k < 0 || k >= V))
+          detail::fail("cross_entropy", "target ", k, " at row ", r, " is out of range for ", V,
+                       " classes (ignore_index is ", ignore, ")");
+      }
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ls = static_cast<T*>(lse.raw());
+      T* ys = static_cast<T*>(y.raw());
+#pragma omp parallel for if (R * V > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* in = xs + ((r / N) * G + r % N) * V;
+        T m = -std::numeric_limits<T>::infinity();
+        for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
+        T s = 0;
+        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
+        ls[r] = m + std::log(s);
+        if (reduction == 0) {
+          const std::int64_t k = detail::load_index(t, r);
+          ys[r] = k == ignore ? T(0) : ls[r] - in[k];
+        }
+      }
+      if (reduction == 0) return;
+      T total = 0;  // serial, in row order: deterministic
+      std::int64_t count = 0;
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t k = detail::load_index(t, r);
+        if (k == ignore) continue;
+        total += ls[r] - xs[((r / N) * G + r % N) * V + k];
+        ++count;
+      }
+      ys[0] = reduction == 2 ? total / static_cast<T>(count) : total;
+    });
+  }
+
+  /// gx (+)= g_r (softmax(x_row) - onehot(t_r)) for each target's row (the mapping of
+  /// cross_entropy); rows of ignored targets and rows no target scores get 0. g has t's shape
+  /// for reduction 0, else one element (divided by the kept-target count for the mean).
+  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction,
+                                const Tensor& lse, const Tensor& g, Tensor& gx, bool acc) {
+    detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = t.numel();
+      const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ls = static_cast<const T*>(lse.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      T g0 = reduction == 0 ? T(0) : gs[0];
+      if (reduction == 2) {
+        std::int64_t count = 0;
+        for (std::int64_t r = 0; r < R; ++r) count += detail::load_index(t, r) != ignore;
+        g0 = g0 / static_cast<T>(count);
+      }
+      if (!acc && N < G) {  // rows past the first N of each group are scored by no target
+        const std::int64_t groups = N ? R / N : x.numel() / (G * V);
+        for (std::int64_t b = 0; b < groups; ++b) std::fill_n(out + (b * G + N) * V, (G - N) * V, T(0));
+      }
+#pragma omp parallel for if (R * V > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t k = detail::load_index(t, r), row = (r / N) * G + r % N;
+        T* o = out + row * V;
+        if (k == ignore) {
+          if (!acc) std::fill_n(o, V, T(0));
+          continue;
+        }
+        const T* in = xs + row * V;
+        const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
+        for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr * std::exp(in[j] - l), acc);
+        o[k] -= gr;
+      }
+    });
+  }
+
+  // ---- optimizer updates: one fused pass per parameter, MLX's arithmetic order -------------
+  // lr is a 0-D float64 tensor and step a 0-D int64 tensor, read at run time, so a replayed
+  // step sees a scheduled learning rate without re-recording. T is the parameter's dtype; lr is
+  // rounded to T first, as MLX's learning_rate.astype(gradient.dtype).
+
+  /// SGD (MLX): g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
+  /// update = nesterov ? g + mu v : v; p -= lr update.
+  static void sgd_update(Tensor& p, const Tensor& g, Tensor& v, const Tensor& lr, double momentum, double dampening,
+                         double wd, bool nesterov) {
+    detail::dispatch_float(p.dtype(), "sgd", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* vs = momentum > 0 ? static_cast<T*>(v.raw()) : nullptr;
+      const T l = static_cast<T>(lr.item()), mu = static_cast<T>(momentum), d = static_cast<T>(1 - dampening),
+              w = static_cast<T>(wd);
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
+        if (!vs) {
+          ps[i] = ps[i] - l * gi;
+          continue;
+        }
+        T vi = mu * vs[i];
+        vi += dampening > 0 ? d * gi : gi;
+        vs[i] = vi;
+        ps[i] = ps[i] - l * (nesterov ? gi + mu * vi : vi);
+      }
+    });
+  }
+
+  /// Adam / AdamW (MLX): decoupled_wd > 0 first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
+  /// v = b2 v + (1-b2) g^2; p -= lr m / (sqrt v + eps), or with bias correction
+  /// p -= (lr / (1 - b1^t)) m / (sqrt(v) rsqrt(1 - b2^t) + eps), t = step (already incremented).
+  static void adam_update(Tensor& p, const Tensor& g, Tensor& m, Tensor& v, const Tensor& lr, const Tensor& step,
+                          double b1, double b2, double eps, double decoupled_wd, bool bias_correction) {
+    detail::dispatch_float(p.dtype(), "adam", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* ms = static_cast<T*>(m.raw());
+      T* vs = static_cast<T*>(v.raw());
+      // 1 - b is formed in double and then rounded, as MLX's Python scalars are (in float32,
+      // T(1) - T(0.999) is 1.3e-5 away from T(0.001)).
+      const T l = static_cast<T>(lr.item()), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2), E = static_cast<T>(eps),
+              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);
+      const T decay = T(1) - l * static_cast<T>(decoupled_wd);
+      const T t = static_cast<T>(step.item());
+      const T c1 = bias_correction ? l / (T(1) - std::pow(B1, t)) : l;
+      const T c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(B2, t)) : T(1);
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T pi = decoupled_wd != 0 ? ps[i] * decay : ps[i];
+        T mi = B1 * ms[i] + C1 * gs[i];
+        T vi = B2 * vs[i] + C2 * (gs[i] * gs[i]);
+        ms[i] = mi;
+        vs[i] = vi;
+        ps[i] = bias_correction ? pi - (c1 * mi) / (std::sqrt(vi) * c2 + E) : pi - (l * mi) / (std::sqrt(vi) + E);
+      }
+    });
+  }
+
+  /// Lion (MLX): c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
+  static void lion_update(Tensor& p, const Tensor& g, Tensor& m, const Tensor& lr, double b1, double b2, double wd) {
+    detail::dispatch_float(p.dtype(), "lion", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* ms = static_cast<T*>(m.raw());
+      const T l = static_cast<T>(lr.item()), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2),
+              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);  // 1 - b in double, as MLX
+      const T decay = T(1) - l * static_cast<T>(wd);
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T c = B1 * ms[i] + C1 * gs[i];
+        ms[i] = B2 * ms[i] + C2 * gs[i];
+        T pi = wd > 0 ? decay * ps[i] : ps[i];
+        T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
+        ps[i] = pi - l * sg;
+      }
+    });
+  }
+
+  /// Muon's momentum (MLX): g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
+  static void muon_momentum(const Tensor& p, const Tensor& g, Tensor& v, Tensor& u, double momentum, double wd,
+                            bool nesterov) {
+    detail::dispatch_float(p.dtype(), "muon", [&]<class T>() {
+      const T* ps = static_cast<const T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* vs = static_cast<T*>(v.raw());
+      T* us = static_cast<T*>(u.raw());
+      const T mu = static_cast<T>(momentum), w = static_cast<T>(wd), c = static_cast<T>(1 - momentum);  // as MLX
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
+        T vi = mu * vs[i] + c * gi;
+        vs[i] = vi;
+        us[i] = nesterov ? gi * c + vi * mu : vi;
+      }
+    });
+  }
+
+  /// sum of x^2 in double (the global norm of clip_grad_norm).
+  static double sum_squares(const Tensor& x) {
+    double s = 0;
+    detail::dispatch_float(x.dtype(), "sum_squares", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      for (std::int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(xs[i]) * static_cast<double>(xs[i]);
+    });
+    return s;
+  }
+
+  /// y = a x + b y (elementwise; the Newton-Schulz steps of Muon).
+  static void axpby(double a, const Tensor& x, double b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "axpby", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T A = static_cast<T>(a), Bv = static_cast<T>(b);
+      const std::int64_t n = y.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) ys[i] = A * xs[i] + Bv * ys[i];
+    });
+  }
+
+  /// x /= (||x||_F + eps) (Muon's normalisation before Newton-Schulz).
+  static void normalize_frobenius(Tensor& x, double eps) {
+    detail::dispatch_float(x.dtype(), "normalize", [&]<class T>() {
+      T* xs = static_cast<T*>(x.raw());
+      const std::int64_t n = x.numel();
+      T ss = 0;
+      for (std::int64_t i = 0; i < n; ++i) ss += xs[i] * xs[i];
+      const T d = std::sqrt(ss) + static_cast<T>(eps);
+      for (std::int64_t i = 0; i < n; ++i) xs[i] = xs[i] / d;
+    });
+  }
+
+  /// p -= (lr * factor) x, lr a 0-D tensor rounded to p's dtype before the factor (MLX order).
+  static void apply_update(Tensor& p, const Tensor& x, const Tensor& lr, double factor) {
+    detail::dispatch_float(p.dtype(), "update", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* xs = static_cast<const T*>(x.raw());
+      const T l = static_cast<T>(static_cast<T>(lr.item()) * static_cast<T>(factor));
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) ps[i] = ps[i] - l * xs[i];
+    });
+  }
+
  private:
   static bool is_suffix(const Shape& b, const Shape& y) {
     if (b.rank() > y.rank()) return false;
@@ -662,6 +1032,26 @@ struct cpu {
       return;
     }
 #if defined(NN_USE_BLAS)
+    if (M == 1 || N == 1) {
+      // One row or one column (a batch-1 Linear, a projection to one output): ?gemv streams the
+      // matrix once; OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix
+      // kernel mallocs on each call. C is zeroed here rather than by beta = 0, so stale NaNs in
+      // an uninitialised output never leak through a BLAS that scales by beta.
+      if (!acc) std::fill_n(C, M * N, T(0));
+      auto gemv = [&](bool trans, std::int64_t rows, std::int64_t cols, const T* mat, std::int64_t ld, const T* x,
+                      std::int64_t incx) {
+        const auto t = trans ? CblasTrans : CblasNoTrans;
+        if constexpr (std::is_same_v<T, float>)
+          cblas_sgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0f, mat, static_cast<int>(ld),
+                      x, static_cast<int>(incx), 1.0f, C, 1);
+        else
+          cblas_dgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0, mat, static_cast<int>(ld),
+                      x, static_cast<int>(incx), 1.0, C, 1);
+      };
+      if (N == 1) gemv(ta, ta ? K : M, ta ? M : K, A, lda, Bp, tb ? 1 : ldb);       // C = op(A) b
+      else gemv(!tb, tb ? N : K, tb ? K : N, Bp, ldb, A, ta ? lda : 1);             // C^T = op(B)^T a^T
+      return;
+    }
     const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
     const T beta = acc ? T(1) : T(0);
     if constexpr (std::is_same_v<T, float>)
@@ -671,6 +1061,15 @@ struct cpu {
       cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
                   static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
 #else
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
+    // Matrix products go to Eigen's kernel with nn's reusable packing space (no allocation per
+    // call); vectors (GEMV) and tiny products (coefficient loops) stay with Eigen's expressions,
+    // which do not allocate for them.
+    if (M > 1 && N > 1 && M + N + K >= EIGEN_GEMM_TO_COEFFBASED_THRESHOLD) {
+      detail::eigen_gemm<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, acc);
+      return;
+    }
+#endif
     using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
     Eigen::Map<Mat> Cm(C, M, N);

@@ -97,8 +97,20 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::scatter_add_rows(x, x, y);                // table_grad[ids[i], :] += g[i, :]
   B::pick(x, x, y);                            // y[i] = x[i, idx[i]] (0 where idx < 0)
   B::pick_vjp(x, x, y);                        // gx[i, idx[i]] += g[i]
+  B::bernoulli_mask(x, v, v, y);               // (key, p_keep, value, mask): MLX bernoulli ? value : 0
   B::softmax(x, y, acc);                       // last axis; acc selects log_softmax here
   B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
+  B::cross_entropy(x, x, i64, axis, y, y);     // (logits, targets, ignore, reduction, y, lse)
+  B::cross_entropy_vjp(x, x, i64, axis, x, x, y, acc);  // (logits, targets, ignore, reduction, lse, g, gx, acc)
+  // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
+  B::sgd_update(y, x, y, x, v, v, v, acc);
+  B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);
+  B::lion_update(y, x, y, x, v, v, v);
+  B::muon_momentum(x, x, y, y, v, v, acc);
+  B::axpby(v, x, v, y);
+  { B::sum_squares(x) } -> std::convertible_to<double>;
+  B::normalize_frobenius(y, v);
+  B::apply_update(y, x, x, v);
 };
 
 }  // namespace nn

@@ -36,6 +36,14 @@ inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   return Shape(out);
 }
 
+/// A possibly negative axis of `s`, normalised; out of range raises "[op] axis a out of range for
+/// shape (...)" naming the op (Shape::axis would name only "shape").
+inline int op_axis(const Shape& s, int axis, const char* op) {
+  const int a = axis < 0 ? axis + s.rank() : axis;
+  if (a < 0 || a >= s.rank()) fail(op, "axis ", axis, " out of range for shape ", s.str());
+  return a;
+}
+
 /// True when `from` broadcasts to exactly `to`.
 inline bool broadcasts_to(const Shape& from, const Shape& to) {
   if (from.rank() > to.rank()) return false;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <span>
 
 #include "common.hpp"
 
@@ -40,7 +41,7 @@ struct MaxPrim {
 };
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
-inline std::vector<int> norm_axes(const Shape& s, std::initializer_list<int> axes, const char* op) {
+inline std::vector<int> norm_axes(const Shape& s, std::span<const int> axes, const char* op) {
   std::vector<int> out;
   if (axes.size() == 0) {
     for (int i = 0; i < s.rank(); ++i) out.push_back(i);
@@ -57,7 +58,7 @@ inline std::vector<int> norm_axes(const Shape& s, std::initializer_list<int> axe
 }
 
 template <class B>
-GVar reduce_sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes, bool keepdims, bool mean, const char* op) {
+GVar reduce_sum(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims, bool mean, const char* op) {
   require_float(tp, x, op);
   const Shape& s = tp.shape(x);
   std::vector<int> ax = norm_axes(s, axes, op);
@@ -81,13 +82,21 @@ GVar reduce_sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes, bool keep
 
 /// Sum over `axes` (all axes when empty); keepdims keeps reduced axes as size 1.
 template <class B>
-GVar sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+GVar sum(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims = false) {
   return detail::reduce_sum(tp, x, axes, keepdims, false, "sum");
+}
+template <class B>
+GVar sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return sum(tp, x, std::span<const int>(axes.begin(), axes.size()), keepdims);
 }
 /// Mean over `axes` (all axes when empty).
 template <class B>
-GVar mean(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+GVar mean(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims = false) {
   return detail::reduce_sum(tp, x, axes, keepdims, true, "mean");
+}
+template <class B>
+GVar mean(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return mean(tp, x, std::span<const int>(axes.begin(), axes.size()), keepdims);
 }
 
 /// Max over one axis. Ties: the gradient goes to the first index attaining the max (NumPy's
@@ -97,7 +106,7 @@ GVar max(GTape<B>& tp, GVar x, int axis, bool keepdims = false) {
   detail::require_float(tp, x, "max");
   const Shape& s = tp.shape(x);
   if (s.rank() == 0) detail::fail("max", "needs at least one axis, got a scalar");
-  int ax = s.axis(axis);
+  int ax = detail::op_axis(s, axis, "max");
   if (s[ax] == 0) detail::fail("max", "axis ", axis, " of shape ", s.str(), " is empty");
   Shape keep, out;
   for (int i = 0; i < s.rank(); ++i) {

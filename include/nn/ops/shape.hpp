@@ -2,6 +2,7 @@
 // Data movement: reshape (a view), permute / transpose, slice, concat, broadcast_to.
 #pragma once
 
+#include <span>
 #include <vector>
 
 #include "common.hpp"
@@ -89,9 +90,9 @@ struct BroadcastPrim {
 
 /// The same elements in a new shape; one dim may be -1 (inferred). Costs no copy.
 template <class B>
-GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
+GVar reshape(GTape<B>& tp, GVar x, std::span<const std::int64_t> dims) {
   const Shape& s = tp.shape(x);
-  std::vector<std::int64_t> d(dims);
+  std::vector<std::int64_t> d(dims.begin(), dims.end());
   std::int64_t known = 1;
   int infer = -1;
   for (std::size_t i = 0; i < d.size(); ++i) {
@@ -119,9 +120,14 @@ GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
   return tp.record(detail::ReshapePrim<B>::def, in, a, out, tp.dtype(x));
 }
 
+template <class B>
+GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
+  return reshape(tp, x, std::span<const std::int64_t>(dims.begin(), dims.size()));
+}
+
 /// Axes reordered: out.shape[i] = x.shape[perm[i]].
 template <class B>
-GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
+GVar permute(GTape<B>& tp, GVar x, std::span<const int> perm) {
   const Shape& s = tp.shape(x);
   if (static_cast<int>(perm.size()) != s.rank())
     detail::fail("permute", "permutation of length ", perm.size(), " for shape ", s.str());
@@ -141,12 +147,17 @@ GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
   return tp.record(detail::PermutePrim<B>::def, in, a, out, tp.dtype(x));
 }
 
+template <class B>
+GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
+  return permute(tp, x, std::span<const int>(perm.begin(), perm.size()));
+}
+
 /// Swaps two axes (a copy; to multiply by a transpose use matmul's flags instead).
 template <class B>
 GVar transpose(GTape<B>& tp, GVar x, int d0 = -2, int d1 = -1) {
   const Shape& s = tp.shape(x);
   if (s.rank() < 2) detail::fail("transpose", "needs rank >= 2, got ", s.str());
-  int a0 = s.axis(d0), a1 = s.axis(d1);
+  int a0 = detail::op_axis(s, d0, "transpose"), a1 = detail::op_axis(s, d1, "transpose");
   std::vector<int> p(static_cast<std::size_t>(s.rank()));
   for (int i = 0; i < s.rank(); ++i) p[static_cast<std::size_t>(i)] = i;
   std::swap(p[static_cast<std::size_t>(a0)], p[static_cast<std::size_t>(a1)]);
@@ -165,7 +176,7 @@ template <class B>
 GVar slice(GTape<B>& tp, GVar x, int axis, std::int64_t start, std::int64_t stop) {
   const Shape& s = tp.shape(x);
   if (s.rank() == 0) detail::fail("slice", "cannot slice a scalar");
-  int ax = s.axis(axis);
+  int ax = detail::op_axis(s, axis, "slice");
   const std::int64_t n = s[ax];
   std::int64_t b = start < 0 ? start + n : start, e = stop < 0 ? stop + n : stop;
   if (b < 0 || e > n || b > e)
@@ -185,13 +196,14 @@ GVar concat(GTape<B>& tp, std::span<const GVar> xs, int axis) {
   if (xs.empty()) detail::fail("concat", "needs at least one input");
   const Shape& s0 = tp.shape(xs[0]);
   if (s0.rank() == 0) detail::fail("concat", "cannot concatenate scalars");
-  int ax = s0.axis(axis);
+  int ax = detail::op_axis(s0, axis, "concat");
   Shape out = s0;
   out[ax] = 0;
   for (GVar v : xs) {
     const Shape& s = tp.shape(v);
     if (tp.dtype(v) != tp.dtype(xs[0]))
-      detail::fail("concat", "dtype mismatch: ", dtype_name(tp.dtype(xs[0])), " vs ", dtype_name(tp.dtype(v)));
+      detail::fail("concat", "dtype mismatch: ", dtype_name(tp.dtype(xs[0])), " ", s0.str(), " vs ",
+                   dtype_name(tp.dtype(v)), " ", s.str());
     bool ok = s.rank() == s0.rank();
     for (int i = 0; ok && i < s.rank(); ++i) ok = i == ax || s[i] == s0[i];
     if (!ok) detail::fail("concat", "shapes ", s0.str(), " and ", s.str(), " differ outside axis ", axis);

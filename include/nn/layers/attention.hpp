@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Multi-head attention with grouped-query sharing (Vaswani et al. 2017; Ainslie et al. 2023,
+// "GQA"), as HF's LlamaAttention / Qwen2Attention compute it: per-head RoPE, scaled scores, an
+// additive mask, softmax, weighted sum of values, heads concatenated.
+#pragma once
+
+#include "../ops/matmul.hpp"
+#include "../ops/softmax.hpp"
+#include "rope.hpp"
+
+namespace nn {
+
+/// Head h's slice of a packed projection.  x: (..., n * head_dim) -> (..., head_dim).
+template <class B>
+GVar head(GTape<B>& tp, GVar x, std::int64_t h, std::int64_t head_dim) {
+  const Shape& xs = tp.shape(x);
+  if (xs.rank() < 1 || head_dim <= 0 || xs.dim(-1) % head_dim != 0)
+    detail::fail("head", "x ", xs.str(), " is not a whole number of heads of size ", head_dim);
+  const std::int64_t n = xs.dim(-1) / head_dim;
+  if (h < 0 || h >= n) detail::fail("head", "head ", h, " out of range: x ", xs.str(), " holds ", n, " heads of size ", head_dim);
+  return slice(tp, x, -1, h * head_dim, (h + 1) * head_dim);
+}
+
+namespace detail {
+
+/// The mask as a rank-5 view that broadcasts against the grouped scores (B, n_kv, group, T, T):
+/// a mask of (B | 1, n_heads | 1, T | 1, T), left-padded with 1s as NumPy broadcasting does.
+template <class B>
+GVar grouped_mask(GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std::int64_t nh, std::int64_t nkv) {
+  const Shape& ms = tp.shape(mask);
+  std::int64_t d[4] = {1, 1, 1, 1};
+  bool ok = ms.rank() >= 1 && ms.rank() <= 4;
+  for (int i = 0; ok && i < ms.rank(); ++i) d[4 - ms.rank() + i] = ms[i];
+  ok = ok && (d[0] == 1 || d[0] == Bn) && (d[1] == 1 || d[1] == nh) && (d[2] == 1 || d[2] == T) && d[3] == T;
+  if (!ok)
+    fail("gqa_attention", "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn,
+         ", ", nh, ", ", T, ", ", T, ")");
+  const bool per_head = d[1] == nh && nh > 1;
+  return view(tp, mask, Shape{d[0], per_head ? nkv : 1, per_head ? nh / nkv : 1, d[2], d[3]});
+}
+
+}  // namespace detail
+
+/// Grouped-query attention over packed projections.
+///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
+///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
+///   cos, sin: RoPE tables (T, dims/2) from rope_fill, dims <= head_dim; pass GVar{} for no RoPE
+///   mask: additive, broadcasting against (B, n_heads, T, T) — (T, T) causal, (B, 1, T, T)
+///         causal + padding (attention_mask_fill); pass GVar{} for none
+///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
+/// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
+/// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
+///
+/// Layout: q is viewed as (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim),
+/// so one batched matmul per kv head serves its whole group: K and V are never repeated, and
+/// their gradients sum over the group inside that matmul's vjp. k, v are (B, n_kv, T, head_dim).
+/// `scale` (usually 1/sqrt(head_dim)) multiplies q after RoPE — the same product as scaling the
+/// scores, on head_dim columns instead of T. `traditional` selects the interleaved RoPE.
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional = false) {
+  const char* L = "gqa_attention";
+  detail::layer_same_dtype(tp, q, k, L, "q", "k");
+  detail::layer_same_dtype(tp, q, v, L, "q", "v");
+  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
+    detail::fail(L, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
+                 ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const Shape qs = tp.shape(q), ks = tp.shape(k), vs = tp.shape(v);  // copies: used after recording
+  const std::int64_t qc = n_heads * head_dim, kc = n_kv_heads * head_dim;
+  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
+  if (!ranks_ok || qs.dim(-1) != qc || ks.dim(-1) != kc || vs.dim(-1) != kc ||
+      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
+      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1) || !(ks == vs))
+    detail::fail(L, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
+                 ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim, ": expected q (B, T, ", qc,
+                 ") and k, v (B, T, ", kc, ") (or rows B*T)");
+  const std::int64_t Bn = qs.prod(0, qs.rank() - 1) / T, nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
+
+  GVar qh = permute(tp, detail::view(tp, q, Shape{Bn, T, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, T, hd)
+  GVar kh = permute(tp, detail::view(tp, k, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  GVar vh = permute(tp, detail::view(tp, v, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  if (cos.valid() || sin.valid()) {
+    if (!cos.valid() || !sin.valid()) detail::fail(L, "pass both cos and sin, or neither");
+    detail::check_rope(tp, kh, cos, sin, L);
+    if (tp.shape(cos).rank() > 2 || tp.shape(cos).dim(-2) != T)
+      detail::fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", tp.shape(cos).str());
+    qh = rope(tp, qh, cos, sin, traditional);
+    kh = rope(tp, kh, cos, sin, traditional);
+  }
+  qh = nn::scale(tp, qh, scale);
+  GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  if (mask.valid()) {
+    detail::layer_same_dtype(tp, q, mask, L, "q", "mask");
+    GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
+    scores = add(tp, detail::view(tp, scores, Shape{Bn, nkv, g, T, T}), m);  // (B, nkv, g, T, T)
+  }
+  GVar p = softmax(tp, scores);
+  GVar ctx = matmul(tp, detail::view(tp, p, Shape{Bn, nkv, g * T, T}), vh);  // (B, nkv, g*T, hd)
+  ctx = permute(tp, detail::view(tp, ctx, Shape{Bn, nkv, g, T, hd}), {0, 3, 1, 2, 4});  // (B, T, nkv, g, hd)
+  return detail::view(tp, ctx, qs);
+}
+
+}  // namespace nn

@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Linear and LoRA-adapted linear layers, weights laid out as PyTorch, MLX and Hugging Face store
+// them: weight (out, in), so y = x W^T + b (torch.nn.Linear, mlx.nn.Linear).
+#pragma once
+
+#include "../ops/elementwise.hpp"
+#include "../ops/matmul.hpp"
+#include "helpers.hpp"
+
+namespace nn {
+
+namespace detail {
+
+template <class B>
+void check_linear(const GTape<B>& tp, GVar x, GVar w, const char* layer) {
+  layer_same_dtype(tp, x, w, layer, "x", "weight");
+  const Shape &xs = tp.shape(x), &ws = tp.shape(w);
+  if (ws.rank() != 2) fail(layer, "weight must be (out, in), got ", ws.str(), " (x ", xs.str(), ")");
+  if (xs.rank() < 1 || xs.dim(-1) != ws[1])
+    fail(layer, "x ", xs.str(), " does not match weight ", ws.str(), ": x's last dim must equal in = ", ws[1]);
+}
+
+template <class B>
+void check_bias(const GTape<B>& tp, GVar w, GVar b, const char* layer) {
+  layer_same_dtype(tp, w, b, layer, "weight", "bias");
+  const Shape &ws = tp.shape(w), &bs = tp.shape(b);
+  if (bs.rank() != 1 || bs[0] != ws[0])
+    fail(layer, "bias ", bs.str(), " does not match weight ", ws.str(), ": bias must be (out) = (", ws[0], ")");
+}
+
+}  // namespace detail
+
+/// y = x W^T.  x: (..., in), w: (out, in) -> y: (..., out).
+/// The transpose is matmul's trans_b flag (read transposed, never copied), and a batched x folds
+/// into one GEMM against the shared weight.
+template <class B>
+GVar linear(GTape<B>& tp, GVar x, GVar w) {
+  detail::check_linear(tp, x, w, "linear");
+  if (tp.shape(x).rank() == 1) {  // a single vector: (in) -> (out)
+    GVar y = matmul(tp, detail::view(tp, x, Shape{1, tp.shape(x)[0]}), w, false, true);
+    return detail::view(tp, y, Shape{tp.shape(w)[0]});
+  }
+  return matmul(tp, x, w, false, true);
+}
+
+/// y = x W^T + b.  x: (..., in), w: (out, in), b: (out) -> y: (..., out).
+template <class B>
+GVar linear(GTape<B>& tp, GVar x, GVar w, GVar b) {
+  detail::check_linear(tp, x, w, "linear");
+  detail::check_bias(tp, w, b, "linear");
+  return add(tp, linear(tp, x, w), b);
+}
+
+namespace detail {
+
+template <class B>
+void check_lora(const GTape<B>& tp, GVar x, GVar w0, GVar a, GVar b, const char* layer) {
+  check_linear(tp, x, w0, layer);
+  layer_same_dtype(tp, x, a, layer, "x", "lora_a");
+  layer_same_dtype(tp, x, b, layer, "x", "lora_b");
+  const Shape &ws = tp.shape(w0), &as = tp.shape(a), &bs = tp.shape(b);
+  if (as.rank() != 2 || bs.rank() != 2 || as[0] != ws[1] || bs[1] != ws[0] || as[1] != bs[0])
+    fail(layer, "adapters a ", as.str(), " and b ", bs.str(), " do not fit weight ", ws.str(),
+         ": expected a (in, r) = (", ws[1], ", r) and b (r, out) = (r, ", ws[0], ") (mlx-lm orientation)");
+}
+
+/// x M for a matrix M stored (in, out), x of any rank >= 1.
+template <class B>
+GVar right_mul(GTape<B>& tp, GVar x, GVar m) {
+  if (tp.shape(x).rank() == 1) {
+    GVar y = matmul(tp, view(tp, x, Shape{1, tp.shape(x)[0]}), m);
+    return view(tp, y, Shape{tp.shape(m)[1]});
+  }
+  return matmul(tp, x, m);
+}
+
+/// scale * (x A) B, the adapter branch. The scale is applied to the (..., r) intermediate:
+/// the same product as mlx-lm's scale * ((x A) B), on r columns instead of out.
+template <class B>
+GVar lora_branch(GTape<B>& tp, GVar x, GVar a, GVar b, double scale) {
+  GVar xa = right_mul(tp, x, a);
+  if (scale != 1.0) xa = nn::scale(tp, xa, scale);
+  return right_mul(tp, xa, b);
+}
+
+}  // namespace detail
+
+/// y = x W0^T + scale (x A) B: a frozen base weight plus a low-rank update (Hu et al. 2021,
+/// "LoRA"; mlx-lm tuner/lora.py LoRALinear, whose orientation this follows).
+/// x: (..., in), w0: (out, in), a: (in, r), b: (r, out) -> y: (..., out).
+/// `scale` multiplies the update as given (mlx-lm's `scale`; PEFT's is lora_alpha / r).
+template <class B>
+GVar lora_linear(GTape<B>& tp, GVar x, GVar w0, GVar a, GVar b, double scale) {
+  detail::check_lora(tp, x, w0, a, b, "lora_linear");
+  return add(tp, linear(tp, x, w0), detail::lora_branch(tp, x, a, b, scale));
+}
+
+/// y = x W0^T + b0 + scale (x A) B (a base layer with a bias, e.g. Qwen2's q/k/v projections).
+/// bias0: (out).
+template <class B>
+GVar lora_linear(GTape<B>& tp, GVar x, GVar w0, GVar bias0, GVar a, GVar b, double scale) {
+  detail::check_lora(tp, x, w0, a, b, "lora_linear");
+  detail::check_bias(tp, w0, bias0, "lora_linear");
+  return add(tp, linear(tp, x, w0, bias0), detail::lora_branch(tp, x, a, b, scale));
+}
+
+}  // namespace nn

@@ -1,0 +1,7097 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// nn 0.1.0 in one header: every header of include/nn reachable from nn/nn.hpp, inlined once.
+//
+// GENERATED FILE - DO NOT EDIT. Edit include/nn/ and run tools/amalgamate; the CTest test
+// amalgamate_fresh (tools/amalgamate --check) fails while this file is stale.
+// Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
+//
+// Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/random.hpp,
+// nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/tape.hpp, nn/ops/common.hpp,
+// nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp,
+// nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp, nn/ops/random.hpp,
+// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
+// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
+// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/module.hpp, nn/modules.hpp,
+// nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
+// nn/modules/dropout.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
+// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
+// nn/optim/muon.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp,
+// nn/io/checkpoint.hpp
+#pragma once
+
+// ---- begin nn/nn.hpp ----
+// The umbrella header: the whole CPU library. (nn/cuda.hpp adds the CUDA policy.)
+
+// ---- begin nn/config.hpp ----
+// Version, nn::Error ("[op] message"), and the dtype and device enums every other header uses.
+
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#define NN_VERSION_MAJOR 0
+#define NN_VERSION_MINOR 1
+#define NN_VERSION_PATCH 0
+#define NN_VERSION_STRING "0.1.0"
+
+#if defined(_OPENMP)
+#define NN_OMP 1
+#endif
+
+namespace nn {
+
+/// Every error nn raises. The message starts with "[op_or_file] " and names the shapes, dtypes
+/// and paths involved, so a user can act on it without a debugger.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+/// Throws nn::Error("[where] a b c ..."), streaming every part.
+template <class... Parts>
+[[noreturn]] void fail(std::string_view where, const Parts&... parts) {
+  std::ostringstream os;
+  os << '[' << where << "] ";
+  (os << ... << parts);
+  throw Error(os.str());
+}
+}  // namespace detail
+
+/// Element types a Tensor can hold. Arithmetic runs in f32 and f64; bf16/f16 are storage types
+/// (converted exactly to and from f32); integers hold token ids, masks and packed weights.
+enum class DType : std::uint8_t { f32, f64, bf16, f16, i32, i64, u32, u8 };
+
+constexpr std::size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::f64: return 8;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+    case DType::u32: return 4;
+    case DType::u8: return 1;
+  }
+  return 0;
+}
+
+constexpr const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::bf16: return "bfloat16";
+    case DType::f16: return "float16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+    case DType::u32: return "uint32";
+    case DType::u8: return "uint8";
+  }
+  return "?";
+}
+
+constexpr bool is_floating(DType t) {
+  return t == DType::f32 || t == DType::f64 || t == DType::bf16 || t == DType::f16;
+}
+constexpr bool is_integer(DType t) { return !is_floating(t); }
+
+inline std::ostream& operator<<(std::ostream& os, DType t) { return os << dtype_name(t); }
+
+/// Where a tensor's storage lives.
+enum class Device : std::uint8_t { cpu, cuda };
+namespace device {
+inline constexpr Device cpu = Device::cpu;
+inline constexpr Device cuda = Device::cuda;
+}  // namespace device
+
+inline std::ostream& operator<<(std::ostream& os, Device d) {
+  return os << (d == Device::cpu ? "cpu" : "cuda");
+}
+
+}  // namespace nn
+// ---- end nn/config.hpp ----
+// ---- begin nn/tensor.hpp ----
+// Tensor: a shape, a runtime dtype, a device tag and reference-shared, 64-byte-aligned storage.
+// No autodiff here; the tape (tape.hpp) builds on it.
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <iomanip>
+#include <memory>
+#include <ostream>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace nn {
+
+inline constexpr int kMaxRank = 8;
+
+/// A row-major shape of rank 0..8. Rank 0 is a scalar with one element.
+class Shape {
+ public:
+  Shape() = default;
+  Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
+
+  int rank() const { return rank_; }
+  std::int64_t operator[](int i) const { return d_[static_cast<std::size_t>(i)]; }
+  std::int64_t& operator[](int i) { return d_[static_cast<std::size_t>(i)]; }
+  /// Dimension i, counted from the end when negative (Python style).
+  std::int64_t dim(int i) const { return d_[static_cast<std::size_t>(axis(i))]; }
+  /// Normalises a possibly negative axis; raises when out of range.
+  int axis(int i) const {
+    int a = i < 0 ? i + rank_ : i;
+    if (a < 0 || a >= rank_) detail::fail("shape", "axis ", i, " out of range for shape ", str());
+    return a;
+  }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < rank_; ++i) n *= d_[static_cast<std::size_t>(i)];
+    return n;
+  }
+  const std::int64_t* begin() const { return d_.data(); }
+  const std::int64_t* end() const { return d_.data() + rank_; }
+  std::vector<std::int64_t> vec() const { return {begin(), end()}; }
+
+  void push_back(std::int64_t v) {
+    if (rank_ == kMaxRank) detail::fail("shape", "rank above ", kMaxRank, " is not supported");
+    if (v < 0) detail::fail("shape", "negative dimension ", v);
+    d_[static_cast<std::size_t>(rank_++)] = v;
+  }
+  /// The product of dims [from, to).
+  std::int64_t prod(int from, int to) const {
+    std::int64_t n = 1;
+    for (int i = from; i < to; ++i) n *= d_[static_cast<std::size_t>(i)];
+    return n;
+  }
+
+  friend bool operator==(const Shape& a, const Shape& b) {
+    if (a.rank_ != b.rank_) return false;
+    for (int i = 0; i < a.rank_; ++i)
+      if (a[i] != b[i]) return false;
+    return true;
+  }
+
+  /// "(2, 3)", or "()" for a scalar, as PyTorch prints sizes.
+  std::string str() const {
+    std::string s = "(";
+    for (int i = 0; i < rank_; ++i) {
+      if (i) s += ", ";
+      s += std::to_string(d_[static_cast<std::size_t>(i)]);
+    }
+    return s + ")";
+  }
+
+ private:
+  template <class It>
+  void assign(It b, It e) {
+    for (; b != e; ++b) push_back(static_cast<std::int64_t>(*b));
+  }
+  std::array<std::int64_t, kMaxRank> d_{};
+  int rank_ = 0;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << s.str(); }
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16 and IEEE half <-> float32, exact to the IEEE rules (round to nearest, ties to even;
+// NaN stays NaN, overflow goes to infinity, subnormals are kept).
+namespace half {
+
+inline float bf16_to_f32(std::uint16_t h) { return std::bit_cast<float>(std::uint32_t(h) << 16); }
+
+inline std::uint16_t f32_to_bf16(float f) {
+  std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  std::uint32_t lsb = (u >> 16) & 1u;
+  u += 0x7fffu + lsb;  // round to nearest even; overflow carries into the exponent -> inf
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+inline float f16_to_f32(std::uint16_t h) {
+  std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t man = h & 0x3ffu;
+  std::uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: value = man * 2^-24, exact in f32
+      float v = std::ldexp(static_cast<float>(man), -24);
+      bits = sign | std::bit_cast<std::uint32_t>(v);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  return std::bit_cast<float>(bits);
+}
+
+inline std::uint16_t f32_to_f16(float f) {
+  std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
+    // value * 2^24 rounded to an integer, ties to even, is the subnormal mantissa.
+    float v = std::bit_cast<float>(a);
+    float scaled = v * 16777216.0f;  // exact: a power-of-two scale
+    float r = std::nearbyint(scaled);  // default rounding mode: nearest, ties to even
+    return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(r));
+  }
+  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+  std::uint32_t lsb = (a >> 13) & 1u;
+  a += 0xfffu + lsb;
+  a -= 112u << 23;
+  return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(a >> 13));
+}
+
+}  // namespace half
+
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+
+/// One block of memory, host or device. The device backend that made it supplies the deleter.
+struct Storage {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  Device device = Device::cpu;
+  void (*release)(void*, std::size_t) = nullptr;
+  Storage() = default;
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  ~Storage() {
+    if (data && release) release(data, bytes);
+  }
+};
+
+inline void host_release(void* p, std::size_t) { std::free(p); }
+
+inline std::shared_ptr<Storage> host_storage(std::size_t bytes) {
+  auto s = std::make_shared<Storage>();
+  std::size_t padded = (std::max<std::size_t>(bytes, 1) + 63) / 64 * 64;  // aligned_alloc wants a multiple
+  s->data = std::aligned_alloc(64, padded);
+  if (!s->data) detail::fail("tensor", "out of host memory allocating ", bytes, " bytes");
+  s->bytes = bytes;
+  s->device = Device::cpu;
+  s->release = &host_release;
+  return s;
+}
+
+/// Allocator for non-host devices, installed by a device backend header (nn/cuda.hpp), so a
+/// CPU-only program never links the CUDA runtime.
+using DeviceAllocFn = std::shared_ptr<Storage> (*)(std::size_t bytes);
+using DeviceCopyFn = void (*)(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes);
+inline DeviceAllocFn& cuda_alloc_hook() {
+  static DeviceAllocFn fn = nullptr;
+  return fn;
+}
+inline DeviceCopyFn& cuda_copy_hook() {
+  static DeviceCopyFn fn = nullptr;
+  return fn;
+}
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else if constexpr (std::is_same_v<T, double>) return DType::f64;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return DType::i32;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return DType::i64;
+  else if constexpr (std::is_same_v<T, std::uint32_t>) return DType::u32;
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return DType::u8;
+  else static_assert(sizeof(T) == 0, "no nn::DType for this C++ type (bf16/f16 are read as std::uint16_t via raw())");
+}
+
+/// Reads element i of a host buffer of dtype t as a double (exact for every dtype but i64/u32
+/// beyond 2^53, which token ids and packed words never reach through this path).
+inline double load_as_double(const void* p, DType t, std::int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    case DType::bf16: return half::bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::f16: return half::f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::i32: return static_cast<const std::int32_t*>(p)[i];
+    case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(p)[i]);
+    case DType::u32: return static_cast<const std::uint32_t*>(p)[i];
+    case DType::u8: return static_cast<const std::uint8_t*>(p)[i];
+  }
+  return 0;
+}
+
+/// Writes a double into element i of a host buffer of dtype t, rounding as the IEEE conversion
+/// (f64 -> f32 -> bf16/f16 would double-round, so halfs go through f32 only from f32 sources;
+/// see convert()).
+inline void store_from_double(void* p, DType t, std::int64_t i, double v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::f64: static_cast<double*>(p)[i] = v; break;
+    case DType::bf16: static_cast<std::uint16_t*>(p)[i] = half::f32_to_bf16(static_cast<float>(v)); break;
+    case DType::f16: static_cast<std::uint16_t*>(p)[i] = half::f32_to_f16(static_cast<float>(v)); break;
+    case DType::i32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(v); break;
+    case DType::i64: static_cast<std::int64_t*>(p)[i] = static_cast<std::int64_t>(v); break;
+    case DType::u32: static_cast<std::uint32_t*>(p)[i] = static_cast<std::uint32_t>(v); break;
+    case DType::u8: static_cast<std::uint8_t*>(p)[i] = static_cast<std::uint8_t>(v); break;
+  }
+}
+
+}  // namespace detail
+
+/// A row-major, contiguous array. Copying a Tensor shares its storage (cheap); clone() copies
+/// the data. Element access from C++ is through data<T>() on host tensors.
+class Tensor {
+ public:
+  Tensor() = default;
+
+  /// Uninitialised storage of the given shape and dtype.
+  static Tensor empty(const Shape& shape, DType dtype, Device dev = Device::cpu) {
+    Tensor t;
+    t.shape_ = shape;
+    t.dtype_ = dtype;
+    std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+    if (dev == Device::cpu) {
+      t.st_ = detail::host_storage(bytes);
+    } else {
+      auto fn = detail::cuda_alloc_hook();
+      if (!fn) detail::fail("tensor", "a CUDA tensor needs #include <nn/cuda.hpp> and a CUDA build");
+      t.st_ = fn(bytes);
+    }
+    return t;
+  }
+  static Tensor zeros(const Shape& shape, DType dtype = DType::f32) {
+    Tensor t = empty(shape, dtype);
+    std::memset(t.raw(), 0, t.nbytes());
+    return t;
+  }
+  static Tensor full(const Shape& shape, double value, DType dtype = DType::f32) {
+    Tensor t = empty(shape, dtype);
+    for (std::int64_t i = 0; i < t.numel(); ++i) detail::store_from_double(t.raw(), dtype, i, value);
+    return t;
+  }
+  static Tensor ones(const Shape& shape, DType dtype = DType::f32) { return full(shape, 1.0, dtype); }
+  static Tensor scalar(double value, DType dtype = DType::f32) { return full(Shape{}, value, dtype); }
+
+  /// A host tensor holding a copy of `values` (its element count must match the shape).
+  template <class T>
+  static Tensor from(const Shape& shape, const std::vector<T>& values) {
+    if (static_cast<std::int64_t>(values.size()) != shape.numel())
+      detail::fail("tensor", "from(): shape ", shape.str(), " has ", shape.numel(), " elements but ",
+                   values.size(), " values were given");
+    Tensor t = empty(shape, detail::dtype_of<T>());
+    if (!values.empty()) std::memcpy(t.raw(), values.data(), values.size() * sizeof(T));
+    return t;
+  }
+  /// A host tensor of dtype `dtype` from doubles (rounded as store_from_double does).
+  static Tensor from_doubles(const Shape& shape, const std::vector<double>& values, DType dtype) {
+    if (static_cast<std::int64_t>(values.size()) != shape.numel())
+      detail::fail("tensor", "from_doubles(): shape ", shape.str(), " has ", shape.numel(),
+                   " elements but ", values.size(), " values were given");
+    Tensor t = empty(shape, dtype);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      detail::store_from_double(t.raw(), dtype, static_cast<std::int64_t>(i), values[i]);
+    return t;
+  }
+
+  bool defined() const { return st_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int rank() const { return shape_.rank(); }
+  std::int64_t dim(int i) const { return shape_.dim(i); }
+  std::int64_t numel() const { return shape_.numel(); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return st_ ? st_->device : Device::cpu; }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+
+  void* raw() { return st_ ? st_->data : nullptr; }
+  const void* raw() const { return st_ ? st_->data : nullptr; }
+
+  /// Typed host access. Raises when T does not match the dtype or the tensor is on a device.
+  template <class T>
+  T* data() {
+    check_access<T>();
+    return static_cast<T*>(raw());
+  }
+  template <class T>
+  const T* data() const {
+    check_access<T>();
+    return static_cast<const T*>(raw());
+  }
+
+  /// True when both tensors use the same storage block.
+  bool shares_storage(const Tensor& o) const { return st_ && st_ == o.st_; }
+
+  /// A copy with its own storage.
+  Tensor clone() const {
+    require_defined("clone");
+    Tensor t = empty(shape_, dtype_, device());
+    copy_bytes(t, *this);
+    return t;
+  }
+
+  /// The same storage seen with another shape of equal element count.
+  Tensor reshape(const Shape& s) const {
+    require_defined("reshape");
+    if (s.numel() != numel())
+      detail::fail("reshape", "cannot view ", shape_.str(), " (", numel(), " elements) as ", s.str(),
+                   " (", s.numel(), " elements)");
+    Tensor t = *this;
+    t.shape_ = s;
+    return t;
+  }
+
+  /// A host copy converted to `to`. Float conversions round to nearest even; bf16/f16 from f32
+  /// are exact to the IEEE rules; f64 -> bf16/f16 rounds once through f32 (as PyTorch does).
+  Tensor to(DType to) const {
+    require_defined("to");
+    require_host("to");
+    if (to == dtype_) return clone();
+    Tensor t = empty(shape_, to);
+    const std::int64_t n = numel();
+    if (dtype_ == DType::f32 && to == DType::bf16) {
+      auto* s = data<float>();
+      auto* d = static_cast<std::uint16_t*>(t.raw());
+      for (std::int64_t i = 0; i < n; ++i) d[i] = half::f32_to_bf16(s[i]);
+    } else if (dtype_ == DType::f32 && to == DType::f16) {
+      auto* s = data<float>();
+      auto* d = static_cast<std::uint16_t*>(t.raw());
+      for (std::int64_t i = 0; i < n; ++i) d[i] = half::f32_to_f16(s[i]);
+    } else if (dtype_ == DType::i64 && to == DType::i32) {
+      auto* s = data<std::int64_t>();
+      auto* d = t.data<std::int32_t>();
+      for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<std::int32_t>(s[i]);
+    } else {
+      for (std::int64_t i = 0; i < n; ++i)
+        detail::store_from_double(t.raw(), to, i, detail::load_as_double(raw(), dtype_, i));
+    }
+    return t;
+  }
+
+  /// Host <-> device copy (a no-op copy when already there).
+  Tensor to(Device dev) const {
+    require_defined("to");
+    Tensor t = empty(shape_, dtype_, dev);
+    copy_bytes(t, *this);
+    return t;
+  }
+
+  /// Element i (flat, row-major) as a double; host only.
+  double item(std::int64_t i = 0) const {
+    require_defined("item");
+    require_host("item");
+    if (i < 0 || i >= numel()) detail::fail("item", "index ", i, " out of range for shape ", shape_.str());
+    return detail::load_as_double(raw(), dtype_, i);
+  }
+  /// Every element as a double, row-major; host only.
+  std::vector<double> to_doubles() const {
+    require_defined("to_doubles");
+    require_host("to_doubles");
+    std::vector<double> v(static_cast<std::size_t>(numel()));
+    for (std::int64_t i = 0; i < numel(); ++i) v[static_cast<std::size_t>(i)] = detail::load_as_double(raw(), dtype_, i);
+    return v;
+  }
+
+ private:
+  template <class T>
+  void check_access() const {
+    require_defined("data");
+    require_host("data");
+    if (detail::dtype_of<T>() != dtype_)
+      detail::fail("data", "tensor of shape ", shape_.str(), " holds ", dtype_name(dtype_), ", not ",
+                   dtype_name(detail::dtype_of<T>()));
+  }
+  void require_defined(const char* op) const {
+    if (!st_) detail::fail(op, "the tensor is empty (default-constructed)");
+  }
+  void require_host(const char* op) const {
+    if (device() != Device::cpu)
+      detail::fail(op, "tensor of shape ", shape_.str(), " lives on ", device(), "; copy it to the host first");
+  }
+  static void copy_bytes(Tensor& dst, const Tensor& src) {
+    if (src.nbytes() == 0) return;
+    if (dst.device() == Device::cpu && src.device() == Device::cpu) {
+      std::memcpy(dst.raw(), src.raw(), src.nbytes());
+    } else {
+      auto fn = detail::cuda_copy_hook();
+      if (!fn) detail::fail("tensor", "copying a CUDA tensor needs #include <nn/cuda.hpp>");
+      fn(dst.raw(), dst.device(), src.raw(), src.device(), src.nbytes());
+    }
+  }
+
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  std::shared_ptr<detail::Storage> st_;
+};
+
+/// Prints like PyTorch: values, then shape and dtype; long dimensions are elided with "...".
+inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
+  if (!t.defined()) return os << "Tensor(empty)";
+  if (t.device() != Device::cpu) return os << "Tensor(shape=" << t.shape() << ", dtype=" << t.dtype() << ", device=cuda)";
+  const Shape& s = t.shape();
+  std::ios::fmtflags f = os.flags();
+  auto prec = os.precision();
+  os << std::setprecision(6);
+  auto elem = [&](std::int64_t i) {
+    double v = t.item(i);
+    if (is_floating(t.dtype())) os << v;
+    else os << static_cast<long long>(v);
+  };
+  // Recursive printer over dims, eliding the middle of any dim longer than 6.
+  auto rec = [&](auto&& self, int d, std::int64_t base) -> void {
+    if (d == s.rank()) { elem(base); return; }
+    std::int64_t n = s[d], stride = s.prod(d + 1, s.rank());
+    os << '[';
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (n > 6 && i == 3) { os << "..., "; i = n - 3; }
+      self(self, d + 1, base + i * stride);
+      if (i + 1 < n) os << (d + 1 == s.rank() ? ", " : ",\n" + std::string(static_cast<std::size_t>(d + 8), ' '));
+    }
+    os << ']';
+  };
+  os << "Tensor(";
+  rec(rec, 0, 0);
+  os << ", shape=" << s << ", dtype=" << t.dtype() << ')';
+  os.flags(f);
+  os.precision(prec);
+  return os;
+}
+
+}  // namespace nn
+// ---- end nn/tensor.hpp ----
+// ---- begin nn/random.hpp ----
+// Counter-based random numbers that reproduce MLX's generator bit for bit (keys, split, bits,
+// uniform, normal, bernoulli, the global seed sequence) and the initialisers MLX's layers use.
+//
+// The algorithm, as MLX implements it (mlx/random.cpp, mlx/backend/cpu/primitives.cpp
+// RandomBits, checked against mlx 0.32.4 by tests/random/ on fixtures from tests/oracle/gen_random.py):
+//  * a key is a uint32 tensor of shape (2): key(seed) = [seed >> 32, seed & 0xffffffff];
+//  * the hash is Threefry-2x32 with 20 rounds (Salmon et al. 2011; JAX's jep/263 variant);
+//  * bits(n words, key): with h = n / 2 and o = n % 2, pair j < h hashes the counter
+//    (j, h + o + j) and writes its two halves to words j and h + o + j; an odd n's middle word
+//    h is the first half of hash(key, (h, 0)). The layout depends on n, so the first words of a
+//    7-element draw differ from those of an 8-element draw from the same key;
+//  * split(key, num) = bits((num, 2), key); split(key) = rows 0 and 1 of split(key, 2);
+//  * uniform float32 in [0, 1): u = min(float(word) / 2^32, 1 - 2^-24) (float(word) rounds to
+//    nearest, so words near 2^32 become 1 and are clipped), then low + (high - low) * u, each
+//    operation rounded to float32 on its own (MLX runs them as separate ops: no fused multiply-add);
+//    bfloat16/float16: the same float32 u clipped to the largest value below 1 of that type, cast,
+//    then range * u + low in that type;
+//  * normal: e = erfinv(uniform(nextafter(-1, 0), 1)) in float32 (Juffa's erfinvf polynomials,
+//    as MLX's CPU kernel; its logf is the C library's, as in MLX's x86 build), cast to the
+//    dtype, times sqrt(2) [* scale], [+ loc], each op rounded in the dtype;
+//  * bernoulli(p): uniform float32 [0, 1) < float32(p);
+//  * the global sequence (KeySequence::next): state = key(seed); each draw without a key takes
+//    (state, k) = split(state) and uses k.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+
+// Marks the pure functions a CUDA kernel also calls (the dropout mask is drawn on the device).
+#if defined(__CUDACC__)
+#define NN_RANDOM_HD __host__ __device__
+#else
+#define NN_RANDOM_HD
+#endif
+
+namespace nn::random {
+
+namespace detail {
+
+NN_RANDOM_HD constexpr std::uint32_t rotl32(std::uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+/// Threefry-2x32, 20 rounds: the block cipher behind every MLX random number.
+NN_RANDOM_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0, std::uint32_t c1,
+                                         std::uint32_t& out0, std::uint32_t& out1) {
+  const std::uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+  constexpr int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  std::uint32_t x0 = c0 + ks[0], x1 = c1 + ks[1];
+  for (int i = 0; i < 5; ++i) {  // five groups of four rounds, a key injection after each
+    for (int r : rot[i % 2]) {
+      x0 += x1;
+      x1 = rotl32(x1, r);
+      x1 ^= x0;
+    }
+    x0 += ks[(i + 1) % 3];
+    x1 += ks[(i + 2) % 3] + static_cast<std::uint32_t>(i + 1);
+  }
+  out0 = x0;
+  out1 = x1;
+}
+
+/// How many hash calls an n-word stream takes: one per pair, plus one for an odd middle word.
+NN_RANDOM_HD constexpr std::int64_t bits_blocks(std::int64_t n) { return n / 2 + n % 2; }
+
+/// Hash call j of an n-word stream (0 <= j < bits_blocks(n)): calls emit(index, word) for the one
+/// or two words it produces. Blocks are independent, so a kernel may run them in any order or in
+/// parallel and still lay the words out as MLX's RandomBits does.
+template <class Emit>
+NN_RANDOM_HD constexpr void bits_block(std::uint32_t k0, std::uint32_t k1, std::int64_t n, std::int64_t j, Emit&& emit) {
+  const std::int64_t h = n / 2, o = n % 2;
+  std::uint32_t a = 0, b = 0;
+  if (j < h) {
+    // MLX's counters are 32-bit: a stream past 2^32 words would wrap, as MLX's does.
+    threefry2x32(k0, k1, static_cast<std::uint32_t>(j), static_cast<std::uint32_t>(h + o + j), a, b);
+    emit(j, a);
+    emit(h + o + j, b);
+  } else {
+    threefry2x32(k0, k1, static_cast<std::uint32_t>(h), 0u, a, b);
+    emit(h, a);
+  }
+}
+
+/// Writes the n words MLX's bits(n, key) produces.
+inline void fill_bits(std::uint32_t k0, std::uint32_t k1, std::uint32_t* out, std::int64_t n) {
+  const std::int64_t blocks = bits_blocks(n);
+  for (std::int64_t j = 0; j < blocks; ++j) bits_block(k0, k1, n, j, [out](std::int64_t i, std::uint32_t w) { out[i] = w; });
+}
+
+/// MLX's float32 uniform in [0, 1) from one word. Dividing by float(2^32 - 1), which is 2^32,
+/// is an exact scaling, so this is the same float on every IEEE machine.
+NN_RANDOM_HD inline float uniform01(std::uint32_t w) {
+  const float u = static_cast<float>(w) * 0x1p-32f;
+  return u < 0x1.fffffep-1f ? u : 0x1.fffffep-1f;
+}
+
+/// A value forced to its own rounding: keeps the compiler from contracting a * b + c into one
+/// fused multiply-add (which rounds once), since MLX multiplies and adds as separate ops.
+template <class T>
+inline T rounded(T v) {
+  volatile T r = v;
+  return r;
+}
+
+/// erfinv in float32 as MLX's CPU kernel computes it (Norbert Juffa's erfinvf polynomials, fma
+/// at every step, logf from the C library), so normal() draws MLX's values bit for bit.
+inline float erfinv_f32(float a) {
+  float t = std::fma(a, 0.0f - a, 1.0f);
+  t = std::log(t);
+  float p;
+  if (std::abs(t) > 6.125f) {  // the tails
+    p = 3.03697567e-10f;
+    p = std::fma(p, t, 2.93243101e-8f);
+    p = std::fma(p, t, 1.22150334e-6f);
+    p = std::fma(p, t, 2.84108955e-5f);
+    p = std::fma(p, t, 3.93552968e-4f);
+    p = std::fma(p, t, 3.02698812e-3f);
+    p = std::fma(p, t, 4.83185798e-3f);
+    p = std::fma(p, t, -2.64646143e-1f);
+    p = std::fma(p, t, 8.40016484e-1f);
+  } else {  // the centre
+    p = 5.43877832e-9f;
+    p = std::fma(p, t, 1.43285448e-7f);
+    p = std::fma(p, t, 1.22774793e-6f);
+    p = std::fma(p, t, 1.12963626e-7f);
+    p = std::fma(p, t, -5.61530760e-5f);
+    p = std::fma(p, t, -1.47697632e-4f);
+    p = std::fma(p, t, 2.31468678e-3f);
+    p = std::fma(p, t, 1.15392581e-2f);
+    p = std::fma(p, t, -2.32015476e-1f);
+    p = std::fma(p, t, 8.86226892e-1f);
+  }
+  return a * p;
+}
+
+/// Arithmetic "in dtype t": the result of a float (or double) computation rounded to t, as MLX
+/// computes bfloat16/float16 ops in float32 and rounds each result.
+inline double round_to(DType t, double v) {
+  switch (t) {
+    case DType::f32: return static_cast<float>(v);
+    case DType::bf16: return half::bf16_to_f32(half::f32_to_bf16(static_cast<float>(v)));
+    case DType::f16: return half::f16_to_f32(half::f32_to_f16(static_cast<float>(v)));
+    default: return v;
+  }
+}
+
+/// The largest value below 1 in a float dtype: where MLX clips u so that the cast cannot reach 1.
+inline float below_one(DType t) {
+  switch (t) {
+    case DType::bf16: return half::bf16_to_f32(0x3F7F);  // 1 - 2^-8
+    case DType::f16: return half::f16_to_f32(0x3BFF);    // 1 - 2^-11
+    default: return 0x1.fffffep-1f;                      // 1 - 2^-24
+  }
+}
+
+inline void require_key(const Tensor& key, const char* op) {
+  if (!key.defined()) nn::detail::fail(op, "the key is an empty tensor");
+  if (key.dtype() != DType::u32 || !(key.shape() == Shape{2}))
+    nn::detail::fail(op, "a key is a uint32 tensor of shape (2) (as mx.random.key), got ", dtype_name(key.dtype()),
+                     " ", key.shape().str());
+  if (key.device() != Device::cpu) nn::detail::fail(op, "the key lives on ", key.device(), "; copy it to the host first");
+}
+
+inline void require_float_dtype(DType t, const char* op) {
+  if (!is_floating(t)) nn::detail::fail(op, "needs a floating dtype, got ", dtype_name(t));
+}
+
+/// The process-wide key sequence. MLX seeds it from the clock when the program never calls
+/// seed(); so does this one, so an unseeded run is not silently reproducible either.
+struct GlobalState {
+  std::mutex mu;
+  std::uint32_t k0 = 0, k1 = 0;
+  GlobalState() {
+    const auto ms = static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                   std::chrono::system_clock::now().time_since_epoch())
+                                                   .count());
+    k0 = static_cast<std::uint32_t>(ms >> 32);
+    k1 = static_cast<std::uint32_t>(ms);
+  }
+};
+inline GlobalState& global_state() {
+  static GlobalState g;
+  return g;
+}
+
+}  // namespace detail
+
+/// A key from a seed, as mx.random.key: uint32 (2) = [seed >> 32, seed & 0xffffffff].
+inline Tensor key(std::uint64_t seed) {
+  return Tensor::from<std::uint32_t>({2}, {static_cast<std::uint32_t>(seed >> 32), static_cast<std::uint32_t>(seed)});
+}
+
+/// Random uint32 words of `shape` from `key`, as MLX's random::bits (width 4). Without a key the
+/// global sequence supplies one (see next_key).
+inline Tensor bits(const Shape& shape, std::optional<Tensor> key = std::nullopt);
+
+/// `num` new keys from `key`, as mx.random.split(key, num): uint32 (num, 2).
+inline Tensor split(const Tensor& key, int num) {
+  detail::require_key(key, "random.split");
+  if (num < 0) nn::detail::fail("random.split", "num must be >= 0, got ", num);
+  return bits(Shape{num, 2}, key);
+}
+
+/// Row i of a (num, 2) key table from split(key, num), as a key of shape (2).
+inline Tensor subkey(const Tensor& keys, std::int64_t i) {
+  if (keys.dtype() != DType::u32 || keys.rank() != 2 || keys.dim(1) != 2)
+    nn::detail::fail("random.subkey", "expects the uint32 (num, 2) table split() returns, got ", dtype_name(keys.dtype()),
+                     " ", keys.shape().str());
+  if (i < 0 || i >= keys.dim(0)) nn::detail::fail("random.subkey", "row ", i, " is out of range for ", keys.shape().str());
+  const std::uint32_t* p = keys.data<std::uint32_t>() + 2 * i;
+  return Tensor::from<std::uint32_t>({2}, {p[0], p[1]});
+}
+
+/// The two keys MLX's split(key) returns (rows 0 and 1 of split(key, 2)).
+inline std::pair<Tensor, Tensor> split(const Tensor& key) {
+  Tensor two = split(key, 2);
+  return {subkey(two, 0), subkey(two, 1)};
+}
+
+// ---- the process-wide default sequence ---------------------------------------------------------
+// This is the library's one piece of global state. The eager functions below and the initialisers
+// read it, and GTape::random_key()/refresh_keys() use it only to fill key input slots; no op ever
+// reads it (a dropout on a tape takes its key as an input), so a tape's nodes stay pure data.
+
+/// Seeds the global sequence: state = key(s), as mx.random.seed(s).
+inline void seed(std::uint64_t s) {
+  auto& g = detail::global_state();
+  std::lock_guard<std::mutex> lock(g.mu);
+  g.k0 = static_cast<std::uint32_t>(s >> 32);
+  g.k1 = static_cast<std::uint32_t>(s);
+}
+
+/// next_key() written into an existing uint32 (2) tensor: no allocation (a compiled step's
+/// replay refills its key slots with it).
+inline void next_key_into(Tensor& dst) {
+  detail::require_key(dst, "random.next_key_into");
+  auto& g = detail::global_state();
+  std::lock_guard<std::mutex> lock(g.mu);
+  std::uint32_t w[4];
+  detail::fill_bits(g.k0, g.k1, w, 4);
+  g.k0 = w[0];
+  g.k1 = w[1];
+  std::uint32_t* d = dst.data<std::uint32_t>();
+  d[0] = w[2];
+  d[1] = w[3];
+}
+
+/// The key the next keyless draw uses: (state, k) = split(state); returns k. MLX's
+/// KeySequence::next, which every MLX random call without a key makes once.
+inline Tensor next_key() {
+  Tensor k = Tensor::empty(Shape{2}, DType::u32);
+  next_key_into(k);
+  return k;
+}
+
+/// A copy of the global key (mx.random.state[0]), e.g. to save it in a checkpoint.
+inline Tensor state() {
+  auto& g = detail::global_state();
+  std::lock_guard<std::mutex> lock(g.mu);
+  return Tensor::from<std::uint32_t>({2}, {g.k0, g.k1});
+}
+
+/// Restores a key saved by state().
+inline void set_state(const Tensor& key) {
+  detail::require_key(key, "random.set_state");
+  const std::uint32_t* p = key.data<std::uint32_t>();
+  auto& g = detail::global_state();
+  std::lock_guard<std::mutex> lock(g.mu);
+  g.k0 = p[0];
+  g.k1 = p[1];
+}
+
+namespace detail {
+/// The explicit key, or the global sequence's next one.
+inline std::pair<std::uint32_t, std::uint32_t> resolve(const std::optional<Tensor>& key, const char* op) {
+  Tensor k = key ? *key : next_key();
+  require_key(k, op);
+  const std::uint32_t* p = k.data<std::uint32_t>();
+  return {p[0], p[1]};
+}
+/// Float32 uniforms in [0, 1), clipped below 1 in `t` (not yet cast), one per element of shape.
+inline std::vector<float> uniform01_all(const Shape& shape, DType t, const std::optional<Tensor>& key, const char* op) {
+  auto [k0, k1] = resolve(key, op);
+  std::vector<std::uint32_t> w(static_cast<std::size_t>(shape.numel()));
+  fill_bits(k0, k1, w.data(), shape.numel());
+  const float top = below_one(t);
+  std::vector<float> u(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) u[i] = std::min(uniform01(w[i]), top);
+  return u;
+}
+}  // namespace detail
+
+inline Tensor bits(const Shape& shape, std::optional<Tensor> key) {
+  auto [k0, k1] = detail::resolve(key, "random.bits");
+  Tensor out = Tensor::empty(shape, DType::u32);
+  detail::fill_bits(k0, k1, out.data<std::uint32_t>(), shape.numel());
+  return out;
+}
+
+/// Uniform samples in [low, high) as mx.random.uniform(low, high, shape, dtype, key). float32,
+/// bfloat16 and float16 are MLX's values bit for bit. float64 (which MLX refuses) is the float32
+/// u of the same key mapped in double: low + (high - low) * u.
+inline Tensor uniform(const Shape& shape, double low = 0.0, double high = 1.0, DType dtype = DType::f32,
+                      std::optional<Tensor> key = std::nullopt) {
+  detail::require_float_dtype(dtype, "random.uniform");
+  std::vector<float> u = detail::uniform01_all(shape, dtype, key, "random.uniform");
+  // low and high become arrays of the dtype first (MLX's astype), then range = high - low in it.
+  const double lo = detail::round_to(dtype, low), hi = detail::round_to(dtype, high);
+  const double range = detail::round_to(dtype, hi - lo);
+  Tensor out = Tensor::empty(shape, dtype);
+  for (std::size_t i = 0; i < u.size(); ++i) {
+    const auto idx = static_cast<std::int64_t>(i);
+    if (dtype == DType::f32) {
+      const float prod = detail::rounded(static_cast<float>(range) * u[i]);
+      out.data<float>()[i] = prod + static_cast<float>(lo);
+    } else if (dtype == DType::f64) {
+      const double prod = detail::rounded(range * static_cast<double>(u[i]));
+      out.data<double>()[i] = prod + lo;
+    } else {  // bf16 / f16: u cast to the type, then each op rounded to it
+      const double uc = detail::round_to(dtype, u[i]);
+      const double prod = detail::round_to(dtype, detail::rounded(static_cast<float>(range) * static_cast<float>(uc)));
+      nn::detail::store_from_double(out.raw(), dtype, idx, static_cast<float>(prod) + static_cast<float>(lo));
+    }
+  }
+  return out;
+}
+
+/// Normal samples as mx.random.normal(shape, dtype, loc, scale, key): erfinv of a float32 uniform
+/// in (-1, 1), cast to dtype, times sqrt(2) * scale, plus loc. Like MLX's C++ API, scale == 1 and
+/// loc == 0 are not applied at all (Python's loc=None / scale=None).
+inline Tensor normal(const Shape& shape, DType dtype = DType::f32, double loc = 0.0, double scale = 1.0,
+                     std::optional<Tensor> key = std::nullopt) {
+  detail::require_float_dtype(dtype, "random.normal");
+  // The uniform MLX draws here is float32 in [nextafter(-1, 0), 1): range 2 exactly (the float32
+  // sum 1 + (1 - 2^-24) rounds to 2), so u' = 2u + low needs no care about fused rounding.
+  std::vector<float> u = detail::uniform01_all(shape, DType::f32, key, "random.normal");
+  const float lo = std::nextafter(-1.0f, 0.0f);
+  const float range = 1.0f - lo;
+  // sqrt(2) [* scale] is one value of the dtype, computed before it meets the samples.
+  double mul = detail::round_to(dtype, std::sqrt(2.0));
+  if (scale != 1.0) mul = detail::round_to(dtype, mul * detail::round_to(dtype, scale));
+  const double loc_t = detail::round_to(dtype, loc);
+  Tensor out = Tensor::empty(shape, dtype);
+  for (std::size_t i = 0; i < u.size(); ++i) {
+    const float s = detail::rounded(range * u[i]) + lo;
+    const double e = detail::round_to(dtype, detail::erfinv_f32(s));
+    double v;
+    if (dtype == DType::f64) v = detail::rounded(mul * e);
+    else v = detail::round_to(dtype, detail::rounded(static_cast<float>(mul) * static_cast<float>(e)));
+    if (loc != 0.0) {
+      if (dtype == DType::f64) v = loc_t + v;
+      else v = detail::round_to(dtype, static_cast<float>(loc_t) + static_cast<float>(v));
+    }
+    nn::detail::store_from_double(out.raw(), dtype, static_cast<std::int64_t>(i), v);
+  }
+  return out;
+}
+
+/// A uint8 mask of `shape`, 1 with probability p, as mx.random.bernoulli(p, shape, key):
+/// uniform float32 [0, 1) < float32(p).
+inline Tensor bernoulli(double p, const Shape& shape, std::optional<Tensor> key = std::nullopt) {
+  std::vector<float> u = detail::uniform01_all(shape, DType::f32, key, "random.bernoulli");
+  const float pf = static_cast<float>(p);
+  Tensor out = Tensor::empty(shape, DType::u8);
+  for (std::size_t i = 0; i < u.size(); ++i) out.data<std::uint8_t>()[i] = u[i] < pf ? 1 : 0;
+  return out;
+}
+
+}  // namespace nn::random
+
+namespace nn::init {
+
+/// Initial weights of MLX's nn.Linear(in, out, bias): weight (out, in) then bias (out), both
+/// uniform in [-s, s) with s = sqrt(1 / in) (computed in double, as Python does), each drawn
+/// with the global sequence's next key, in that order.
+struct LinearInit {
+  Tensor weight;  // (out, in)
+  Tensor bias;    // (out), undefined when bias is false
+};
+/// The bias draw alone (what linear() draws second): uniform (out) in [-sqrt(1/in), sqrt(1/in)).
+inline Tensor linear_bias(std::int64_t in, std::int64_t out) {
+  if (in <= 0 || out <= 0) nn::detail::fail("init.linear", "dims must be positive, got in=", in, " out=", out);
+  const double s = std::sqrt(1.0 / static_cast<double>(in));
+  return random::uniform({out}, -s, s);
+}
+inline LinearInit linear(std::int64_t in, std::int64_t out, bool bias = true) {
+  if (in <= 0 || out <= 0) nn::detail::fail("init.linear", "dims must be positive, got in=", in, " out=", out);
+  const double s = std::sqrt(1.0 / static_cast<double>(in));
+  LinearInit r;
+  r.weight = random::uniform({out, in}, -s, s);
+  if (bias) r.bias = linear_bias(in, out);
+  return r;
+}
+
+/// Initial weight of MLX's nn.Embedding(num, dims): normal (num, dims) with scale sqrt(1 / dims).
+inline Tensor embedding(std::int64_t num, std::int64_t dims) {
+  if (num <= 0 || dims <= 0) nn::detail::fail("init.embedding", "dims must be positive, got ", num, " x ", dims);
+  return random::normal({num, dims}, DType::f32, 0.0, std::sqrt(1.0 / static_cast<double>(dims)));
+}
+
+/// mlx-lm's LoRALinear factors: lora_a (in, r) uniform in [-s, s) with s = 1 / sqrt(in) (note:
+/// not sqrt(1 / in) as nn.Linear), lora_b (r, out) zeros.
+struct LoraInit {
+  Tensor lora_a;  // (in, r)
+  Tensor lora_b;  // (r, out)
+};
+/// As LoRALinear(in, out, r) / LoRALinear.from_base(linear, r) draw: LoRALinear.__init__ first
+/// builds an inner nn.Linear(in, out, bias=False) (one draw, which from_base then discards), and
+/// only then draws lora_a. That first key is consumed here too, so every later draw of the
+/// program stays in step with mlx-lm.
+inline LoraInit lora(std::int64_t in, std::int64_t out, std::int64_t r) {
+  if (in <= 0 || out <= 0 || r <= 0)
+    nn::detail::fail("init.lora", "dims must be positive, got in=", in, " out=", out, " r=", r);
+  (void)random::next_key();  // the inner nn.Linear's weight
+  const double s = 1.0 / std::sqrt(static_cast<double>(in));
+  return {random::uniform({in, r}, -s, s), Tensor::zeros({r, out})};
+}
+
+}  // namespace nn::init
+// ---- end nn/random.hpp ----
+// ---- begin nn/backend/policy.hpp ----
+// The backend policy concept: the kernels a backend (nn::cpu, nn::cuda) must supply so the tape
+// and the ops can run on it without ever touching tensor memory themselves.
+
+#include <concepts>
+
+
+namespace nn {
+
+/// Elementwise one-input kernels. `arg` is the op's scalar (the exponent of pow, unused else).
+/// The math of each lives in the backend's unary kernel and its vjp next to it.
+enum class Unary : std::uint8_t {
+  neg,
+  exp,
+  log,
+  sqrt,
+  rsqrt,
+  tanh,
+  sigmoid,
+  relu,
+  abs,
+  pow,         // x^arg
+  silu,        // x * sigmoid(x)
+  gelu,        // 0.5 x (1 + erf(x / sqrt 2))                      (PyTorch gelu, MLX nn.gelu)
+  gelu_approx, // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))   (MLX nn.gelu_approx)
+  gelu_fast,   // x * sigmoid(1.702 x)                              (MLX nn.gelu_fast_approx)
+  scale,       // arg * x
+  add_scalar,  // x + arg
+};
+
+/// Elementwise two-input kernels with NumPy broadcasting.
+enum class Binary : std::uint8_t { add, sub, mul, div, maximum, minimum };
+
+constexpr const char* unary_name(Unary u) {
+  switch (u) {
+    case Unary::neg: return "neg";
+    case Unary::exp: return "exp";
+    case Unary::log: return "log";
+    case Unary::sqrt: return "sqrt";
+    case Unary::rsqrt: return "rsqrt";
+    case Unary::tanh: return "tanh";
+    case Unary::sigmoid: return "sigmoid";
+    case Unary::relu: return "relu";
+    case Unary::abs: return "abs";
+    case Unary::pow: return "pow";
+    case Unary::silu: return "silu";
+    case Unary::gelu: return "gelu";
+    case Unary::gelu_approx: return "gelu_approx";
+    case Unary::gelu_fast: return "gelu_fast_approx";
+    case Unary::scale: return "scale";
+    case Unary::add_scalar: return "add_scalar";
+  }
+  return "?";
+}
+constexpr const char* binary_name(Binary b) {
+  switch (b) {
+    case Binary::add: return "add";
+    case Binary::sub: return "sub";
+    case Binary::mul: return "mul";
+    case Binary::div: return "div";
+    case Binary::maximum: return "maximum";
+    case Binary::minimum: return "minimum";
+  }
+  return "?";
+}
+
+/// What a backend policy provides. Every kernel takes tensors already allocated by the caller
+/// (the tape owns all buffers, so a replay allocates nothing); `acc` means "add into the
+/// destination" rather than overwrite, which is how gradients accumulate. Shapes are validated
+/// by the ops before a kernel runs; kernels trust them.
+template <class B>
+concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
+                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm) {
+  { B::device } -> std::convertible_to<Device>;
+  { B::name } -> std::convertible_to<const char*>;
+  { B::alloc(s, dt) } -> std::same_as<Tensor>;
+  B::fill(y, v);
+  B::copy(x, y, acc);                          // y (+)= x, same element count
+  B::cast(x, y);                               // dtype conversion, same shape
+  B::unary(Unary::exp, v, x, y);               // y = f(x)
+  B::unary_vjp(Unary::exp, v, x, x, x, y, acc);  // gx (+)= g * f'(x), given x, y = f(x), g
+  B::binary(Binary::add, x, x, y);             // y = a op b, broadcast
+  B::binary_vjp(Binary::add, 0, x, x, x, y, acc);  // d(a op b)/d(a or b) * g, full output shape
+  B::sum_to(x, y, v, acc);                     // y (+)= v * sum of x over y's broadcast dims
+  B::broadcast_to(x, y, v, acc);               // y (+)= v * x broadcast to y's shape
+  B::where(x, x, x, y);                        // y = mask ? a : b, broadcast
+  B::where_vjp(x, x, 0, y, acc);               // g masked to one branch, full output shape
+  B::max_axis(x, axis, y, y);                  // y = max over axis (keepdims), index of first max
+  B::max_axis_vjp(x, y, axis, y, acc);         // gx (+)= g at the argmax, 0 elsewhere
+  B::matmul(x, acc, x, acc, y, acc);           // c (+)= op(a) @ op(b), batched, see cpu.hpp
+  B::permute(x, perm, y, acc);                 // y (+)= x permuted
+  B::slice_copy(x, axis, i64, y);              // y = x[..., start:start+len, ...]
+  B::slice_scatter(x, axis, i64, y, acc);      // y[..., start:start+len, ...] (+)= x
+  B::gather_rows(x, x, y);                     // y[i, :] = table[ids[i], :]
+  B::scatter_add_rows(x, x, y);                // table_grad[ids[i], :] += g[i, :]
+  B::pick(x, x, y);                            // y[i] = x[i, idx[i]] (0 where idx < 0)
+  B::pick_vjp(x, x, y);                        // gx[i, idx[i]] += g[i]
+  B::bernoulli_mask(x, v, v, y);               // (key, p_keep, value, mask): MLX bernoulli ? value : 0
+  B::softmax(x, y, acc);                       // last axis; acc selects log_softmax here
+  B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
+  B::cross_entropy(x, x, i64, axis, y, y);     // (logits, targets, ignore, reduction, y, lse)
+  B::cross_entropy_vjp(x, x, i64, axis, x, x, y, acc);  // (logits, targets, ignore, reduction, lse, g, gx, acc)
+  // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
+  B::sgd_update(y, x, y, x, v, v, v, acc);
+  B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);
+  B::lion_update(y, x, y, x, v, v, v);
+  B::muon_momentum(x, x, y, y, v, v, acc);
+  B::axpby(v, x, v, y);
+  { B::sum_squares(x) } -> std::convertible_to<double>;
+  B::normalize_frobenius(y, v);
+  B::apply_update(y, x, x, v);
+};
+
+}  // namespace nn
+// ---- end nn/backend/policy.hpp ----
+// ---- begin nn/backend/cpu.hpp ----
+// nn::cpu: the host backend policy. Elementwise kernels are plain loops (OpenMP when built with
+// it); GEMM goes to CBLAS (OpenBLAS) when NN_USE_BLAS is defined, else to Eigen's own GEMM.
+
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <new>
+
+#include <Eigen/Core>
+
+#if defined(NN_USE_BLAS)
+#include <cblas.h>
+#endif
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+
+namespace nn {
+
+namespace detail {
+
+/// Runs f.template operator()<T>() for T = float or double; other dtypes are an error naming op.
+template <class F>
+void dispatch_float(DType t, const char* op, F&& f) {
+  if (t == DType::f32) f.template operator()<float>();
+  else if (t == DType::f64) f.template operator()<double>();
+  else fail(op, "needs a float32 or float64 tensor, got ", dtype_name(t));
+}
+
+// dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
+// accumulating (permuting token ids is fine; adding them is not a gradient).
+template <class F>
+void dispatch_any(DType t, const char* op, bool acc, F&& f) {
+  switch (t) {
+    case DType::f32: f.template operator()<float>(); return;
+    case DType::f64: f.template operator()<double>(); return;
+    default: break;
+  }
+  if (acc) fail(op, "cannot accumulate into ", dtype_name(t));
+  switch (dtype_size(t)) {
+    case 1: f.template operator()<std::uint8_t>(); return;
+    case 2: f.template operator()<std::uint16_t>(); return;
+    case 4: f.template operator()<std::uint32_t>(); return;
+    default: f.template operator()<std::uint64_t>(); return;
+  }
+}
+
+/// Reads an integer id tensor (i32 or i64) at i.
+inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
+  if (ids.dtype() == DType::i32) return static_cast<const std::int32_t*>(ids.raw())[i];
+  return static_cast<const std::int64_t*>(ids.raw())[i];
+}
+
+/// Elementwise loops run in parallel only past this size: below it thread start-up costs more
+/// than it saves.
+inline constexpr std::int64_t kParallelGrain = 1 << 15;
+
+/// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
+/// right, and a dimension of size 1 (or a missing one) gets stride 0, which is broadcasting.
+inline std::array<std::int64_t, kMaxRank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<std::int64_t, kMaxRank> st{};
+  std::int64_t s = 1;
+  const int off = out.rank() - in.rank();
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    st[static_cast<std::size_t>(i + off)] = in[i] == 1 ? 0 : s;
+    s *= in[i];
+  }
+  return st;
+}
+
+/// Calls f(out_index, offset_0, offset_1, ...) for every element of `out`, with the offsets of
+/// each broadcast input, walking an odometer so no division is needed per element.
+template <std::size_t N, class F>
+void for_each_broadcast(const Shape& out, const std::array<std::array<std::int64_t, kMaxRank>, N>& strides, F&& f) {
+  const int r = out.rank();
+  const std::int64_t n = out.numel();
+  if (n == 0) return;
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::array<std::int64_t, N> off{};
+  const std::int64_t inner = r ? out[r - 1] : 1;
+  for (std::int64_t i = 0; i < n; i += inner) {
+    for (std::int64_t j = 0; j < inner; ++j) {
+      std::array<std::int64_t, N> o = off;
+      if (r)
+        for (std::size_t k = 0; k < N; ++k) o[k] += j * strides[k][static_cast<std::size_t>(r - 1)];
+      std::apply([&](auto... oo) { f(i + j, oo...); }, o);
+    }
+    // advance the odometer over dims [0, r-1)
+    for (int d = r - 2; d >= 0; --d) {
+      auto du = static_cast<std::size_t>(d);
+      ++idx[du];
+      for (std::size_t k = 0; k < N; ++k) off[k] += strides[k][du];
+      if (idx[du] < out[d]) break;
+      for (std::size_t k = 0; k < N; ++k) off[k] -= strides[k][du] * out[d];
+      idx[du] = 0;
+    }
+  }
+}
+
+template <class T>
+inline T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+/// The forward math of every unary op.
+template <class T>
+inline T unary_f(Unary op, T x, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
+  switch (op) {
+    case Unary::neg: return -x;
+    case Unary::exp: return std::exp(x);
+    case Unary::log: return std::log(x);
+    case Unary::sqrt: return std::sqrt(x);
+    case Unary::rsqrt: return T(1) / std::sqrt(x);
+    case Unary::tanh: return std::tanh(x);
+    case Unary::sigmoid: return sigmoid(x);
+    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::abs: return std::abs(x);
+    case Unary::pow: return std::pow(x, a);
+    case Unary::silu: return x * sigmoid(x);
+    case Unary::gelu: return T(0.5) * x * (T(1) + std::erf(x / std::numbers::sqrt2_v<T>));
+    case Unary::gelu_approx: return T(0.5) * x * (T(1) + std::tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
+    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
+    case Unary::scale: return a * x;
+    case Unary::add_scalar: return x + a;
+  }
+  return x;
+}
+
+/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
+/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
+template <class T>
+inline T unary_df(Unary op, T x, T y, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);
+  switch (op) {
+    case Unary::neg: return T(-1);
+    case Unary::exp: return y;
+    case Unary::log: return T(1) / x;
+    case Unary::sqrt: return T(0.5) / y;
+    case Unary::rsqrt: return T(-0.5) * y / x;
+    case Unary::tanh: return T(1) - y * y;
+    case Unary::sigmoid: return y * (T(1) - y);
+    case Unary::relu: return x > T(0) ? T(1) : T(0);
+    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
+    case Unary::pow: return a == T(0) ? T(0) : a * std::pow(x, a - T(1));
+    case Unary::silu: {
+      T s = sigmoid(x);
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Unary::gelu: {
+      T cdf = T(0.5) * (T(1) + std::erf(x / std::numbers::sqrt2_v<T>));
+      T pdf = std::exp(T(-0.5) * x * x) / std::sqrt(T(2) * std::numbers::pi_v<T>);
+      return cdf + x * pdf;
+    }
+    case Unary::gelu_approx: {
+      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
+      T t = std::tanh(u);
+      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
+    }
+    case Unary::gelu_fast: {
+      T s = sigmoid(T(1.702) * x);
+      return s + x * T(1.702) * s * (T(1) - s);
+    }
+    case Unary::scale: return a;
+    case Unary::add_scalar: return T(1);
+  }
+  return T(0);
+}
+
+template <class T>
+inline T binary_f(Binary op, T a, T b) {
+  switch (op) {
+    case Binary::add: return a + b;
+    case Binary::sub: return a - b;
+    case Binary::mul: return a * b;
+    case Binary::div: return a / b;
+    case Binary::maximum: return a >= b ? a : b;
+    case Binary::minimum: return a <= b ? a : b;
+  }
+  return a;
+}
+
+/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
+/// to a (documented in ops/elementwise.hpp).
+template <class T>
+inline T binary_df(Binary op, int which, T a, T b) {
+  switch (op) {
+    case Binary::add: return T(1);
+    case Binary::sub: return which == 0 ? T(1) : T(-1);
+    case Binary::mul: return which == 0 ? b : a;
+    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
+    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
+    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
+  }
+  return T(0);
+}
+
+template <class T>
+inline void put(T* y, std::int64_t i, T v, bool acc) {
+  if (acc) y[i] += v;
+  else y[i] = v;
+}
+
+/// Splits a reduction of `x` to `y` (y's dims equal x's or 1, right-aligned) into
+/// (outer, reduced, inner) when the reduced dims are one contiguous block; false otherwise.
+inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer, std::int64_t& red,
+                            std::int64_t& inner) {
+  const int r = x.rank(), off = x.rank() - y.rank();
+  int first = -1, last = -1;
+  for (int i = 0; i < r; ++i) {
+    std::int64_t yd = i < off ? 1 : y[i - off];
+    bool reduced = yd == 1 && x[i] != 1;
+    if (reduced) {
+      if (first < 0) first = i;
+      else if (last != i - 1) return false;
+      last = i;
+    }
+  }
+  if (first < 0) { outer = x.numel(); red = 1; inner = 1; return true; }
+  outer = x.prod(0, first);
+  red = x.prod(first, last + 1);
+  inner = x.prod(last + 1, r);
+  return true;
+}
+
+// ---- GEMM on Eigen's kernel without Eigen's per-call heap allocations ------------------------
+// `C.noalias() = A * B` heap-allocates Eigen's packing blocks on every call once they pass
+// EIGEN_STACK_ALLOCATION_LIMIT (128 KiB: products past about 180 x 180 floats), and its OpenMP
+// path allocates the shared packed A on every call. A replay must not allocate, so nn runs Eigen's
+// blocked kernel (internal::general_matrix_matrix_product, stable since 3.3.90) itself, packing
+// into a per-thread buffer that only grows, and splits the product over threads itself.
+#if !defined(NN_USE_BLAS) && EIGEN_VERSION_AT_LEAST(3, 3, 90)
+
+/// This thread's GEMM packing space: at least `bytes`, 64-byte aligned. It grows only when a
+/// larger product comes, so replaying products already seen allocates nothing.
+inline void* gemm_workspace(std::size_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    std::size_t n = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buf;
+  if (buf.n < bytes) {
+    const std::size_t n = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, n);
+    if (!p) throw std::bad_alloc();
+    std::free(buf.p);
+    buf.p = p;
+    buf.n = n;
+  }
+  return buf.p;
+}
+
+/// Eigen's blocking descriptor, pointing at nn's packing space instead of owning its own.
+template <class T>
+struct GemmBlocking : Eigen::internal::level3_blocking<T, T> {
+  GemmBlocking(Eigen::Index mc, Eigen::Index nc, Eigen::Index kc, T* a, T* b) {
+    this->m_mc = mc;
+    this->m_nc = nc;
+    this->m_kc = kc;
+    this->m_blockA = a;
+    this->m_blockB = b;
+  }
+};
+
+/// Row-major C[M,N] (row stride ldc) += op(A) @ op(B) on the calling thread; OrderA/OrderB say
+/// how op(A), op(B) lie in memory (ColMajor = read transposed).
+template <class T, int OrderA, int OrderB>
+void eigen_gemm_serial(Eigen::Index M, Eigen::Index N, Eigen::Index K, const T* A, Eigen::Index lda, const T* B,
+                       Eigen::Index ldb, T* C, Eigen::Index ldc) {
+  // Eigen runs a row-major product as the column-major C^T = op(B)^T op(A)^T, so the blocking is
+  // sized as its gemm_blocking_space sizes it for a row-major destination: mc along N, nc along M.
+  Eigen::Index kc = K, mc = N, nc = M;
+  Eigen::internal::computeProductBlockingSizes<T, T, 1>(kc, mc, nc, Eigen::Index(1));
+  const std::size_t a_bytes = (static_cast<std::size_t>(mc * kc) * sizeof(T) + 63) / 64 * 64;
+  const std::size_t b_bytes = static_cast<std::size_t>(kc * nc) * sizeof(T);
+  auto* ws = static_cast<char*>(gemm_workspace(a_bytes + b_bytes));
+  GemmBlocking<T> blocking(mc, nc, kc, reinterpret_cast<T*>(ws), reinterpret_cast<T*>(ws + a_bytes));
+  Eigen::internal::general_matrix_matrix_product<Eigen::Index, T, OrderA, false, T, OrderB, false, Eigen::RowMajor,
+                                                 1>::run(M, N, K, A, lda, B, ldb, C, 1, ldc, T(1), blocking);
+}
+
+/// Row-major C[M,N] (+)= op(A) @ op(B), split into row (or column) blocks over as many threads
+/// as Eigen's own GEMM would use; each block is one serial Eigen GEMM.
+template <class T>
+void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K, const T* A, Eigen::Index lda,
+                const T* B, Eigen::Index ldb, T* C, bool acc) {
+  const Eigen::Index ldc = N;
+  auto block = [&](Eigen::Index m0, Eigen::Index m1, Eigen::Index n0, Eigen::Index n1) {
+    if (!acc)
+      for (Eigen::Index i = m0; i < m1; ++i) std::fill_n(C + i * ldc + n0, n1 - n0, T(0));
+    const T* a = A + (ta ? m0 : m0 * lda);
+    const T* b = B + (tb ? n0 * ldb : n0);
+    T* c = C + m0 * ldc + n0;
+    const Eigen::Index m = m1 - m0, n = n1 - n0;
+    constexpr int R = Eigen::RowMajor, Cm = Eigen::ColMajor;
+    if (ta && tb) eigen_gemm_serial<T, Cm, Cm>(m, n, K, a, lda, b, ldb, c, ldc);
+    else if (ta) eigen_gemm_serial<T, Cm, R>(m, n, K, a, lda, b, ldb, c, ldc);
+    else if (tb) eigen_gemm_serial<T, R, Cm>(m, n, K, a, lda, b, ldb, c, ldc);
+    else eigen_gemm_serial<T, R, R>(m, n, K, a, lda, b, ldb, c, ldc);
+  };
+#if defined(_OPENMP)
+  // Eigen's rule (Parallelizer.h): a thread per 50,000 multiply-adds, at most nbThreads(), none
+  // when already inside a parallel region; and here at least 16 rows (or columns) per thread.
+  Eigen::Index threads = 1;
+  if (!omp_in_parallel()) {
+    const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+    threads = std::min<Eigen::Index>({static_cast<Eigen::Index>(Eigen::nbThreads()),
+                                      static_cast<Eigen::Index>(work / 50000.0), std::max(M, N) / 16});
+  }
+  if (threads > 1) {
+    const bool by_rows = M >= N;
+    const Eigen::Index D = by_rows ? M : N;
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    {
+      const Eigen::Index nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const Eigen::Index per = ((D + nt - 1) / nt + 15) / 16 * 16;
+      const Eigen::Index d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
+      if (d0 < d1) {
+        if (by_rows) block(d0, d1, 0, N);
+        else block(0, M, d0, d1);
+      }
+    }
+    return;
+  }
+#endif
+  block(0, M, 0, N);
+}
+
+#endif  // !NN_USE_BLAS && Eigen >= 3.3.90
+
+}  // namespace detail
+
+/// The CPU backend policy.
+struct cpu {
+  static constexpr Device device = Device::cpu;
+  static constexpr const char* name = "cpu";
+
+  static Tensor alloc(const Shape& s, DType t) { return Tensor::empty(s, t, Device::cpu); }
+
+  static void fill(Tensor& y, double v) {
+    if (v == 0.0) { std::memset(y.raw(), 0, y.nbytes()); return; }
+    if (y.dtype() == DType::f32) std::fill_n(static_cast<float*>(y.raw()), y.numel(), static_cast<float>(v));
+    else if (y.dtype() == DType::f64) std::fill_n(static_cast<double*>(y.raw()), y.numel(), v);
+    else for (std::int64_t i = 0; i < y.numel(); ++i) detail::store_from_double(y.raw(), y.dtype(), i, v);
+  }
+
+  static void copy(const Tensor& x, Tensor& y, bool acc) {
+    if (!acc) { std::memcpy(y.raw(), x.raw(), x.nbytes()); return; }
+    detail::dispatch_float(y.dtype(), "copy", [&]<class T>() {
+      const T* s = static_cast<const T*>(x.raw());
+      T* d = static_cast<T*>(y.raw());
+      const std::int64_t n = y.numel();
+#pragma omp parallel for simd if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+    });
+  }
+
+  static void cast(const Tensor& x, Tensor& y) {
+    Tensor t = x.to(y.dtype());
+    std::memcpy(y.raw(), t.raw(), y.nbytes());
+  }
+
+  static void unary(Unary op, double arg, const Tensor& x, Tensor& y) {
+    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T a = static_cast<T>(arg);
+      const std::int64_t n = x.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::unary_f(op, xs[i], a);
+    });
+  }
+
+  static void unary_vjp(Unary op, double arg, const Tensor& x, const Tensor& y, const Tensor& g, Tensor& gx,
+                        bool acc) {
+    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ys = static_cast<const T*>(y.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      const T a = static_cast<T>(arg);
+      const std::int64_t n = x.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) detail::put(out, i, gs[i] * detail::unary_df(op, xs[i], ys[i], a), acc);
+    });
+  }
+
+  static void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), binary_name(op), [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const std::int64_t n = y.numel();
+      if (a.shape() == y.shape() && b.shape() == y.shape()) {
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::binary_f(op, as[i], bs[i]);
+      } else if (a.shape() == y.shape() && b.numel() == 1) {
+        const T bv = bs[0];
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::binary_f(op, as[i], bv);
+      } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
+        const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(op, as[r * nb + j], bs[j]);
+      } else {
+        std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), y.shape()),
+                                                              detail::broadcast_strides(b.shape(), y.shape())};
+        detail::for_each_broadcast<2>(y.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+          ys[i] = detail::binary_f(op, as[ia], bs[ib]);
+        });
+      }
+    });
+  }
+
+  /// dst (+)= g * d(a op b)/d(input `which`), at the output's full shape (the op reduces it to
+  /// the input's shape afterwards with sum_to, the one place broadcasting gradients are summed).
+  static void binary_vjp(Binary op, int which, const Tensor& a, const Tensor& b, const Tensor& g, Tensor& dst,
+                         bool acc) {
+    detail::dispatch_float(g.dtype(), binary_name(op), [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(dst.raw());
+      const std::int64_t n = g.numel();
+      if (a.shape() == g.shape() && b.shape() == g.shape()) {
+#pragma omp parallel for if (n > detail::kParallelGrain)
+        for (std::int64_t i = 0; i < n; ++i) detail::put(out, i, gs[i] * detail::binary_df(op, which, as[i], bs[i]), acc);
+      } else {
+        std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), g.shape()),
+                                                              detail::broadcast_strides(b.shape(), g.shape())};
+        detail::for_each_broadcast<2>(g.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+          detail::put(out, i, gs[i] * detail::binary_df(op, which, as[ia], bs[ib]), acc);
+        });
+      }
+    });
+  }
+
+  /// y (+)= scale * (x summed over the dims where y has size 1 or is missing). The one kernel
+  /// behind sum, mean and every broadcast gradient. Deterministic: fixed summation order.
+  static void sum_to(const Tensor& x, Tensor& y, double scale, bool acc) {
+    detail::dispatch_float(x.dtype(), "sum", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sc = static_cast<T>(scale);
+      std::int64_t outer, red, inner;
+      if (detail::reduction_as_3d(x.shape(), y.shape(), outer, red, inner)) {
+        if (inner == 1) {  // reduce contiguous rows
+#pragma omp parallel for if (outer * red > detail::kParallelGrain && outer > 1)
+          for (std::int64_t o = 0; o < outer; ++o) {
+            const T* row = xs + o * red;
+            T s = 0;
+            for (std::int64_t k = 0; k < red; ++k) s += row[k];
+            detail::put(ys, o, sc * s, acc);
+          }
+        } else {  // reduce a middle dim: accumulate rows of length `inner`
+#pragma omp parallel for if (outer * red * inner > detail::kParallelGrain)
+          for (std::int64_t o = 0; o < outer; ++o) {
+            T* dst = ys + o * inner;
+            const T* src = xs + o * red * inner;
+            for (std::int64_t i = 0; i < inner; ++i) {
+              T s = 0;
+              for (std::int64_t k = 0; k < red; ++k) s += src[k * inner + i];
+              detail::put(dst, i, sc * s, acc);
+            }
+          }
+        }
+        return;
+      }
+      // General case: several non-adjacent reduced dims. Serial scatter into y.
+      if (!acc) std::fill_n(ys, y.numel(), T(0));
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(y.shape(), x.shape())};
+      detail::for_each_broadcast<1>(x.shape(), st, [&](std::int64_t i, std::int64_t iy) { ys[iy] += sc * xs[i]; });
+    });
+  }
+
+  /// y (+)= scale * x broadcast to y's shape (the vjp of sum and mean).
+  static void broadcast_to(const Tensor& x, Tensor& y, double scale, bool acc) {
+    detail::dispatch_float(x.dtype(), "broadcast", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sc = static_cast<T>(scale);
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(x.shape(), y.shape())};
+      detail::for_each_broadcast<1>(y.shape(), st, [&](std::int64_t i, std::int64_t ix) { detail::put(ys, i, sc * xs[ix], acc); });
+    });
+  }
+
+  /// y = mask != 0 ? a : b, every input broadcast to y. mask: u8, or the dtype of y.
+  static void where(const Tensor& mask, const Tensor& a, const Tensor& b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "where", [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      T* ys = static_cast<T*>(y.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 3> st{detail::broadcast_strides(mask.shape(), y.shape()),
+                                                            detail::broadcast_strides(a.shape(), y.shape()),
+                                                            detail::broadcast_strides(b.shape(), y.shape())};
+      detail::for_each_broadcast<3>(y.shape(), st, [&](std::int64_t i, std::int64_t im, std::int64_t ia, std::int64_t ib) {
+        ys[i] = mask_at(mask, im) ? as[ia] : bs[ib];
+      });
+    });
+  }
+
+  /// dst (+)= g where the mask selects branch `which` (0: a, taken where mask != 0), else 0.
+  static void where_vjp(const Tensor& mask, const Tensor& g, int which, Tensor& dst, bool acc) {
+    detail::dispatch_float(g.dtype(), "where", [&]<class T>() {
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(dst.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(mask.shape(), g.shape())};
+      detail::for_each_broadcast<1>(g.shape(), st, [&](std::int64_t i, std::int64_t im) {
+        bool take = mask_at(mask, im) == (which == 0);
+        detail::put(out, i, take ? gs[i] : T(0), acc);
+      });
+    });
+  }
+
+  /// y = max of x over `axis` (y has keepdims shape), idx (i32, y's shape) = the first index
+  /// attaining it. NaN propagates (a NaN wins, as PyTorch).
+  static void max_axis(const Tensor& x, int axis, Tensor& y, Tensor& idx) {
+    detail::dispatch_float(x.dtype(), "max", [&]<class T>() {
+      const Shape& s = x.shape();
+      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      auto* is = static_cast<std::int32_t*>(idx.raw());
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t i = 0; i < inner; ++i) {
+          const T* p = xs + o * red * inner + i;
+          T best = p[0];
+          std::int32_t bi = 0;
+          for (std::int64_t k = 1; k < red && !std::isnan(best); ++k) {
+            T v = p[k * inner];
+            if (v > best || std::isnan(v)) { best = v; bi = static_cast<std::int32_t>(k); }
+          }
+          ys[o * inner + i] = best;
+          is[o * inner + i] = bi;
+        }
+    });
+  }
+
+  /// gx (+)= g placed at the argmax positions recorded by max_axis.
+  static void max_axis_vjp(const Tensor& g, const Tensor& idx, int axis, Tensor& gx, bool acc) {
+    detail::dispatch_float(g.dtype(), "max", [&]<class T>() {
+      const Shape& s = gx.shape();
+      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
+      const T* gs = static_cast<const T*>(g.raw());
+      const auto* is = static_cast<const std::int32_t*>(idx.raw());
+      T* out = static_cast<T*>(gx.raw());
+      if (!acc) std::fill_n(out, gx.numel(), T(0));
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t i = 0; i < inner; ++i)
+          out[(o * red + is[o * inner + i]) * inner + i] += gs[o * inner + i];
+    });
+  }
+
+  /// c (+)= op(a) @ op(b). Each operand is (batch, rows, cols) with batch = the product of its
+  /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
+  /// their batch, or 1 to sum the products over the batch.
+  /// op(x) = x^T when the flag is set: read transposed, never copied.
+  static void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    detail::dispatch_float(c.dtype(), "matmul", [&]<class T>() {
+      const Shape &sa = a.shape(), &sb = b.shape(), &sc = c.shape();
+      const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = sb.dim(-2), bc = sb.dim(-1);
+      const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
+      const std::int64_t ba = sa.prod(0, sa.rank() - 2), bb = sb.prod(0, sb.rank() - 2);
+      const std::int64_t bcnt = sc.prod(0, sc.rank() - 2), batch = std::max(ba, bb);
+      const T* A = static_cast<const T*>(a.raw());
+      const T* Bp = static_cast<const T*>(b.raw());
+      T* C = static_cast<T*>(c.raw());
+      // bcnt == 1 < batch: the product is summed over the batch into one C (the gradient of an
+      // operand shared across a batch).
+      for (std::int64_t i = 0; i < batch; ++i)
+        gemm<T>(ta, tb, M, N, K, A + (ba == 1 ? 0 : i * ar * ac), ac, Bp + (bb == 1 ? 0 : i * br * bc), bc,
+                C + (bcnt == 1 ? 0 : i * M * N), acc || (bcnt == 1 && i > 0));
+    });
+  }
+
+  /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
+  static void permute(const Tensor& x, const std::array<int, kMaxRank>& perm, Tensor& y, bool acc) {
+    detail::dispatch_any(x.dtype(), "permute", acc, [&]<class T>() {
+      const int r = x.rank();
+      std::array<std::int64_t, kMaxRank> xst{}, st{};
+      std::int64_t s = 1;
+      for (int i = r - 1; i >= 0; --i) { xst[static_cast<std::size_t>(i)] = s; s *= x.shape()[i]; }
+      for (int i = 0; i < r; ++i) st[static_cast<std::size_t>(i)] = xst[static_cast<std::size_t>(perm[static_cast<std::size_t>(i)])];
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 1> sts{st};
+      detail::for_each_broadcast<1>(y.shape(), sts, [&](std::int64_t i, std::int64_t ix) {
+        if constexpr (std::is_floating_point_v<T>) detail::put(ys, i, xs[ix], acc);
+        else ys[i] = xs[ix];
+      });
+    });
+  }
+
+  /// y = x[..., start:start + y.shape[axis], ...]
+  static void slice_copy(const Tensor& x, int axis, std::int64_t start, Tensor& y) {
+    const std::size_t es = dtype_size(x.dtype());
+    const Shape& s = x.shape();
+    const std::int64_t outer = s.prod(0, axis), inner = s.prod(axis + 1, s.rank());
+    const std::int64_t len = y.shape()[axis], full = s[axis];
+    const auto* xs = static_cast<const char*>(x.raw());
+    auto* ys = static_cast<char*>(y.raw());
+    for (std::int64_t o = 0; o < outer; ++o)
+      std::memcpy(ys + static_cast<std::size_t>(o * len * inner) * es,
+                  xs + static_cast<std::size_t>((o * full + start) * inner) * es, static_cast<std::size_t>(len * inner) * es);
+  }
+
+  /// y[..., start:start + x.shape[axis], ...] (+)= x; the rest of y is left as it is.
+  static void slice_scatter(const Tensor& x, int axis, std::int64_t start, Tensor& y, bool acc) {
+    const Shape& s = y.shape();
+    const std::int64_t outer = s.prod(0, axis), inner = s.prod(axis + 1, s.rank());
+    const std::int64_t len = x.shape()[axis], full = s[axis];
+    if (!acc) {
+      const std::size_t es = dtype_size(x.dtype());
+      const auto* xs = static_cast<const char*>(x.raw());
+      auto* ys = static_cast<char*>(y.raw());
+      for (std::int64_t o = 0; o < outer; ++o)
+        std::memcpy(ys + static_cast<std::size_t>((o * full + start) * inner) * es,
+                    xs + static_cast<std::size_t>(o * len * inner) * es, static_cast<std::size_t>(len * inner) * es);
+      return;
+    }
+    detail::dispatch_float(x.dtype(), "slice", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t k = 0; k < len * inner; ++k) ys[(o * full + start) * inner + k] += xs[o * len * inner + k];
+    });
+  }
+
+  /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
+  static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
+    const std::int64_t D = table.dim(-1), n = ids.numel();
+    const std::size_t row = static_cast<std::size_t>(D) * dtype_size(table.dtype());
+    const auto* ts = static_cast<const char*>(table.raw());
+    auto* ys = static_cast<char*>(y.raw());
+    const std::int64_t N = table.dim(0);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t id = detail::load_index(ids, i);
+      if (id < 0 || id >= N)
+        detail::fail("gather_rows", "id ", id, " at position ", i, " is out of range for a table of ", N, " rows");
+      std::memcpy(ys + static_cast<std::size_t>(i) * row, ts + static_cast<std::size_t>(id) * row, row);
+    }
+  }
+
+  /// gtable[ids[i], :] += g[i, :]; repeated ids accumulate, in order (deterministic).
+  static void scatter_add_rows(const Tensor& g, const Tensor& ids, Tensor& gtable) {
+    detail::dispatch_float(g.dtype(), "embedding", [&]<class T>() {
+      const std::int64_t D = gtable.dim(-1), n = ids.numel();
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gtable.raw());
+      for (std::int64_t i = 0; i < n; ++i) {
+        T* dst = out + detail::load_index(ids, i) * D;
+        const T* src = gs + i * D;
+        for (std::int64_t j = 0; j < D; ++j) dst[j] += src[j];
+      }
+    });
+  }
+
+  /// y[i] = x[i, idx[i]] for x: (R, V), idx: (R) i32/i64; y[i] = 0 where idx[i] < 0.
+  static void pick(const Tensor& x, const Tensor& idx, Tensor& y) {
+    detail::dispatch_float(x.dtype(), "pick", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = idx.numel();
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      for (std::int64_t i = 0; i < R; ++i) {
+        std::int64_t k = detail::load_index(idx, i);
+        if (k >= V) detail::fail("pick", "index ", k, " at row ", i, " is out of range for ", V, " classes");
+        ys[i] = k < 0 ? T(0) : xs[i * V + k];
+      }
+    });
+  }
+
+  /// gx[i, idx[i]] += g[i] (gx must already hold its other values).
+  static void pick_vjp(const Tensor& g, const Tensor& idx, Tensor& gx) {
+    detail::dispatch_float(g.dtype(), "pick", [&]<class T>() {
+      const std::int64_t V = gx.dim(-1), R = idx.numel();
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      for (std::int64_t i = 0; i < R; ++i) {
+        std::int64_t k = detail::load_index(idx, i);
+        if (k >= 0) out[i * V + k] += gs[i];
+      }
+    });
+  }
+
+  /// mask[i] = value where MLX's bernoulli(p_keep, mask.shape, key) is true, else 0 (mask: f32,
+  /// f64 or u8). key: u32 (2), read here so a replay draws from whatever key its slot holds now.
+  /// The word layout and u < float32(p) test are random.hpp's, so the mask is MLX's bit for bit.
+  static void bernoulli_mask(const Tensor& key, double p_keep, double value, Tensor& mask) {
+    const auto* k = static_cast<const std::uint32_t*>(key.raw());
+    const std::uint32_t k0 = k[0], k1 = k[1];
+    const float p = static_cast<float>(p_keep);
+    const std::int64_t n = mask.numel(), blocks = random::detail::bits_blocks(n);
+    auto draw = [&]<class T>() {
+      T* m = static_cast<T*>(mask.raw());
+      const T on = static_cast<T>(value);
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t j = 0; j < blocks; ++j)
+        random::detail::bits_block(k0, k1, n, j, [&](std::int64_t i, std::uint32_t w) {
+          m[i] = random::detail::uniform01(w) < p ? on : T(0);
+        });
+    };
+    switch (mask.dtype()) {
+      case DType::f32: draw.template operator()<float>(); break;
+      case DType::f64: draw.template operator()<double>(); break;
+      case DType::u8: draw.template operator()<std::uint8_t>(); break;
+      default: detail::fail("bernoulli_mask", "needs a float32, float64 or uint8 mask, got ", dtype_name(mask.dtype()));
+    }
+  }
+
+  /// Softmax (or log-softmax) over the last axis, max-subtracted so logits in the thousands
+  /// neither overflow nor lose precision.
+  static void softmax(const Tensor& x, Tensor& y, bool log) {
+    detail::dispatch_float(x.dtype(), log ? "log_softmax" : "softmax", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = x.numel() / std::max<std::int64_t>(V, 1);
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* in = xs + r * V;
+        T* out = ys + r * V;
+        T m = -std::numeric_limits<T>::infinity();
+        for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
+        if (m == -std::numeric_limits<T>::infinity()) m = 0;  // a fully masked row stays finite in its max
+        T s = 0;
+        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
+        if (log) {
+          // (x - m) - log(s), not x - (m + log(s)): m + log(s) would round to m's ulp, an
+          // absolute error of 1e-4 for float32 logits in the thousands.
+          const T ls = std::log(s);
+          for (std::int64_t j = 0; j < V; ++j) out[j] = (in[j] - m) - ls;
+        } else {
+          T inv = T(1) / s;
+          for (std::int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m) * inv;
+        }
+      }
+    });
+  }
+
+  /// gx (+)= J^T g for y = softmax(x):  y * (g - sum(g*y));  log_softmax: g - softmax * sum(g).
+  static void softmax_vjp(const Tensor& y, const Tensor& g, Tensor& gx, bool log, bool acc) {
+    detail::dispatch_float(y.dtype(), log ? "log_softmax" : "softmax", [&]<class T>() {
+      const std::int64_t V = y.dim(-1), R = y.numel() / std::max<std::int64_t>(V, 1);
+      const T* ys = static_cast<const T*>(y.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+#pragma omp parallel for if (y.numel() > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* yr = ys + r * V;
+        const T* gr = gs + r * V;
+        T* o = out + r * V;
+        T s = 0;
+        if (log) {
+          for (std::int64_t j = 0; j < V; ++j) s += gr[j];
+          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr[j] - std::exp(yr[j]) * s, acc);
+        } else {
+          for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
+          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
+        }
+      }
+    });
+  }
+
+  /// Softmax cross-entropy against integer targets (i32/i64): loss_r = logsumexp(x_row) -
+  /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
+  /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
+  /// scores T - 1 positions without copying the logits); N == T (x (R, V), t (R)) is one row per
+  /// target. A target equal to `ignore` contributes nothing. reduction 0: y (t's shape) per
+  /// target (0 where ignored); 1: y (one element) the sum; 2: the mean over the targets not
+  /// ignored (NaN when all are, as PyTorch). lse (t.numel()) keeps logsumexp for the vjp. Any
+  /// other target outside [0, V) raises.
+  static void cross_entropy(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction, Tensor& y,
+                            Tensor& lse) {
+    detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = t.numel();
+      const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t k = detail::load_index(t, r);
+        if (k != ignore && (k < 0 || k >= V))
+          detail::fail("cross_entropy", "target ", k, " at row ", r, " is out of range for ", V,
+                       " classes (ignore_index is ", ignore, ")");
+      }
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ls = static_cast<T*>(lse.raw());
+      T* ys = static_cast<T*>(y.raw());
+#pragma omp parallel for if (R * V > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* in = xs + ((r / N) * G + r % N) * V;
+        T m = -std::numeric_limits<T>::infinity();
+        for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
+        T s = 0;
+        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
+        ls[r] = m + std::log(s);
+        if (reduction == 0) {
+          const std::int64_t k = detail::load_index(t, r);
+          ys[r] = k == ignore ? T(0) : ls[r] - in[k];
+        }
+      }
+      if (reduction == 0) return;
+      T total = 0;  // serial, in row order: deterministic
+      std::int64_t count = 0;
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t k = detail::load_index(t, r);
+        if (k == ignore) continue;
+        total += ls[r] - xs[((r / N) * G + r % N) * V + k];
+        ++count;
+      }
+      ys[0] = reduction == 2 ? total / static_cast<T>(count) : total;
+    });
+  }
+
+  /// gx (+)= g_r (softmax(x_row) - onehot(t_r)) for each target's row (the mapping of
+  /// cross_entropy); rows of ignored targets and rows no target scores get 0. g has t's shape
+  /// for reduction 0, else one element (divided by the kept-target count for the mean).
+  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction,
+                                const Tensor& lse, const Tensor& g, Tensor& gx, bool acc) {
+    detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
+      const std::int64_t V = x.dim(-1), R = t.numel();
+      const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ls = static_cast<const T*>(lse.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      T g0 = reduction == 0 ? T(0) : gs[0];
+      if (reduction == 2) {
+        std::int64_t count = 0;
+        for (std::int64_t r = 0; r < R; ++r) count += detail::load_index(t, r) != ignore;
+        g0 = g0 / static_cast<T>(count);
+      }
+      if (!acc && N < G) {  // rows past the first N of each group are scored by no target
+        const std::int64_t groups = N ? R / N : x.numel() / (G * V);
+        for (std::int64_t b = 0; b < groups; ++b) std::fill_n(out + (b * G + N) * V, (G - N) * V, T(0));
+      }
+#pragma omp parallel for if (R * V > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t k = detail::load_index(t, r), row = (r / N) * G + r % N;
+        T* o = out + row * V;
+        if (k == ignore) {
+          if (!acc) std::fill_n(o, V, T(0));
+          continue;
+        }
+        const T* in = xs + row * V;
+        const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
+        for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr * std::exp(in[j] - l), acc);
+        o[k] -= gr;
+      }
+    });
+  }
+
+  // ---- optimizer updates: one fused pass per parameter, MLX's arithmetic order -------------
+  // lr is a 0-D float64 tensor and step a 0-D int64 tensor, read at run time, so a replayed
+  // step sees a scheduled learning rate without re-recording. T is the parameter's dtype; lr is
+  // rounded to T first, as MLX's learning_rate.astype(gradient.dtype).
+
+  /// SGD (MLX): g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
+  /// update = nesterov ? g + mu v : v; p -= lr update.
+  static void sgd_update(Tensor& p, const Tensor& g, Tensor& v, const Tensor& lr, double momentum, double dampening,
+                         double wd, bool nesterov) {
+    detail::dispatch_float(p.dtype(), "sgd", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* vs = momentum > 0 ? static_cast<T*>(v.raw()) : nullptr;
+      const T l = static_cast<T>(lr.item()), mu = static_cast<T>(momentum), d = static_cast<T>(1 - dampening),
+              w = static_cast<T>(wd);
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
+        if (!vs) {
+          ps[i] = ps[i] - l * gi;
+          continue;
+        }
+        T vi = mu * vs[i];
+        vi += dampening > 0 ? d * gi : gi;
+        vs[i] = vi;
+        ps[i] = ps[i] - l * (nesterov ? gi + mu * vi : vi);
+      }
+    });
+  }
+
+  /// Adam / AdamW (MLX): decoupled_wd > 0 first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
+  /// v = b2 v + (1-b2) g^2; p -= lr m / (sqrt v + eps), or with bias correction
+  /// p -= (lr / (1 - b1^t)) m / (sqrt(v) rsqrt(1 - b2^t) + eps), t = step (already incremented).
+  static void adam_update(Tensor& p, const Tensor& g, Tensor& m, Tensor& v, const Tensor& lr, const Tensor& step,
+                          double b1, double b2, double eps, double decoupled_wd, bool bias_correction) {
+    detail::dispatch_float(p.dtype(), "adam", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* ms = static_cast<T*>(m.raw());
+      T* vs = static_cast<T*>(v.raw());
+      // 1 - b is formed in double and then rounded, as MLX's Python scalars are (in float32,
+      // T(1) - T(0.999) is 1.3e-5 away from T(0.001)).
+      const T l = static_cast<T>(lr.item()), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2), E = static_cast<T>(eps),
+              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);
+      const T decay = T(1) - l * static_cast<T>(decoupled_wd);
+      const T t = static_cast<T>(step.item());
+      const T c1 = bias_correction ? l / (T(1) - std::pow(B1, t)) : l;
+      const T c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(B2, t)) : T(1);
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T pi = decoupled_wd != 0 ? ps[i] * decay : ps[i];
+        T mi = B1 * ms[i] + C1 * gs[i];
+        T vi = B2 * vs[i] + C2 * (gs[i] * gs[i]);
+        ms[i] = mi;
+        vs[i] = vi;
+        ps[i] = bias_correction ? pi - (c1 * mi) / (std::sqrt(vi) * c2 + E) : pi - (l * mi) / (std::sqrt(vi) + E);
+      }
+    });
+  }
+
+  /// Lion (MLX): c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
+  static void lion_update(Tensor& p, const Tensor& g, Tensor& m, const Tensor& lr, double b1, double b2, double wd) {
+    detail::dispatch_float(p.dtype(), "lion", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* ms = static_cast<T*>(m.raw());
+      const T l = static_cast<T>(lr.item()), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2),
+              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);  // 1 - b in double, as MLX
+      const T decay = T(1) - l * static_cast<T>(wd);
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T c = B1 * ms[i] + C1 * gs[i];
+        ms[i] = B2 * ms[i] + C2 * gs[i];
+        T pi = wd > 0 ? decay * ps[i] : ps[i];
+        T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
+        ps[i] = pi - l * sg;
+      }
+    });
+  }
+
+  /// Muon's momentum (MLX): g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
+  static void muon_momentum(const Tensor& p, const Tensor& g, Tensor& v, Tensor& u, double momentum, double wd,
+                            bool nesterov) {
+    detail::dispatch_float(p.dtype(), "muon", [&]<class T>() {
+      const T* ps = static_cast<const T*>(p.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* vs = static_cast<T*>(v.raw());
+      T* us = static_cast<T*>(u.raw());
+      const T mu = static_cast<T>(momentum), w = static_cast<T>(wd), c = static_cast<T>(1 - momentum);  // as MLX
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
+        T vi = mu * vs[i] + c * gi;
+        vs[i] = vi;
+        us[i] = nesterov ? gi * c + vi * mu : vi;
+      }
+    });
+  }
+
+  /// sum of x^2 in double (the global norm of clip_grad_norm).
+  static double sum_squares(const Tensor& x) {
+    double s = 0;
+    detail::dispatch_float(x.dtype(), "sum_squares", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      for (std::int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(xs[i]) * static_cast<double>(xs[i]);
+    });
+    return s;
+  }
+
+  /// y = a x + b y (elementwise; the Newton-Schulz steps of Muon).
+  static void axpby(double a, const Tensor& x, double b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "axpby", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T A = static_cast<T>(a), Bv = static_cast<T>(b);
+      const std::int64_t n = y.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) ys[i] = A * xs[i] + Bv * ys[i];
+    });
+  }
+
+  /// x /= (||x||_F + eps) (Muon's normalisation before Newton-Schulz).
+  static void normalize_frobenius(Tensor& x, double eps) {
+    detail::dispatch_float(x.dtype(), "normalize", [&]<class T>() {
+      T* xs = static_cast<T*>(x.raw());
+      const std::int64_t n = x.numel();
+      T ss = 0;
+      for (std::int64_t i = 0; i < n; ++i) ss += xs[i] * xs[i];
+      const T d = std::sqrt(ss) + static_cast<T>(eps);
+      for (std::int64_t i = 0; i < n; ++i) xs[i] = xs[i] / d;
+    });
+  }
+
+  /// p -= (lr * factor) x, lr a 0-D tensor rounded to p's dtype before the factor (MLX order).
+  static void apply_update(Tensor& p, const Tensor& x, const Tensor& lr, double factor) {
+    detail::dispatch_float(p.dtype(), "update", [&]<class T>() {
+      T* ps = static_cast<T*>(p.raw());
+      const T* xs = static_cast<const T*>(x.raw());
+      const T l = static_cast<T>(static_cast<T>(lr.item()) * static_cast<T>(factor));
+      const std::int64_t n = p.numel();
+#pragma omp parallel for if (n > detail::kParallelGrain)
+      for (std::int64_t i = 0; i < n; ++i) ps[i] = ps[i] - l * xs[i];
+    });
+  }
+
+ private:
+  static bool is_suffix(const Shape& b, const Shape& y) {
+    if (b.rank() > y.rank()) return false;
+    for (int i = 1; i <= b.rank(); ++i)
+      if (b[b.rank() - i] != y[y.rank() - i]) return false;
+    return true;
+  }
+  static bool mask_at(const Tensor& m, std::int64_t i) {
+    switch (m.dtype()) {
+      case DType::u8: return static_cast<const std::uint8_t*>(m.raw())[i] != 0;
+      case DType::f32: return static_cast<const float*>(m.raw())[i] != 0.0f;
+      case DType::f64: return static_cast<const double*>(m.raw())[i] != 0.0;
+      case DType::i32: return static_cast<const std::int32_t*>(m.raw())[i] != 0;
+      default: return detail::load_as_double(m.raw(), m.dtype(), i) != 0.0;
+    }
+  }
+
+  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
+  template <class T>
+  static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                   const T* Bp, std::int64_t ldb, T* C, bool acc) {
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+      if (!acc) std::fill_n(C, M * N, T(0));
+      return;
+    }
+#if defined(NN_USE_BLAS)
+    if (M == 1 || N == 1) {
+      // One row or one column (a batch-1 Linear, a projection to one output): ?gemv streams the
+      // matrix once; OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix
+      // kernel mallocs on each call. C is zeroed here rather than by beta = 0, so stale NaNs in
+      // an uninitialised output never leak through a BLAS that scales by beta.
+      if (!acc) std::fill_n(C, M * N, T(0));
+      auto gemv = [&](bool trans, std::int64_t rows, std::int64_t cols, const T* mat, std::int64_t ld, const T* x,
+                      std::int64_t incx) {
+        const auto t = trans ? CblasTrans : CblasNoTrans;
+        if constexpr (std::is_same_v<T, float>)
+          cblas_sgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0f, mat, static_cast<int>(ld),
+                      x, static_cast<int>(incx), 1.0f, C, 1);
+        else
+          cblas_dgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0, mat, static_cast<int>(ld),
+                      x, static_cast<int>(incx), 1.0, C, 1);
+      };
+      if (N == 1) gemv(ta, ta ? K : M, ta ? M : K, A, lda, Bp, tb ? 1 : ldb);       // C = op(A) b
+      else gemv(!tb, tb ? N : K, tb ? K : N, Bp, ldb, A, ta ? lda : 1);             // C^T = op(B)^T a^T
+      return;
+    }
+    const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
+    const T beta = acc ? T(1) : T(0);
+    if constexpr (std::is_same_v<T, float>)
+      cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
+                  static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
+    else
+      cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
+                  static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
+#else
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
+    // Matrix products go to Eigen's kernel with nn's reusable packing space (no allocation per
+    // call); vectors (GEMV) and tiny products (coefficient loops) stay with Eigen's expressions,
+    // which do not allocate for them.
+    if (M > 1 && N > 1 && M + N + K >= EIGEN_GEMM_TO_COEFFBASED_THRESHOLD) {
+      detail::eigen_gemm<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, acc);
+      return;
+    }
+#endif
+    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
+    Eigen::Map<Mat> Cm(C, M, N);
+    CMap Am(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda));
+    CMap Bm(Bp, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
+    auto run = [&](const auto& a, const auto& b) {
+      if (acc) Cm.noalias() += a * b;
+      else Cm.noalias() = a * b;
+    };
+    if (ta && tb) run(Am.transpose(), Bm.transpose());
+    else if (ta) run(Am.transpose(), Bm);
+    else if (tb) run(Am, Bm.transpose());
+    else run(Am, Bm);
+#endif
+  }
+};
+
+
+static_assert(BackendPolicy<cpu>);
+
+}  // namespace nn
+// ---- end nn/backend/cpu.hpp ----
+// ---- begin nn/tape.hpp ----
+// GTape<Backend>: a Wengert list of primitive ops recorded in construction order (already a
+// topological order), swept in reverse by backward(), and replayable without re-recording.
+
+#include <deque>
+#include <optional>
+#include <span>
+#include <vector>
+
+
+namespace nn {
+
+/// A handle to one value on a tape: the tape's identity and the node's index. Cheap to copy.
+struct GVar {
+  const void* tape = nullptr;
+  std::int32_t index = -1;
+  bool valid() const { return tape != nullptr && index >= 0; }
+};
+
+/// What kind of leaf a node is; ops are LeafKind::none.
+enum class LeafKind : std::uint8_t { none, param, constant, input };
+
+/// Per-node attributes. Every primitive reads the fields it documents and ignores the rest, so a
+/// node is plain data that a replay or another backend can run again.
+struct Attrs {
+  double scalar = 0.0;          // pow's exponent, a scale, an epsilon
+  std::int64_t axis = 0;        // reduction, slice, concat, softmax axis
+  std::int64_t start = 0;       // slice start
+  int code = 0;                 // the Unary / Binary kernel, a where-branch, ...
+  bool flag_a = false;          // transpose a, keepdims, log, ...
+  bool flag_b = false;          // transpose b, ...
+  std::array<int, kMaxRank> perm{};  // permute order
+  Shape shape;                  // a target shape (reshape, broadcast)
+  std::uint64_t key = 0;        // an RNG key (dropout)
+};
+
+template <class B>
+class GTape;
+template <class B>
+struct Node;
+
+/// A primitive's definition: its name (for errors), its forward kernel call and its vjp, side by
+/// side in the op's header. Nodes point at a static OpDef, so a node stays data, not a closure.
+template <class B>
+struct OpDef {
+  const char* name;
+  void (*forward)(GTape<B>&, Node<B>&);
+  void (*vjp)(GTape<B>&, Node<B>&);
+  bool aliases_input = false;  // forward makes value a view of input 0 (reshape): no output buffer
+};
+
+/// One entry of the tape.
+template <class B>
+struct Node {
+  const OpDef<B>* def = nullptr;  // null for leaves
+  LeafKind leaf = LeafKind::none;
+  std::vector<std::int32_t> inputs;
+  Attrs attrs;
+  Tensor value;                   // the output, allocated when recorded, rewritten on replay
+  Tensor grad;                    // d loss / d value, allocated on the first backward
+  std::vector<Tensor> saved;      // buffers the op keeps between forward and vjp (and scratch)
+  const Tensor* bound = nullptr;  // a param leaf's tensor, re-read on every replay
+  bool requires_grad = false;
+  bool grad_live = false;         // grad holds a contribution from the current backward
+
+  const char* name() const {
+    if (def) return def->name;
+    switch (leaf) {
+      case LeafKind::param: return "param";
+      case LeafKind::constant: return "constant";
+      case LeafKind::input: return "input";
+      default: return "?";
+    }
+  }
+};
+
+/// Where a vjp writes its contribution to one input's gradient: the buffer, and whether to add
+/// to it (another consumer already wrote) or overwrite it (first contribution this sweep).
+struct GradSlot {
+  Tensor& g;
+  bool acc;
+};
+
+/// The tape. Explicit object, passed to every builder; no global state, one tape per thread.
+template <class B>
+class GTape {
+  static_assert(BackendPolicy<B>, "the tape's backend must satisfy nn::BackendPolicy");
+
+ public:
+  using backend = B;
+
+  GTape() = default;
+  GTape(const GTape&) = delete;  // GVars name their tape by address
+  GTape& operator=(const GTape&) = delete;
+
+  // ---- leaves ------------------------------------------------------------------------------
+
+  /// Binds `t` by reference: the leaf reads t's storage (updated in place by an optimizer, and
+  /// re-read by a replay). Its gradient is computed when `trainable` and t is floating point.
+  /// Binding the same tensor again returns the same leaf, so a weight used twice (a tied head)
+  /// gets one gradient holding both contributions.
+  GVar param(const Tensor& t, bool trainable = true) {
+    check_leaf(t, "param");
+    for (std::int32_t i : params_) {
+      const Node<B>& p = nodes_[static_cast<std::size_t>(i)];
+      if (p.bound == &t) {
+        if (p.requires_grad != (trainable && is_floating(t.dtype())))
+          detail::fail("param", "tensor ", t.shape().str(), " was bound ", p.requires_grad ? "trainable" : "frozen",
+                       " and is now bound ", trainable ? "trainable" : "frozen");
+        return GVar{this, i};
+      }
+    }
+    params_.push_back(static_cast<std::int32_t>(nodes_.size()));
+    Node<B>& n = push(LeafKind::param);
+    n.value = t;
+    n.bound = &t;
+    n.requires_grad = trainable && is_floating(t.dtype());
+    return handle();
+  }
+  /// A value that never gets a gradient (shares t's storage).
+  GVar constant(const Tensor& t) {
+    check_leaf(t, "constant");
+    Node<B>& n = push(LeafKind::constant);
+    n.value = t;
+    return handle();
+  }
+  /// A slot whose value set() may swap between replays (a batch). No gradient unless asked.
+  GVar input(const Tensor& t, bool requires_grad = false) {
+    check_leaf(t, "input");
+    Node<B>& n = push(LeafKind::input);
+    n.value = t;
+    n.requires_grad = requires_grad && is_floating(t.dtype());
+    return handle();
+  }
+  /// A fresh MLX key (uint32 (2)) from nn::random's global sequence, held in an input slot that
+  /// refresh_keys() refills in recording order: how Dropout gets its key, so that a replayed step
+  /// and an eager step draw the same keys (and so the same masks) from the same sequence.
+  GVar random_key() {
+    GVar k = input(random::next_key());
+    key_slots_.push_back(k.index);
+    return k;
+  }
+  /// Refills every random_key() slot with the global sequence's next keys (before a replay).
+  void refresh_keys() {
+    for (std::int32_t i : key_slots_) random::next_key_into(nodes_[static_cast<std::size_t>(i)].value);
+  }
+
+  /// Puts a new value in an input slot; shape and dtype must match what was recorded (a new
+  /// shape means a new recording).
+  void set(GVar v, const Tensor& t) {
+    Node<B>& n = node(v);
+    if (n.leaf != LeafKind::input) fail_at(v, "set", "only input slots can be set; this is a ", n.name());
+    if (!(t.shape() == n.value.shape()) || t.dtype() != n.value.dtype())
+      detail::fail("tape.set", "input slot ", v.index, " was recorded as ", n.value.shape().str(), " ",
+                   dtype_name(n.value.dtype()), ", got ", t.shape().str(), " ", dtype_name(t.dtype()),
+                   " (a new shape needs a new recording)");
+    n.value = t;
+  }
+
+  // ---- reading -----------------------------------------------------------------------------
+
+  const Tensor& value(GVar v) const { return node(v).value; }
+  const Shape& shape(GVar v) const { return node(v).value.shape(); }
+  DType dtype(GVar v) const { return node(v).value.dtype(); }
+  bool requires_grad(GVar v) const { return node(v).requires_grad; }
+
+  /// d loss / d v after backward(). Zeros when v needs a gradient the last backward never
+  /// reached; an error when v cannot have one (a constant, a frozen param, an integer).
+  const Tensor& grad(GVar v) {
+    Node<B>& n = node(v);
+    if (!n.requires_grad)
+      detail::fail("tape.grad", "node ", v.index, " (", n.name(), ", shape ", n.value.shape().str(),
+                   ") has no gradient: it does not depend on a trainable leaf");
+    if (!n.grad_live) {
+      ensure_grad(n);
+      B::fill(n.grad, 0.0);
+      n.grad_live = true;
+    }
+    return n.grad;
+  }
+
+  std::size_t size() const { return nodes_.size(); }
+  /// The param leaf bound to `t`, if any (how value_and_grad finds each parameter's gradient).
+  std::optional<GVar> find_param(const Tensor& t) const {
+    for (std::int32_t i : params_)
+      if (nodes_[static_cast<std::size_t>(i)].bound == &t) return GVar{this, i};
+    return std::nullopt;
+  }
+  /// Forgets every node (a new recording); the tensors bound as params are not touched.
+  void clear() {
+    nodes_.clear();
+    params_.clear();
+    key_slots_.clear();
+    loss_ = -1;
+  }
+
+  // ---- backward ----------------------------------------------------------------------------
+
+  /// Reverse sweep from a scalar loss (d loss / d loss = 1).
+  void backward(GVar loss) {
+    Node<B>& n = node(loss);
+    if (n.value.numel() != 1)
+      detail::fail("backward", "the loss must have one element, got shape ", n.value.shape().str(),
+                   "; pass an explicit cotangent for a non-scalar output");
+    begin_backward(n);
+    B::fill(n.grad, 1.0);
+    sweep(loss.index);
+  }
+  /// Reverse sweep from any output with an explicit cotangent of the output's shape.
+  void backward(GVar out, const Tensor& cotangent) {
+    Node<B>& n = node(out);
+    if (!(cotangent.shape() == n.value.shape()) || cotangent.dtype() != n.value.dtype())
+      detail::fail("backward", "cotangent ", cotangent.shape().str(), " ", dtype_name(cotangent.dtype()),
+                   " does not match the output ", n.value.shape().str(), " ", dtype_name(n.value.dtype()));
+    begin_backward(n);
+    B::copy(cotangent, n.grad, false);
+    sweep(out.index);
+  }
+
+  // ---- replay ------------------------------------------------------------------------------
+
+  /// Re-runs every recorded node into the buffers it already owns: params re-read from their
+  /// bound tensors (which must keep their shape), inputs as last set(). Allocates nothing.
+  void replay_forward() {
+    for (auto& n : nodes_) {
+      if (n.leaf == LeafKind::param) {
+        if (!(n.bound->shape() == n.value.shape()) || n.bound->dtype() != n.value.dtype())
+          detail::fail("tape.replay", "a bound parameter changed from ", n.value.shape().str(), " to ",
+                       n.bound->shape().str(), "; record the step again");
+        n.value = *n.bound;
+      } else if (n.def) {
+        n.def->forward(*this, n);
+      }
+    }
+  }
+  /// Replays the forward pass, then the last backward() from a scalar loss.
+  void replay() {
+    replay_forward();
+    if (loss_ >= 0) backward(GVar{this, loss_});
+  }
+
+  // ---- for op implementations ----------------------------------------------------------------
+
+  /// Appends an op node with output shape/dtype, allocates its output, runs its forward.
+  GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const Attrs& attrs, const Shape& out_shape,
+              DType out_dtype) {
+    for (GVar v : inputs) node(v);  // validates ownership
+    Node<B>& n = push(LeafKind::none);
+    n.def = &def;
+    n.attrs = attrs;
+    n.inputs.reserve(inputs.size());
+    for (GVar v : inputs) {
+      n.inputs.push_back(v.index);
+      n.requires_grad = n.requires_grad || nodes_[static_cast<std::size_t>(v.index)].requires_grad;
+    }
+    n.requires_grad = n.requires_grad && is_floating(out_dtype);
+    if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
+    try {
+      def.forward(*this, n);
+    } catch (...) {
+      nodes_.pop_back();  // a failed op (an id out of range) leaves the tape as it was, replayable
+      throw;
+    }
+    return handle();
+  }
+
+  Node<B>& node(GVar v) {
+    check(v);
+    return nodes_[static_cast<std::size_t>(v.index)];
+  }
+  const Node<B>& node(GVar v) const {
+    check(v);
+    return nodes_[static_cast<std::size_t>(v.index)];
+  }
+  Node<B>& at(std::int32_t i) { return nodes_[static_cast<std::size_t>(i)]; }
+  /// Input k's value of node n.
+  const Tensor& in(const Node<B>& n, std::size_t k) const {
+    return nodes_[static_cast<std::size_t>(n.inputs[k])].value;
+  }
+  /// Whether input k of node n wants a gradient.
+  bool needs_grad(const Node<B>& n, std::size_t k) const {
+    return nodes_[static_cast<std::size_t>(n.inputs[k])].requires_grad;
+  }
+  /// The destination for input k's gradient (allocated once, reused by every later sweep).
+  GradSlot grad_slot(const Node<B>& n, std::size_t k) {
+    Node<B>& in = nodes_[static_cast<std::size_t>(n.inputs[k])];
+    ensure_grad(in);
+    bool acc = in.grad_live;
+    in.grad_live = true;
+    return {in.grad, acc};
+  }
+  /// Adds `full` (at the op output's broadcast shape) into input k's gradient, summed down to the
+  /// input's shape: the one place broadcasting gradients are reduced.
+  void accumulate_reduced(const Node<B>& n, std::size_t k, const Tensor& full) {
+    GradSlot s = grad_slot(n, k);
+    if (full.shape() == s.g.shape()) B::copy(full, s.g, s.acc);
+    else B::sum_to(full, s.g, 1.0, s.acc);
+  }
+  /// Buffer `slot` of node n with the given shape and dtype, allocated the first time only.
+  Tensor& scratch(Node<B>& n, std::size_t slot, const Shape& s, DType t) {
+    if (n.saved.size() <= slot) n.saved.resize(slot + 1);
+    Tensor& b = n.saved[slot];
+    if (!b.defined() || !(b.shape() == s) || b.dtype() != t) b = B::alloc(s, t);
+    return b;
+  }
+
+  /// Raises "[op] message" naming the node; used by ops when validating.
+  template <class... P>
+  [[noreturn]] void fail_at(GVar v, const char* op, const P&... parts) const {
+    detail::fail(op, parts..., " (node ", v.index, ")");
+  }
+
+ private:
+  Node<B>& push(LeafKind k) {
+    nodes_.emplace_back();
+    nodes_.back().leaf = k;
+    return nodes_.back();
+  }
+  GVar handle() const { return GVar{this, static_cast<std::int32_t>(nodes_.size() - 1)}; }
+  void check(GVar v) const {
+    if (v.tape != this)
+      detail::fail("tape", v.tape ? "the variable belongs to another tape" : "the variable is empty (default GVar)");
+    if (v.index < 0 || static_cast<std::size_t>(v.index) >= nodes_.size())
+      detail::fail("tape", "variable index ", v.index, " is out of range (", nodes_.size(), " nodes)");
+  }
+  static void check_leaf(const Tensor& t, const char* what) {
+    if (!t.defined()) detail::fail(what, "cannot register an empty tensor");
+    if (t.device() != B::device)
+      detail::fail(what, "tensor ", t.shape().str(), " lives on ", t.device(), " but this tape runs on ", B::name);
+  }
+  static void ensure_grad(Node<B>& n) {
+    if (!n.grad.defined()) n.grad = B::alloc(n.value.shape(), n.value.dtype());
+  }
+  void begin_backward(Node<B>& out) {
+    if (!out.requires_grad)
+      detail::fail("backward", "the output does not depend on any trainable parameter or input");
+    for (auto& n : nodes_) n.grad_live = false;
+    ensure_grad(out);
+    out.grad_live = true;
+  }
+  void sweep(std::int32_t from) {
+    loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
+    for (std::int32_t i = from; i >= 0; --i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.def && n.requires_grad && n.grad_live) n.def->vjp(*this, n);
+    }
+  }
+
+  // A deque, not a vector: appending a node never moves the others, so a `const Tensor&` from
+  // value() or grad() stays valid while more ops are recorded.
+  std::deque<Node<B>> nodes_;
+  std::vector<std::int32_t> params_;  // indices of param leaves, to find a re-bound tensor
+  std::vector<std::int32_t> key_slots_;  // random_key() slots, refilled in order by refresh_keys()
+  std::int32_t loss_ = -1;
+};
+
+}  // namespace nn
+// ---- end nn/tape.hpp ----
+// ---- begin nn/ops/common.hpp ----
+// Validation shared by every primitive: dtype and shape checks whose errors name the op and the
+// shapes, and NumPy broadcasting of shapes.
+
+
+namespace nn::detail {
+
+template <class B>
+void require_float(const GTape<B>& tp, GVar x, const char* op) {
+  DType t = tp.dtype(x);
+  if (t != DType::f32 && t != DType::f64)
+    fail(op, "needs float32 or float64, got ", dtype_name(t), " ", tp.shape(x).str());
+}
+
+template <class B>
+void require_same_dtype(const GTape<B>& tp, GVar a, GVar b, const char* op) {
+  require_float(tp, a, op);
+  if (tp.dtype(a) != tp.dtype(b))
+    fail(op, "dtype mismatch: ", dtype_name(tp.dtype(a)), " ", tp.shape(a).str(), " vs ", dtype_name(tp.dtype(b)),
+         " ", tp.shape(b).str());
+}
+
+/// The broadcast of two shapes (NumPy rules, aligned right), or an error naming both.
+inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  const int r = std::max(a.rank(), b.rank());
+  std::vector<std::int64_t> out(static_cast<std::size_t>(r));
+  for (int i = 0; i < r; ++i) {
+    std::int64_t da = i < r - a.rank() ? 1 : a[i - (r - a.rank())];
+    std::int64_t db = i < r - b.rank() ? 1 : b[i - (r - b.rank())];
+    if (da != db && da != 1 && db != 1)
+      fail(op, "shapes ", a.str(), " and ", b.str(), " cannot broadcast (dim ", i, ": ", da, " vs ", db, ")");
+    out[static_cast<std::size_t>(i)] = da == 1 ? db : da;
+  }
+  return Shape(out);
+}
+
+/// A possibly negative axis of `s`, normalised; out of range raises "[op] axis a out of range for
+/// shape (...)" naming the op (Shape::axis would name only "shape").
+inline int op_axis(const Shape& s, int axis, const char* op) {
+  const int a = axis < 0 ? axis + s.rank() : axis;
+  if (a < 0 || a >= s.rank()) fail(op, "axis ", axis, " out of range for shape ", s.str());
+  return a;
+}
+
+/// True when `from` broadcasts to exactly `to`.
+inline bool broadcasts_to(const Shape& from, const Shape& to) {
+  if (from.rank() > to.rank()) return false;
+  for (int i = 1; i <= from.rank(); ++i) {
+    std::int64_t f = from[from.rank() - i], t = to[to.rank() - i];
+    if (f != t && f != 1) return false;
+  }
+  return true;
+}
+
+}  // namespace nn::detail
+// ---- end nn/ops/common.hpp ----
+// ---- begin nn/ops/elementwise.hpp ----
+// Elementwise primitives: unary math (the derivative of each sits beside its forward in the
+// backend's unary_f / unary_df), broadcasting binary arithmetic, where, stop_gradient.
+
+
+namespace nn {
+
+namespace detail {
+
+template <class B>
+struct UnaryPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    B::unary(static_cast<Unary>(n.attrs.code), n.attrs.scalar, tp.in(n, 0), n.value);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::unary_vjp(static_cast<Unary>(n.attrs.code), n.attrs.scalar, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"unary", &forward, &vjp};
+};
+
+/// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
+/// to the input's shape by the tape's accumulate_reduced (the one place that sums broadcasts).
+template <class B>
+struct BinaryPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    B::binary(static_cast<Binary>(n.attrs.code), tp.in(n, 0), tp.in(n, 1), n.value);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto op = static_cast<Binary>(n.attrs.code);
+    const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (!tp.needs_grad(n, k)) continue;
+      if (tp.in(n, k).shape() == n.value.shape()) {
+        GradSlot s = tp.grad_slot(n, k);
+        B::binary_vjp(op, static_cast<int>(k), a, b, n.grad, s.g, s.acc);
+      } else {
+        Tensor& full = tp.scratch(n, k, n.value.shape(), n.value.dtype());
+        B::binary_vjp(op, static_cast<int>(k), a, b, n.grad, full, false);
+        tp.accumulate_reduced(n, k, full);
+      }
+    }
+  }
+  static constexpr OpDef<B> def{"binary", &forward, &vjp};
+};
+
+/// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
+template <class B>
+struct WherePrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::where(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value); }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    for (std::size_t k = 1; k < 3; ++k) {
+      if (!tp.needs_grad(n, k)) continue;
+      if (tp.in(n, k).shape() == n.value.shape()) {
+        GradSlot s = tp.grad_slot(n, k);
+        B::where_vjp(tp.in(n, 0), n.grad, static_cast<int>(k - 1), s.g, s.acc);
+      } else {
+        Tensor& full = tp.scratch(n, k, n.value.shape(), n.value.dtype());
+        B::where_vjp(tp.in(n, 0), n.grad, static_cast<int>(k - 1), full, false);
+        tp.accumulate_reduced(n, k, full);
+      }
+    }
+  }
+  static constexpr OpDef<B> def{"where", &forward, &vjp};
+};
+
+/// A copy that the backward sweep does not cross.
+template <class B>
+struct StopGradientPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::copy(tp.in(n, 0), n.value, false); }
+  static void vjp(GTape<B>&, Node<B>&) {}
+  static constexpr OpDef<B> def{"stop_gradient", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// y = f(x) for a Unary kernel; `arg` is its scalar (pow's exponent, scale's factor).
+template <class B>
+GVar unary(GTape<B>& tp, Unary op, GVar x, double arg = 0.0) {
+  detail::require_float(tp, x, unary_name(op));
+  Attrs a;
+  a.code = static_cast<int>(op);
+  a.scalar = arg;
+  GVar in[] = {x};
+  return tp.record(detail::UnaryPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+}
+
+// clang-format off
+template <class B> GVar neg(GTape<B>& tp, GVar x) { return unary(tp, Unary::neg, x); }
+template <class B> GVar exp(GTape<B>& tp, GVar x) { return unary(tp, Unary::exp, x); }
+template <class B> GVar log(GTape<B>& tp, GVar x) { return unary(tp, Unary::log, x); }
+template <class B> GVar sqrt(GTape<B>& tp, GVar x) { return unary(tp, Unary::sqrt, x); }
+template <class B> GVar rsqrt(GTape<B>& tp, GVar x) { return unary(tp, Unary::rsqrt, x); }
+template <class B> GVar tanh(GTape<B>& tp, GVar x) { return unary(tp, Unary::tanh, x); }
+template <class B> GVar sigmoid(GTape<B>& tp, GVar x) { return unary(tp, Unary::sigmoid, x); }
+/// relu'(0) = 0, as PyTorch.
+template <class B> GVar relu(GTape<B>& tp, GVar x) { return unary(tp, Unary::relu, x); }
+/// abs'(0) = 0 (sign(0)), as PyTorch.
+template <class B> GVar abs(GTape<B>& tp, GVar x) { return unary(tp, Unary::abs, x); }
+/// x^p for a scalar exponent p.
+template <class B> GVar pow(GTape<B>& tp, GVar x, double p) { return unary(tp, Unary::pow, x, p); }
+/// s * x for a scalar s.
+template <class B> GVar scale(GTape<B>& tp, GVar x, double s) { return unary(tp, Unary::scale, x, s); }
+/// x + c for a scalar c.
+template <class B> GVar add_scalar(GTape<B>& tp, GVar x, double c) { return unary(tp, Unary::add_scalar, x, c); }
+// clang-format on
+
+/// a op b with NumPy broadcasting (scalars, trailing dims, any dim of size 1).
+template <class B>
+GVar binary(GTape<B>& tp, Binary op, GVar a, GVar b) {
+  detail::require_same_dtype(tp, a, b, binary_name(op));
+  Shape out = detail::broadcast_shapes(tp.shape(a), tp.shape(b), binary_name(op));
+  Attrs at;
+  at.code = static_cast<int>(op);
+  GVar in[] = {a, b};
+  return tp.record(detail::BinaryPrim<B>::def, in, at, out, tp.dtype(a));
+}
+
+// clang-format off
+template <class B> GVar add(GTape<B>& tp, GVar a, GVar b) { return binary(tp, Binary::add, a, b); }
+template <class B> GVar sub(GTape<B>& tp, GVar a, GVar b) { return binary(tp, Binary::sub, a, b); }
+template <class B> GVar mul(GTape<B>& tp, GVar a, GVar b) { return binary(tp, Binary::mul, a, b); }
+template <class B> GVar div(GTape<B>& tp, GVar a, GVar b) { return binary(tp, Binary::div, a, b); }
+/// Elementwise maximum; at a tie the gradient goes to a.
+template <class B> GVar maximum(GTape<B>& tp, GVar a, GVar b) { return binary(tp, Binary::maximum, a, b); }
+/// Elementwise minimum; at a tie the gradient goes to a.
+template <class B> GVar minimum(GTape<B>& tp, GVar a, GVar b) { return binary(tp, Binary::minimum, a, b); }
+// clang-format on
+
+/// mask != 0 ? a : b, all three broadcast together. The mask (u8, i32 or the float dtype) gets
+/// no gradient; each branch gets the cotangent where it was selected and zero elsewhere.
+template <class B>
+GVar where(GTape<B>& tp, GVar mask, GVar a, GVar b) {
+  detail::require_same_dtype(tp, a, b, "where");
+  Shape out = detail::broadcast_shapes(detail::broadcast_shapes(tp.shape(mask), tp.shape(a), "where"), tp.shape(b), "where");
+  GVar in[] = {mask, a, b};
+  Attrs at;
+  return tp.record(detail::WherePrim<B>::def, in, at, out, tp.dtype(a));
+}
+
+/// x in the forward pass; no gradient flows back through it.
+template <class B>
+GVar stop_gradient(GTape<B>& tp, GVar x) {
+  GVar in[] = {x};
+  GVar y = tp.record(detail::StopGradientPrim<B>::def, in, Attrs{}, tp.shape(x), tp.dtype(x));
+  tp.node(y).requires_grad = false;
+  return y;
+}
+
+}  // namespace nn
+// ---- end nn/ops/elementwise.hpp ----
+// ---- begin nn/ops/reduce.hpp ----
+// Reductions: sum and mean over axes (or all), keepdims or not; max over one axis.
+
+#include <algorithm>
+
+
+namespace nn {
+
+namespace detail {
+
+/// sum / mean: attrs.shape is the keepdims shape, attrs.scalar the scale (1 or 1/count).
+template <class B>
+struct SumPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor y = n.value.reshape(n.attrs.shape);
+    B::sum_to(tp.in(n, 0), y, n.attrs.scalar, false);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::broadcast_to(n.grad.reshape(n.attrs.shape), s.g, n.attrs.scalar, s.acc);
+  }
+  static constexpr OpDef<B> def{"sum", &forward, &vjp};
+};
+
+/// max over attrs.axis; saved[0] holds the argmax (i32, keepdims shape).
+template <class B>
+struct MaxPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor& idx = tp.scratch(n, 0, n.attrs.shape, DType::i32);
+    Tensor y = n.value.reshape(n.attrs.shape);
+    B::max_axis(tp.in(n, 0), static_cast<int>(n.attrs.axis), y, idx);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::max_axis_vjp(n.grad.reshape(n.attrs.shape), n.saved[0], static_cast<int>(n.attrs.axis), s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"max", &forward, &vjp};
+};
+
+/// Normalised, sorted, de-duplicated axes; an empty list means every axis.
+inline std::vector<int> norm_axes(const Shape& s, std::initializer_list<int> axes, const char* op) {
+  std::vector<int> out;
+  if (axes.size() == 0) {
+    for (int i = 0; i < s.rank(); ++i) out.push_back(i);
+    return out;
+  }
+  for (int a : axes) {
+    int n = a < 0 ? a + s.rank() : a;
+    if (n < 0 || n >= s.rank()) fail(op, "axis ", a, " out of range for shape ", s.str());
+    out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+template <class B>
+GVar reduce_sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes, bool keepdims, bool mean, const char* op) {
+  require_float(tp, x, op);
+  const Shape& s = tp.shape(x);
+  std::vector<int> ax = norm_axes(s, axes, op);
+  Shape keep, out;
+  std::int64_t count = 1;
+  for (int i = 0; i < s.rank(); ++i) {
+    bool red = std::find(ax.begin(), ax.end(), i) != ax.end();
+    keep.push_back(red ? 1 : s[i]);
+    if (red) count *= s[i];
+    else out.push_back(s[i]);
+  }
+  Attrs a;
+  a.shape = keep;
+  a.scalar = mean ? 1.0 / static_cast<double>(count) : 1.0;
+  if (mean && count == 0) fail(op, "mean over an empty axis of shape ", s.str());
+  GVar in[] = {x};
+  return tp.record(SumPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
+}
+
+}  // namespace detail
+
+/// Sum over `axes` (all axes when empty); keepdims keeps reduced axes as size 1.
+template <class B>
+GVar sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return detail::reduce_sum(tp, x, axes, keepdims, false, "sum");
+}
+/// Mean over `axes` (all axes when empty).
+template <class B>
+GVar mean(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return detail::reduce_sum(tp, x, axes, keepdims, true, "mean");
+}
+
+/// Max over one axis. Ties: the gradient goes to the first index attaining the max (NumPy's
+/// argmax); PyTorch's amax splits it evenly, its max(dim) picks one index as we do.
+template <class B>
+GVar max(GTape<B>& tp, GVar x, int axis, bool keepdims = false) {
+  detail::require_float(tp, x, "max");
+  const Shape& s = tp.shape(x);
+  if (s.rank() == 0) detail::fail("max", "needs at least one axis, got a scalar");
+  int ax = detail::op_axis(s, axis, "max");
+  if (s[ax] == 0) detail::fail("max", "axis ", axis, " of shape ", s.str(), " is empty");
+  Shape keep, out;
+  for (int i = 0; i < s.rank(); ++i) {
+    keep.push_back(i == ax ? 1 : s[i]);
+    if (i != ax) out.push_back(s[i]);
+  }
+  Attrs a;
+  a.axis = ax;
+  a.shape = keep;
+  GVar in[] = {x};
+  return tp.record(detail::MaxPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/reduce.hpp ----
+// ---- begin nn/ops/matmul.hpp ----
+// matmul: batched over leading dims, either operand read transposed without a copy.
+
+
+namespace nn {
+
+namespace detail {
+
+/// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
+/// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
+template <class B>
+struct MatmulPrim {
+  // The views every kernel call uses: folded to 2-D when A is batched, B a matrix, A not transposed.
+  static bool foldable(const Tensor& a, const Tensor& b, bool ta) { return a.rank() > 2 && b.rank() == 2 && !ta; }
+  static Tensor rows(const Tensor& t) { return t.reshape(Shape{t.numel() / t.dim(-1), t.dim(-1)}); }
+
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
+    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    if (foldable(a, b, ta)) {
+      Tensor c = rows(n.value);
+      B::matmul(rows(a), false, b, tb, c, false);
+    } else {
+      B::matmul(a, ta, b, tb, n.value, false);
+    }
+  }
+
+  // C = op(A) op(B):  dA = G op(B)^T  (or op(B) G^T when A is read transposed),
+  //                   dB = op(A)^T G  (or G^T op(A) when B is read transposed).
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
+    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    const bool fold = foldable(a, b, ta);
+    const Tensor a2 = fold ? rows(a) : a;
+    const Tensor g = fold ? rows(n.grad) : n.grad;
+    if (tp.needs_grad(n, 0)) {
+      GradSlot s = tp.grad_slot(n, 0);
+      Tensor ga = fold ? rows(s.g) : s.g;
+      if (!ta) B::matmul(g, false, b, !tb, ga, s.acc);
+      else B::matmul(b, tb, g, true, ga, s.acc);
+    }
+    if (tp.needs_grad(n, 1)) {
+      GradSlot s = tp.grad_slot(n, 1);
+      if (!tb) B::matmul(a2, !ta, g, false, s.g, s.acc);
+      else B::matmul(g, true, a2, ta, s.g, s.acc);
+    }
+  }
+  static constexpr OpDef<B> def{"matmul", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// op(a) @ op(b) where op transposes the last two dims when its flag is set (read transposed,
+/// never copied). a: (..., M, K) — or (..., K, M) with trans_a; b: (..., K, N) — or (..., N, K)
+/// with trans_b. Leading (batch) dims must be equal, or one operand is a plain matrix shared by
+/// every batch element. Result: (..., M, N).
+template <class B>
+GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
+  detail::require_same_dtype(tp, a, b, "matmul");
+  const Shape &sa = tp.shape(a), &sb = tp.shape(b);
+  if (sa.rank() < 2 || sb.rank() < 2)
+    detail::fail("matmul", "operands need rank >= 2, got ", sa.str(), " and ", sb.str());
+  const std::int64_t M = trans_a ? sa.dim(-1) : sa.dim(-2), Ka = trans_a ? sa.dim(-2) : sa.dim(-1);
+  const std::int64_t Kb = trans_b ? sb.dim(-1) : sb.dim(-2), N = trans_b ? sb.dim(-2) : sb.dim(-1);
+  if (Ka != Kb)
+    detail::fail("matmul", "inner dimensions differ: ", sa.str(), trans_a ? "^T" : "", " @ ", sb.str(),
+                 trans_b ? "^T" : "", " (", Ka, " vs ", Kb, ")");
+  Shape out;
+  if (sa.rank() > 2 && sb.rank() > 2) {
+    if (sa.rank() != sb.rank())
+      detail::fail("matmul", "batch dims differ: ", sa.str(), " @ ", sb.str());
+    for (int i = 0; i < sa.rank() - 2; ++i) {
+      if (sa[i] != sb[i]) detail::fail("matmul", "batch dims differ: ", sa.str(), " @ ", sb.str());
+      out.push_back(sa[i]);
+    }
+  } else {
+    const Shape& batched = sa.rank() > 2 ? sa : sb;
+    for (int i = 0; i < batched.rank() - 2; ++i) out.push_back(batched[i]);
+  }
+  out.push_back(M);
+  out.push_back(N);
+  Attrs at;
+  at.flag_a = trans_a;
+  at.flag_b = trans_b;
+  GVar in[] = {a, b};
+  return tp.record(detail::MatmulPrim<B>::def, in, at, out, tp.dtype(a));
+}
+
+}  // namespace nn
+// ---- end nn/ops/matmul.hpp ----
+// ---- begin nn/ops/shape.hpp ----
+// Data movement: reshape (a view), permute / transpose, slice, concat, broadcast_to.
+
+#include <vector>
+
+
+namespace nn {
+
+namespace detail {
+
+/// The output is a view of input 0 (re-taken on every forward, so a swapped input is seen).
+template <class B>
+struct ReshapePrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { n.value = tp.in(n, 0).reshape(n.attrs.shape); }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
+  }
+  static constexpr OpDef<B> def{"reshape", &forward, &vjp, true};
+};
+
+template <class B>
+struct PermutePrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::permute(tp.in(n, 0), n.attrs.perm, n.value, false); }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    std::array<int, kMaxRank> inv{};
+    for (int i = 0; i < n.value.rank(); ++i) inv[static_cast<std::size_t>(n.attrs.perm[static_cast<std::size_t>(i)])] = i;
+    GradSlot s = tp.grad_slot(n, 0);
+    B::permute(n.grad, inv, s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"permute", &forward, &vjp};
+};
+
+template <class B>
+struct SlicePrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    B::slice_copy(tp.in(n, 0), static_cast<int>(n.attrs.axis), n.attrs.start, n.value);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    if (!s.acc) B::fill(s.g, 0.0);
+    B::slice_scatter(n.grad, static_cast<int>(n.attrs.axis), n.attrs.start, s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"slice", &forward, &vjp};
+};
+
+template <class B>
+struct ConcatPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    std::int64_t at = 0;
+    const int axis = static_cast<int>(n.attrs.axis);
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+      const Tensor& x = tp.in(n, k);
+      B::slice_scatter(x, axis, at, n.value, false);
+      at += x.shape()[axis];
+    }
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    std::int64_t at = 0;
+    const int axis = static_cast<int>(n.attrs.axis);
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+      const Shape& s = tp.in(n, k).shape();
+      if (tp.needs_grad(n, k)) {
+        GradSlot g = tp.grad_slot(n, k);
+        if (!g.acc) {
+          B::slice_copy(n.grad, axis, at, g.g);
+        } else {
+          Tensor& part = tp.scratch(n, k, s, n.value.dtype());
+          B::slice_copy(n.grad, axis, at, part);
+          B::copy(part, g.g, true);
+        }
+      }
+      at += s[axis];
+    }
+  }
+  static constexpr OpDef<B> def{"concat", &forward, &vjp};
+};
+
+template <class B>
+struct BroadcastPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::broadcast_to(tp.in(n, 0), n.value, 1.0, false); }
+  static void vjp(GTape<B>& tp, Node<B>& n) { tp.accumulate_reduced(n, 0, n.grad); }
+  static constexpr OpDef<B> def{"broadcast_to", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// The same elements in a new shape; one dim may be -1 (inferred). Costs no copy.
+template <class B>
+GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
+  const Shape& s = tp.shape(x);
+  std::vector<std::int64_t> d(dims);
+  std::int64_t known = 1;
+  int infer = -1;
+  for (std::size_t i = 0; i < d.size(); ++i) {
+    if (d[i] == -1) {
+      if (infer >= 0) detail::fail("reshape", "only one -1 allowed, got ", Shape(std::vector<std::int64_t>(d.size(), 1)).str());
+      infer = static_cast<int>(i);
+    } else if (d[i] < 0) {
+      detail::fail("reshape", "negative dimension ", d[i], " for input ", s.str());
+    } else {
+      known *= d[i];
+    }
+  }
+  if (infer >= 0) {
+    if (known == 0 || s.numel() % known != 0)
+      detail::fail("reshape", "cannot infer -1 reshaping ", s.str(), " (", s.numel(), " elements)");
+    d[static_cast<std::size_t>(infer)] = s.numel() / known;
+  }
+  Shape out(d);
+  if (out.numel() != s.numel())
+    detail::fail("reshape", "cannot reshape ", s.str(), " (", s.numel(), " elements) to ", out.str(), " (",
+                 out.numel(), " elements)");
+  Attrs a;
+  a.shape = out;
+  GVar in[] = {x};
+  return tp.record(detail::ReshapePrim<B>::def, in, a, out, tp.dtype(x));
+}
+
+/// Axes reordered: out.shape[i] = x.shape[perm[i]].
+template <class B>
+GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
+  const Shape& s = tp.shape(x);
+  if (static_cast<int>(perm.size()) != s.rank())
+    detail::fail("permute", "permutation of length ", perm.size(), " for shape ", s.str());
+  Attrs a;
+  Shape out;
+  std::array<bool, kMaxRank> seen{};
+  int i = 0;
+  for (int p : perm) {
+    int q = p < 0 ? p + s.rank() : p;
+    if (q < 0 || q >= s.rank() || seen[static_cast<std::size_t>(q)])
+      detail::fail("permute", "invalid permutation for shape ", s.str(), " (axis ", p, ")");
+    seen[static_cast<std::size_t>(q)] = true;
+    a.perm[static_cast<std::size_t>(i++)] = q;
+    out.push_back(s[q]);
+  }
+  GVar in[] = {x};
+  return tp.record(detail::PermutePrim<B>::def, in, a, out, tp.dtype(x));
+}
+
+/// Swaps two axes (a copy; to multiply by a transpose use matmul's flags instead).
+template <class B>
+GVar transpose(GTape<B>& tp, GVar x, int d0 = -2, int d1 = -1) {
+  const Shape& s = tp.shape(x);
+  if (s.rank() < 2) detail::fail("transpose", "needs rank >= 2, got ", s.str());
+  int a0 = detail::op_axis(s, d0, "transpose"), a1 = detail::op_axis(s, d1, "transpose");
+  std::vector<int> p(static_cast<std::size_t>(s.rank()));
+  for (int i = 0; i < s.rank(); ++i) p[static_cast<std::size_t>(i)] = i;
+  std::swap(p[static_cast<std::size_t>(a0)], p[static_cast<std::size_t>(a1)]);
+  Attrs a;
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    a.perm[static_cast<std::size_t>(i)] = p[static_cast<std::size_t>(i)];
+    out.push_back(s[p[static_cast<std::size_t>(i)]]);
+  }
+  GVar in[] = {x};
+  return tp.record(detail::PermutePrim<B>::def, in, a, out, tp.dtype(x));
+}
+
+/// x[..., start:stop, ...] along `axis` (step 1; negative start/stop count from the end).
+template <class B>
+GVar slice(GTape<B>& tp, GVar x, int axis, std::int64_t start, std::int64_t stop) {
+  const Shape& s = tp.shape(x);
+  if (s.rank() == 0) detail::fail("slice", "cannot slice a scalar");
+  int ax = detail::op_axis(s, axis, "slice");
+  const std::int64_t n = s[ax];
+  std::int64_t b = start < 0 ? start + n : start, e = stop < 0 ? stop + n : stop;
+  if (b < 0 || e > n || b > e)
+    detail::fail("slice", "range [", start, ", ", stop, ") out of bounds for axis ", axis, " of shape ", s.str());
+  Shape out = s;
+  out[ax] = e - b;
+  Attrs a;
+  a.axis = ax;
+  a.start = b;
+  GVar in[] = {x};
+  return tp.record(detail::SlicePrim<B>::def, in, a, out, tp.dtype(x));
+}
+
+/// Joins tensors along `axis`; every other dim must match.
+template <class B>
+GVar concat(GTape<B>& tp, std::span<const GVar> xs, int axis) {
+  if (xs.empty()) detail::fail("concat", "needs at least one input");
+  const Shape& s0 = tp.shape(xs[0]);
+  if (s0.rank() == 0) detail::fail("concat", "cannot concatenate scalars");
+  int ax = detail::op_axis(s0, axis, "concat");
+  Shape out = s0;
+  out[ax] = 0;
+  for (GVar v : xs) {
+    const Shape& s = tp.shape(v);
+    if (tp.dtype(v) != tp.dtype(xs[0]))
+      detail::fail("concat", "dtype mismatch: ", dtype_name(tp.dtype(xs[0])), " ", s0.str(), " vs ",
+                   dtype_name(tp.dtype(v)), " ", s.str());
+    bool ok = s.rank() == s0.rank();
+    for (int i = 0; ok && i < s.rank(); ++i) ok = i == ax || s[i] == s0[i];
+    if (!ok) detail::fail("concat", "shapes ", s0.str(), " and ", s.str(), " differ outside axis ", axis);
+    out[ax] += s[ax];
+  }
+  Attrs a;
+  a.axis = ax;
+  return tp.record(detail::ConcatPrim<B>::def, xs, a, out, tp.dtype(xs[0]));
+}
+template <class B>
+GVar concat(GTape<B>& tp, std::initializer_list<GVar> xs, int axis) {
+  return concat(tp, std::span<const GVar>(xs.begin(), xs.size()), axis);
+}
+
+/// x broadcast (NumPy rules) to `shape`; the gradient is summed back to x's shape.
+template <class B>
+GVar broadcast_to(GTape<B>& tp, GVar x, const Shape& shape) {
+  detail::require_float(tp, x, "broadcast_to");
+  if (!detail::broadcasts_to(tp.shape(x), shape))
+    detail::fail("broadcast_to", "shape ", tp.shape(x).str(), " cannot broadcast to ", shape.str());
+  GVar in[] = {x};
+  Attrs a;
+  a.shape = shape;
+  return tp.record(detail::BroadcastPrim<B>::def, in, a, shape, tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/shape.hpp ----
+// ---- begin nn/ops/index.hpp ----
+// Integer indexing: gather_rows (an embedding lookup; vjp scatter-add) and pick (one element per
+// row, the target logit of a cross-entropy; vjp scatter into that element).
+
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 table (N, D), 1 ids (integer, any shape). out: ids.shape + (D).
+template <class B>
+struct GatherRowsPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor y = n.value.reshape(Shape{tp.in(n, 1).numel(), tp.in(n, 0).dim(-1)});
+    B::gather_rows(tp.in(n, 0), tp.in(n, 1), y);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    if (!tp.needs_grad(n, 0)) return;
+    GradSlot s = tp.grad_slot(n, 0);
+    if (!s.acc) B::fill(s.g, 0.0);
+    B::scatter_add_rows(n.grad, tp.in(n, 1), s.g);  // repeated ids accumulate
+  }
+  static constexpr OpDef<B> def{"gather_rows", &forward, &vjp};
+};
+
+/// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
+template <class B>
+struct PickPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::pick(tp.in(n, 0), tp.in(n, 1), n.value); }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    if (!tp.needs_grad(n, 0)) return;
+    GradSlot s = tp.grad_slot(n, 0);
+    if (!s.acc) B::fill(s.g, 0.0);
+    B::pick_vjp(n.grad, tp.in(n, 1), s.g);
+  }
+  static constexpr OpDef<B> def{"pick", &forward, &vjp};
+};
+
+template <class B>
+void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
+  DType t = tp.dtype(ids);
+  if (t != DType::i32 && t != DType::i64)
+    fail(op, "ids must be int32 or int64, got ", dtype_name(t), " ", tp.shape(ids).str());
+  if (tp.requires_grad(ids)) fail(op, "ids cannot require a gradient");
+}
+
+}  // namespace detail
+
+/// Rows of `table` (N, D) selected by integer `ids` of any shape: out = ids.shape + (D). The
+/// vjp scatter-adds into the table's gradient, so a repeated id accumulates. Out-of-range ids
+/// raise nn::Error (checked by the kernel on every run, replays included).
+template <class B>
+GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
+  detail::require_float(tp, table, "gather_rows");
+  detail::require_ids(tp, ids, "gather_rows");
+  const Shape& ts = tp.shape(table);
+  if (ts.rank() != 2) detail::fail("gather_rows", "table must be (N, D), got ", ts.str());
+  Shape out = tp.shape(ids);
+  out.push_back(ts[1]);
+  GVar in[] = {table, ids};
+  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, tp.dtype(table));
+}
+
+/// out[i] = x[i, idx[i]] for x (..., V) and integer idx (...); an index < 0 picks 0 and passes no
+/// gradient (how an ignored target is masked).
+template <class B>
+GVar pick(GTape<B>& tp, GVar x, GVar idx) {
+  detail::require_float(tp, x, "pick");
+  detail::require_ids(tp, idx, "pick");
+  const Shape &xs = tp.shape(x), &is = tp.shape(idx);
+  bool ok = xs.rank() == is.rank() + 1;
+  for (int i = 0; ok && i < is.rank(); ++i) ok = xs[i] == is[i];
+  if (!ok) detail::fail("pick", "indices ", is.str(), " do not match the leading dims of ", xs.str());
+  GVar in[] = {x, idx};
+  return tp.record(detail::PickPrim<B>::def, in, Attrs{}, is, tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/index.hpp ----
+// ---- begin nn/ops/softmax.hpp ----
+// softmax and log_softmax over the last axis, max-subtracted (stable for logits in the
+// thousands); both are single fused primitives whose vjp uses the saved output only.
+
+
+namespace nn {
+
+namespace detail {
+
+/// attrs.flag_a: log-softmax.
+template <class B>
+struct SoftmaxPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::softmax(tp.in(n, 0), n.value, n.attrs.flag_a); }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    GradSlot s = tp.grad_slot(n, 0);
+    B::softmax_vjp(n.value, n.grad, s.g, n.attrs.flag_a, s.acc);
+  }
+  static constexpr OpDef<B> def{"softmax", &forward, &vjp};
+};
+
+template <class B>
+GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {
+  const char* op = log ? "log_softmax" : "softmax";
+  require_float(tp, x, op);
+  if (tp.shape(x).rank() == 0) fail(op, "needs at least one axis, got a scalar");
+  Attrs a;
+  a.flag_a = log;
+  GVar in[] = {x};
+  return tp.record(SoftmaxPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+}
+
+}  // namespace detail
+
+/// exp(x - max) / sum(exp(x - max)) over the last axis.
+template <class B>
+GVar softmax(GTape<B>& tp, GVar x) {
+  return detail::softmax_impl(tp, x, false);
+}
+/// x - logsumexp(x) over the last axis.
+template <class B>
+GVar log_softmax(GTape<B>& tp, GVar x) {
+  return detail::softmax_impl(tp, x, true);
+}
+
+}  // namespace nn
+// ---- end nn/ops/softmax.hpp ----
+// ---- begin nn/ops/cross_entropy.hpp ----
+// softmax_cross_entropy: log-softmax and target pick fused into one primitive with integer
+// targets, an ignore index and the reduction, for speed and memory at vocab 50k+ (no (R, V)
+// log-probabilities kept, one pass back). Its composite reference is -pick(log_softmax(x), t);
+// tests/layers/loss.test.cpp checks the two agree.
+
+
+namespace nn {
+
+/// How a loss over rows is reduced (PyTorch's `reduction`).
+enum class Reduction : std::uint8_t { none, sum, mean };
+
+constexpr const char* reduction_name(Reduction r) {
+  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
+}
+
+namespace detail {
+
+/// inputs: 0 logits (..., T, V), 1 targets (..., N) integer, N <= T (N == T: one row per
+/// target; the kernel maps target rows to logit rows). attrs.start = ignore index,
+/// attrs.code = reduction. saved[0] = logsumexp per target.
+template <class B>
+struct CrossEntropyPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor& t = tp.in(n, 1);
+    Tensor& lse = tp.scratch(n, 0, Shape{t.numel()}, n.value.dtype());
+    B::cross_entropy(tp.in(n, 0), t, n.attrs.start, n.attrs.code, n.value, lse);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    if (!tp.needs_grad(n, 0)) return;
+    GradSlot s = tp.grad_slot(n, 0);
+    B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), n.attrs.start, n.attrs.code, n.saved[0], n.grad, s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"cross_entropy", &forward, &vjp};
+};
+
+}  // namespace detail
+
+namespace detail {
+template <class B>
+GVar record_cross_entropy(GTape<B>& tp, GVar logits, GVar targets, Reduction reduction, std::int64_t ignore_index,
+                          bool first_rows) {
+  const char* op = first_rows ? "cross_entropy_rows" : "cross_entropy";
+  require_float(tp, logits, op);
+  require_ids(tp, targets, op);
+  const Shape ls = tp.shape(logits), ts = tp.shape(targets);
+  bool ok = ls.rank() == ts.rank() + 1 && ls.dim(-1) > 0;
+  for (int i = 0; ok && i < ts.rank(); ++i) ok = ls[i] == ts[i] || (first_rows && i == ts.rank() - 1 && ts[i] <= ls[i]);
+  if (!ok)
+    fail(op, "targets ", ts.str(), " do not match logits ", ls.str(),
+         first_rows ? ": expected logits (..., T, V) and targets (..., N) with N <= T"
+                    : ": expected targets of the logits' leading dims (classes on the last axis)");
+  Attrs a;
+  a.start = ignore_index;
+  a.code = static_cast<int>(reduction);
+  GVar in[] = {logits, targets};
+  return tp.record(CrossEntropyPrim<B>::def, in, a, reduction == Reduction::none ? ts : Shape{}, tp.dtype(logits));
+}
+}  // namespace detail
+
+/// -log softmax(logits)[target] per row, over the last axis (classes last, as MLX).
+///   logits: (..., V) float, targets: (...) int32/int64 -> (...) for Reduction::none, else ().
+/// A target equal to `ignore_index` (PyTorch's default -100) contributes 0 loss and 0 gradient,
+/// and the mean is over the other rows (torch.nn.functional.cross_entropy's semantics).
+template <class B>
+GVar softmax_cross_entropy(GTape<B>& tp, GVar logits, GVar targets, Reduction reduction = Reduction::mean,
+                           std::int64_t ignore_index = -100) {
+  return detail::record_cross_entropy(tp, logits, targets, reduction, ignore_index, false);
+}
+
+/// The same over the first N rows of each sequence, without copying the logits:
+///   logits: (..., T, V), targets: (..., N), N <= T -> (..., N) for Reduction::none, else ().
+/// Target [..., n] scores logits[..., n, :]; rows n >= N get no loss and a zero gradient (the
+/// next-token case: N = T - 1, the last position has no target).
+template <class B>
+GVar softmax_cross_entropy_rows(GTape<B>& tp, GVar logits, GVar targets, Reduction reduction = Reduction::mean,
+                                std::int64_t ignore_index = -100) {
+  return detail::record_cross_entropy(tp, logits, targets, reduction, ignore_index, true);
+}
+
+}  // namespace nn
+// ---- end nn/ops/cross_entropy.hpp ----
+// ---- begin nn/ops/random.hpp ----
+// Random primitives on the tape, drawn by the backend from a key that is itself a tape value (an
+// input slot), so a replay with a new key draws anew and an eager run with the same key agrees.
+
+
+namespace nn {
+
+namespace detail {
+
+/// Checks that `key` is an MLX key on the tape: uint32, shape (2).
+template <class B>
+void require_key(const GTape<B>& tp, GVar key, const char* op) {
+  if (tp.dtype(key) != DType::u32 || !(tp.shape(key) == Shape{2}))
+    fail(op, "the key must be a uint32 tensor of shape (2) (an MLX key, e.g. nn::random::key(seed)), got ",
+         dtype_name(tp.dtype(key)), " ", tp.shape(key).str());
+}
+
+/// bernoulli(p, shape, key) as a uint8 mask: inputs 0 key; attrs.scalar p. No gradient.
+template <class B>
+struct BernoulliPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), n.attrs.scalar, 1.0, n.value); }
+  static void vjp(GTape<B>&, Node<B>&) {}
+  static constexpr OpDef<B> def{"bernoulli", &forward, &vjp};
+};
+
+/// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; attrs.scalar p.
+/// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
+/// into a buffer the node owns, so the vjp reuses exactly the mask the forward applied and a
+/// replay redraws it in place from the key then in the slot.
+/// MLX computes (mask * x) * (1/(1-p)); with mask in {0, 1} that equals x * (mask/(1-p)) bit
+/// for bit (signed zeros and NaNs included), which is what this computes in one pass.
+template <class B>
+struct DropoutPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor& x = tp.in(n, 0);
+    Tensor& m = tp.scratch(n, 0, x.shape(), x.dtype());
+    // 1 - p and 1 / (1 - p) in double, as MLX's Python layer computes them, then rounded to the
+    // mask's dtype by the kernel (float32(p_keep) for the test, float32(scale) for the values).
+    const double p_keep = 1.0 - n.attrs.scalar;
+    B::bernoulli_mask(tp.in(n, 1), p_keep, 1.0 / p_keep, m);
+    B::binary(Binary::mul, m, x, n.value);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    // d(m * x)/dx = m: the same scaled mask the forward drew.
+    GradSlot s = tp.grad_slot(n, 0);
+    B::binary_vjp(Binary::mul, 1, n.saved[0], tp.in(n, 0), n.grad, s.g, s.acc);
+  }
+  static constexpr OpDef<B> def{"dropout", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// A uint8 mask of `shape`, 1 with probability p: mx.random.bernoulli(p, shape, key) on the tape.
+template <class B>
+GVar bernoulli(GTape<B>& tp, double p, const Shape& shape, GVar key) {
+  detail::require_key(tp, key, "bernoulli");
+  if (!(p >= 0.0 && p <= 1.0)) detail::fail("bernoulli", "p = ", p, " is not a probability in [0, 1]");
+  Attrs a;
+  a.scalar = p;
+  GVar in[] = {key};
+  return tp.record(detail::BernoulliPrim<B>::def, in, a, shape, DType::u8);
+}
+
+/// The dropout primitive: x * bernoulli(1 - p, x.shape, key) / (1 - p), for p in [0, 1). Models
+/// call nn::dropout (layers/dropout.hpp), which adds MLX's identity cases (p = 0, evaluation).
+template <class B>
+GVar dropout_mask_mul(GTape<B>& tp, GVar x, double p, GVar key) {
+  detail::require_float(tp, x, "dropout");
+  detail::require_key(tp, key, "dropout");
+  if (!(p >= 0.0 && p < 1.0)) detail::fail("dropout", "the dropout probability ", p, " is not in [0, 1)");
+  Attrs a;
+  a.scalar = p;
+  GVar in[] = {x, key};
+  return tp.record(detail::DropoutPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/random.hpp ----
+// ---- begin nn/layers/helpers.hpp ----
+// The seed's helpers for writing a model as a list of layer calls: registering the caller's
+// weights (param / constant / input) and constant fills (ones / zeros / full) on a tape.
+
+
+namespace nn {
+
+/// Registers `t` as a parameter bound by reference (the seed's nn_param). Its gradient is
+/// computed when `trainable`; a frozen base weight is `param(tp, w, false)` or `constant(tp, w)`.
+template <class B>
+GVar param(GTape<B>& tp, const Tensor& t, bool trainable = true) {
+  return tp.param(t, trainable);
+}
+
+/// Registers `t` as a value that never gets a gradient (the seed's nn_const).
+template <class B>
+GVar constant(GTape<B>& tp, const Tensor& t) {
+  return tp.constant(t);
+}
+
+/// Registers `t` as an input slot a replay may swap with tp.set() (a batch, a padding mask).
+template <class B>
+GVar input(GTape<B>& tp, const Tensor& t, bool requires_grad = false) {
+  return tp.input(t, requires_grad);
+}
+
+/// A constant of `shape` filled with `value`, allocated by the tape's backend (so it lives where
+/// the tape runs; a host Tensor would be refused by a CUDA tape).
+template <class B>
+GVar full(GTape<B>& tp, const Shape& shape, double value, DType dtype = DType::f32) {
+  Tensor t = B::alloc(shape, dtype);
+  B::fill(t, value);
+  return tp.constant(t);
+}
+/// A constant of ones (the seed's nn_ones).
+template <class B>
+GVar ones(GTape<B>& tp, const Shape& shape, DType dtype = DType::f32) {
+  return full(tp, shape, 1.0, dtype);
+}
+/// A constant of zeros.
+template <class B>
+GVar zeros(GTape<B>& tp, const Shape& shape, DType dtype = DType::f32) {
+  return full(tp, shape, 0.0, dtype);
+}
+
+namespace detail {
+
+/// A host tensor moved to backend B's device (a no-op for the CPU), for tables the layers
+/// compute on the host once (RoPE angles, masks) before registering them.
+template <class B>
+Tensor on_backend(const Tensor& t) {
+  return t.device() == B::device ? t : t.to(B::device);
+}
+
+/// reshape to a Shape known only at run time (ops' reshape takes a braced list); the same view
+/// primitive, so no copy and the same vjp.
+template <class B>
+GVar view(GTape<B>& tp, GVar x, const Shape& s) {
+  if (s.numel() != tp.shape(x).numel())
+    fail("reshape", "cannot view ", tp.shape(x).str(), " as ", s.str());
+  Attrs a;
+  a.shape = s;
+  GVar in[] = {x};
+  return tp.record(ReshapePrim<B>::def, in, a, s, tp.dtype(x));
+}
+
+/// "(2, 3) float64": how layer errors name an operand.
+template <class B>
+std::string desc(const GTape<B>& tp, GVar v) {
+  return tp.shape(v).str() + " " + dtype_name(tp.dtype(v));
+}
+
+/// The float checks every layer does first, raised under the layer's name.
+template <class B>
+void layer_float(const GTape<B>& tp, GVar x, const char* layer, const char* what) {
+  DType t = tp.dtype(x);
+  if (t != DType::f32 && t != DType::f64)
+    fail(layer, what, " must be float32 or float64, got ", desc(tp, x));
+}
+template <class B>
+void layer_same_dtype(const GTape<B>& tp, GVar x, GVar y, const char* layer, const char* xn, const char* yn) {
+  layer_float(tp, x, layer, xn);
+  if (tp.dtype(x) != tp.dtype(y))
+    fail(layer, "dtype mismatch: ", xn, " ", desc(tp, x), " vs ", yn, " ", desc(tp, y));
+}
+
+}  // namespace detail
+
+}  // namespace nn
+// ---- end nn/layers/helpers.hpp ----
+// ---- begin nn/layers/linear.hpp ----
+// Linear and LoRA-adapted linear layers, weights laid out as PyTorch, MLX and Hugging Face store
+// them: weight (out, in), so y = x W^T + b (torch.nn.Linear, mlx.nn.Linear).
+
+
+namespace nn {
+
+namespace detail {
+
+template <class B>
+void check_linear(const GTape<B>& tp, GVar x, GVar w, const char* layer) {
+  layer_same_dtype(tp, x, w, layer, "x", "weight");
+  const Shape &xs = tp.shape(x), &ws = tp.shape(w);
+  if (ws.rank() != 2) fail(layer, "weight must be (out, in), got ", ws.str(), " (x ", xs.str(), ")");
+  if (xs.rank() < 1 || xs.dim(-1) != ws[1])
+    fail(layer, "x ", xs.str(), " does not match weight ", ws.str(), ": x's last dim must equal in = ", ws[1]);
+}
+
+template <class B>
+void check_bias(const GTape<B>& tp, GVar w, GVar b, const char* layer) {
+  layer_same_dtype(tp, w, b, layer, "weight", "bias");
+  const Shape &ws = tp.shape(w), &bs = tp.shape(b);
+  if (bs.rank() != 1 || bs[0] != ws[0])
+    fail(layer, "bias ", bs.str(), " does not match weight ", ws.str(), ": bias must be (out) = (", ws[0], ")");
+}
+
+}  // namespace detail
+
+/// y = x W^T.  x: (..., in), w: (out, in) -> y: (..., out).
+/// The transpose is matmul's trans_b flag (read transposed, never copied), and a batched x folds
+/// into one GEMM against the shared weight.
+template <class B>
+GVar linear(GTape<B>& tp, GVar x, GVar w) {
+  detail::check_linear(tp, x, w, "linear");
+  if (tp.shape(x).rank() == 1) {  // a single vector: (in) -> (out)
+    GVar y = matmul(tp, detail::view(tp, x, Shape{1, tp.shape(x)[0]}), w, false, true);
+    return detail::view(tp, y, Shape{tp.shape(w)[0]});
+  }
+  return matmul(tp, x, w, false, true);
+}
+
+/// y = x W^T + b.  x: (..., in), w: (out, in), b: (out) -> y: (..., out).
+template <class B>
+GVar linear(GTape<B>& tp, GVar x, GVar w, GVar b) {
+  detail::check_linear(tp, x, w, "linear");
+  detail::check_bias(tp, w, b, "linear");
+  return add(tp, linear(tp, x, w), b);
+}
+
+namespace detail {
+
+template <class B>
+void check_lora(const GTape<B>& tp, GVar x, GVar w0, GVar a, GVar b, const char* layer) {
+  check_linear(tp, x, w0, layer);
+  layer_same_dtype(tp, x, a, layer, "x", "lora_a");
+  layer_same_dtype(tp, x, b, layer, "x", "lora_b");
+  const Shape &ws = tp.shape(w0), &as = tp.shape(a), &bs = tp.shape(b);
+  if (as.rank() != 2 || bs.rank() != 2 || as[0] != ws[1] || bs[1] != ws[0] || as[1] != bs[0])
+    fail(layer, "adapters a ", as.str(), " and b ", bs.str(), " do not fit weight ", ws.str(),
+         ": expected a (in, r) = (", ws[1], ", r) and b (r, out) = (r, ", ws[0], ") (mlx-lm orientation)");
+}
+
+/// x M for a matrix M stored (in, out), x of any rank >= 1.
+template <class B>
+GVar right_mul(GTape<B>& tp, GVar x, GVar m) {
+  if (tp.shape(x).rank() == 1) {
+    GVar y = matmul(tp, view(tp, x, Shape{1, tp.shape(x)[0]}), m);
+    return view(tp, y, Shape{tp.shape(m)[1]});
+  }
+  return matmul(tp, x, m);
+}
+
+/// scale * (x A) B, the adapter branch. The scale is applied to the (..., r) intermediate:
+/// the same product as mlx-lm's scale * ((x A) B), on r columns instead of out.
+template <class B>
+GVar lora_branch(GTape<B>& tp, GVar x, GVar a, GVar b, double scale) {
+  GVar xa = right_mul(tp, x, a);
+  if (scale != 1.0) xa = nn::scale(tp, xa, scale);
+  return right_mul(tp, xa, b);
+}
+
+}  // namespace detail
+
+/// y = x W0^T + scale (x A) B: a frozen base weight plus a low-rank update (Hu et al. 2021,
+/// "LoRA"; mlx-lm tuner/lora.py LoRALinear, whose orientation this follows).
+/// x: (..., in), w0: (out, in), a: (in, r), b: (r, out) -> y: (..., out).
+/// `scale` multiplies the update as given (mlx-lm's `scale`; PEFT's is lora_alpha / r).
+template <class B>
+GVar lora_linear(GTape<B>& tp, GVar x, GVar w0, GVar a, GVar b, double scale) {
+  detail::check_lora(tp, x, w0, a, b, "lora_linear");
+  return add(tp, linear(tp, x, w0), detail::lora_branch(tp, x, a, b, scale));
+}
+
+/// y = x W0^T + b0 + scale (x A) B (a base layer with a bias, e.g. Qwen2's q/k/v projections).
+/// bias0: (out).
+template <class B>
+GVar lora_linear(GTape<B>& tp, GVar x, GVar w0, GVar bias0, GVar a, GVar b, double scale) {
+  detail::check_lora(tp, x, w0, a, b, "lora_linear");
+  detail::check_bias(tp, w0, bias0, "lora_linear");
+  return add(tp, linear(tp, x, w0, bias0), detail::lora_branch(tp, x, a, b, scale));
+}
+
+}  // namespace nn
+// ---- end nn/layers/linear.hpp ----
+// ---- begin nn/layers/norm.hpp ----
+// Normalization over the last axis: RMSNorm (Zhang & Sennrich 2019; mlx.nn.RMSNorm, HF
+// LlamaRMSNorm) and LayerNorm (Ba et al. 2016; torch.nn.LayerNorm, mlx.nn.LayerNorm).
+
+
+namespace nn {
+
+namespace detail {
+
+template <class B>
+void check_norm_weight(const GTape<B>& tp, GVar x, GVar w, const char* layer, const char* what) {
+  layer_same_dtype(tp, x, w, layer, "x", what);
+  const Shape &xs = tp.shape(x), &ws = tp.shape(w);
+  if (ws.rank() != 1 || xs.rank() < 1 || ws[0] != xs.dim(-1))
+    fail(layer, what, " ", ws.str(), " does not match x ", xs.str(), ": expected (", xs.rank() ? xs.dim(-1) : 0, ")");
+}
+
+template <class B>
+void check_norm_input(const GTape<B>& tp, GVar x, double eps, const char* layer) {
+  layer_float(tp, x, layer, "x");
+  if (tp.shape(x).rank() < 1 || tp.shape(x).dim(-1) == 0)
+    fail(layer, "x must have a non-empty last axis, got ", tp.shape(x).str());
+  if (!(eps >= 0)) fail(layer, "eps must be >= 0, got ", eps);
+}
+
+}  // namespace detail
+
+/// y = x / sqrt(mean(x^2) + eps), over the last axis, without a gain.  x: (..., C) -> (..., C).
+template <class B>
+GVar rmsnorm(GTape<B>& tp, GVar x, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "rmsnorm");
+  GVar ms = mean(tp, mul(tp, x, x), {-1}, true);  // (..., 1)
+  return mul(tp, x, rsqrt(tp, add_scalar(tp, ms, eps)));
+}
+
+/// y = x / sqrt(mean(x^2) + eps) * w.  x: (..., C), w: (C) -> (..., C).
+/// The order (normalise, then scale by w) is HF's Qwen2/Llama RMSNorm and MLX's fast.rms_norm.
+template <class B>
+GVar rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "rmsnorm");
+  detail::check_norm_weight(tp, x, w, "rmsnorm", "weight");
+  return mul(tp, rmsnorm(tp, x, eps), w);
+}
+
+/// y = (x - mean) / sqrt(var + eps), biased variance over the last axis, no affine.
+/// x: (..., C) -> (..., C).
+template <class B>
+GVar layernorm(GTape<B>& tp, GVar x, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "layernorm");
+  GVar xc = sub(tp, x, mean(tp, x, {-1}, true));
+  GVar var = mean(tp, mul(tp, xc, xc), {-1}, true);  // (..., 1)
+  return mul(tp, xc, rsqrt(tp, add_scalar(tp, var, eps)));
+}
+
+/// LayerNorm with a gain and no bias (torch.nn.LayerNorm(bias=False)).  w: (C).
+template <class B>
+GVar layernorm(GTape<B>& tp, GVar x, GVar w, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "layernorm");
+  detail::check_norm_weight(tp, x, w, "layernorm", "weight");
+  return mul(tp, layernorm(tp, x, eps), w);
+}
+
+/// LayerNorm with gain and bias (the default of torch.nn.LayerNorm and mlx.nn.LayerNorm).
+/// w, b: (C).
+template <class B>
+GVar layernorm(GTape<B>& tp, GVar x, GVar w, GVar b, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "layernorm");
+  detail::check_norm_weight(tp, x, w, "layernorm", "weight");
+  detail::check_norm_weight(tp, x, b, "layernorm", "bias");
+  return add(tp, mul(tp, layernorm(tp, x, eps), w), b);
+}
+
+}  // namespace nn
+// ---- end nn/layers/norm.hpp ----
+// ---- begin nn/layers/activations.hpp ----
+// Activations at layer level: SiLU, the three GELUs with MLX's definitions, and SwiGLU.
+// relu, sigmoid, tanh, softmax and log_softmax are primitives already (nn::relu etc. in
+// ops/elementwise.hpp and ops/softmax.hpp); they are not redefined here.
+
+
+namespace nn {
+
+/// x * sigmoid(x) (Elfwing et al. 2017; mlx.nn.silu, torch.nn.functional.silu).
+template <class B>
+GVar silu(GTape<B>& tp, GVar x) {
+  detail::layer_float(tp, x, "silu", "x");
+  return unary(tp, Unary::silu, x);
+}
+
+/// 0.5 x (1 + erf(x / sqrt 2)), the exact GELU (Hendrycks & Gimpel 2016; mlx.nn.gelu,
+/// torch.nn.functional.gelu).
+template <class B>
+GVar gelu(GTape<B>& tp, GVar x) {
+  detail::layer_float(tp, x, "gelu", "x");
+  return unary(tp, Unary::gelu, x);
+}
+
+/// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (mlx.nn.gelu_approx; torch's
+/// gelu(approximate="tanh")).
+template <class B>
+GVar gelu_approx(GTape<B>& tp, GVar x) {
+  detail::layer_float(tp, x, "gelu_approx", "x");
+  return unary(tp, Unary::gelu_approx, x);
+}
+
+/// x * sigmoid(1.702 x) (mlx.nn.gelu_fast_approx, "QuickGELU").
+template <class B>
+GVar gelu_fast_approx(GTape<B>& tp, GVar x) {
+  detail::layer_float(tp, x, "gelu_fast_approx", "x");
+  return unary(tp, Unary::gelu_fast, x);
+}
+
+/// silu(gate) * up (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama / Qwen2 MLP).
+/// gate, up: (..., I) -> (..., I).
+template <class B>
+GVar swiglu(GTape<B>& tp, GVar gate, GVar up) {
+  detail::layer_same_dtype(tp, gate, up, "swiglu", "gate", "up");
+  if (!(tp.shape(gate) == tp.shape(up)))
+    detail::fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
+  return mul(tp, silu(tp, gate), up);
+}
+
+}  // namespace nn
+// ---- end nn/layers/activations.hpp ----
+// ---- begin nn/layers/rope.hpp ----
+// Rotary position embedding (Su et al. 2021, "RoFormer"): the cos/sin tables and the rotation,
+// in the NEOX half-split form (mlx.nn.RoPE traditional=False, HF rotate_half) and the original
+// interleaved form (traditional=True), on the first `dims` features only.
+
+#include <cmath>
+
+
+namespace nn {
+
+/// cos and sin of the rotation angles, each (T, dims/2):
+///   angle[t, i] = (t + offset) * scale * base^(-i / (dims/2)),  i < dims/2
+/// (mlx.nn.RoPE / mlx.fast.rope: positions scaled by `scale`; HF's inv_freq = 1/base^(2i/dims)).
+/// Angles are computed in double, then rounded once to `dtype`.
+struct RopeTable {
+  Tensor cos, sin;
+};
+
+inline RopeTable rope_fill(std::int64_t T, std::int64_t dims, double base = 10000.0, double scale = 1.0,
+                           std::int64_t offset = 0, DType dtype = DType::f32) {
+  if (T < 0 || dims <= 0 || dims % 2 != 0)
+    detail::fail("rope_fill", "needs T >= 0 and an even dims > 0, got T = ", T, ", dims = ", dims);
+  if (!(base > 0)) detail::fail("rope_fill", "base must be > 0, got ", base);
+  if (!is_floating(dtype)) detail::fail("rope_fill", "dtype must be floating point, got ", dtype_name(dtype));
+  const std::int64_t half = dims / 2;
+  std::vector<double> c(static_cast<std::size_t>(T * half)), s(c.size());
+  for (std::int64_t i = 0; i < half; ++i) {
+    const double inv_freq = std::pow(base, -static_cast<double>(i) / static_cast<double>(half));
+    for (std::int64_t t = 0; t < T; ++t) {
+      const double a = static_cast<double>(t + offset) * scale * inv_freq;
+      c[static_cast<std::size_t>(t * half + i)] = std::cos(a);
+      s[static_cast<std::size_t>(t * half + i)] = std::sin(a);
+    }
+  }
+  return {Tensor::from_doubles(Shape{T, half}, c, dtype), Tensor::from_doubles(Shape{T, half}, s, dtype)};
+}
+
+/// The tables registered as constants on a tape (on its backend's device).
+struct RopeVars {
+  GVar cos, sin;
+};
+
+template <class B>
+RopeVars rope_fill(GTape<B>& tp, std::int64_t T, std::int64_t dims, double base = 10000.0, double scale = 1.0,
+                   std::int64_t offset = 0, DType dtype = DType::f32) {
+  RopeTable t = rope_fill(T, dims, base, scale, offset, dtype);
+  return {tp.constant(detail::on_backend<B>(t.cos)), tp.constant(detail::on_backend<B>(t.sin))};
+}
+
+namespace detail {
+
+template <class B>
+void check_rope(const GTape<B>& tp, GVar x, GVar cos, GVar sin, const char* layer) {
+  layer_same_dtype(tp, x, cos, layer, "x", "cos");
+  layer_same_dtype(tp, x, sin, layer, "x", "sin");
+  const Shape &xs = tp.shape(x), &cs = tp.shape(cos), &ss = tp.shape(sin);
+  if (!(cs == ss)) fail(layer, "cos ", cs.str(), " and sin ", ss.str(), " must have the same shape");
+  if (xs.rank() < 2 || cs.rank() < 2)
+    fail(layer, "x must be (..., T, D) and cos/sin (..., T, dims/2), got x ", xs.str(), " and cos ", cs.str());
+  if (2 * cs.dim(-1) > xs.dim(-1))
+    fail(layer, "cos/sin ", cs.str(), " rotate ", 2 * cs.dim(-1), " features but x ", xs.str(), " has only ",
+         xs.dim(-1));
+  Shape rot = xs;
+  rot[rot.rank() - 1] = cs.dim(-1);
+  if (!broadcasts_to(cs, rot))
+    fail(layer, "cos/sin ", cs.str(), " do not broadcast against x ", xs.str(), " (expected (T, dims/2) = (",
+         xs.dim(-2), ", ", cs.dim(-1), ") or a broadcastable batch of it)");
+}
+
+}  // namespace detail
+
+/// Rotates pairs of the first dims = 2 * cos.shape[-1] features of x by the table's angles; the
+/// features past dims pass through unchanged.
+///   x: (..., T, D), cos/sin: (T, dims/2) (or anything broadcasting to (..., T, dims/2)).
+/// NEOX form (traditional = false, the default as in mlx.nn.RoPE and HF Llama/Qwen2): the pairs
+/// are (x[i], x[i + dims/2]).  Traditional form: the pairs are (x[2i], x[2i + 1]).
+///   (a, b) -> (a cos - b sin, a sin + b cos)
+template <class B>
+GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
+  detail::check_rope(tp, x, cos, sin, "rope");
+  const Shape xs = tp.shape(x);  // a copy: used after recording
+  const std::int64_t D = xs.dim(-1), half = tp.shape(cos).dim(-1), dims = 2 * half;
+  GVar rotated;
+  if (!traditional) {
+    GVar x1 = slice(tp, x, -1, 0, half);     // (..., T, dims/2)
+    GVar x2 = slice(tp, x, -1, half, dims);  // (..., T, dims/2)
+    GVar o1 = sub(tp, mul(tp, x1, cos), mul(tp, x2, sin));
+    GVar o2 = add(tp, mul(tp, x1, sin), mul(tp, x2, cos));
+    rotated = concat(tp, {o1, o2}, -1);
+  } else {
+    // View the rotated features as (..., T, dims/2, 2) pairs and the tables as (..., T, dims/2, 1).
+    GVar xr = dims == D ? x : slice(tp, x, -1, 0, dims);
+    Shape pairs = xs;
+    pairs[pairs.rank() - 1] = half;
+    pairs.push_back(2);
+    xr = detail::view(tp, xr, pairs);
+    Shape tab = tp.shape(cos);
+    tab.push_back(1);
+    GVar c = detail::view(tp, cos, tab), s = detail::view(tp, sin, tab);
+    GVar x1 = slice(tp, xr, -1, 0, 1), x2 = slice(tp, xr, -1, 1, 2);  // (..., T, dims/2, 1)
+    GVar o1 = sub(tp, mul(tp, x1, c), mul(tp, x2, s));
+    GVar o2 = add(tp, mul(tp, x1, s), mul(tp, x2, c));
+    Shape flat = xs;
+    flat[flat.rank() - 1] = dims;
+    rotated = detail::view(tp, concat(tp, {o1, o2}, -1), flat);
+  }
+  if (dims == D) return rotated;
+  return concat(tp, {rotated, slice(tp, x, -1, dims, D)}, -1);
+}
+
+}  // namespace nn
+// ---- end nn/layers/rope.hpp ----
+// ---- begin nn/layers/mask.hpp ----
+// Additive attention masks: 0 where a query may attend to a key, a large negative where it may
+// not (added to the scores before the softmax), as mlx.nn.MultiHeadAttention.create_additive_causal_mask
+// and Hugging Face's 4-D attention masks.
+
+#include <limits>
+
+
+namespace nn {
+
+/// The default masked value: MLX's -1e9. Finite on purpose: a row whose keys are all masked
+/// gets a uniform softmax instead of the NaN that -inf would give (as HF's finfo.min does), and
+/// exp(-1e9 - max) is exactly 0, so a masked key contributes exactly nothing.
+inline constexpr double kMaskedValue = -1e9;
+
+/// Causal mask (T, T + offset): entry (i, j) is `masked` when key j lies after query i, i.e.
+/// j > i + offset (queries are the last T of T + offset positions, as with a KV cache).
+inline Tensor causal_mask_fill(std::int64_t T, DType dtype = DType::f32, double masked = kMaskedValue,
+                               std::int64_t offset = 0) {
+  if (T < 0 || offset < 0) detail::fail("causal_mask_fill", "needs T >= 0 and offset >= 0, got T = ", T, ", offset = ", offset);
+  if (!is_floating(dtype)) detail::fail("causal_mask_fill", "dtype must be floating point, got ", dtype_name(dtype));
+  const std::int64_t S = T + offset;
+  std::vector<double> m(static_cast<std::size_t>(T * S));
+  for (std::int64_t i = 0; i < T; ++i)
+    for (std::int64_t j = 0; j < S; ++j) m[static_cast<std::size_t>(i * S + j)] = j > i + offset ? masked : 0.0;
+  return Tensor::from_doubles(Shape{T, S}, m, dtype);
+}
+
+namespace detail {
+inline void check_keep(const Tensor& keep, const char* op) {
+  if (!keep.defined() || keep.rank() != 2)
+    fail(op, "keep must be (B, S) with 1 for a real token and 0 for padding, got ",
+         keep.defined() ? keep.shape().str() : std::string("an empty tensor"));
+  if (keep.device() != Device::cpu) fail(op, "keep must be a host tensor, got one on ", keep.device());
+}
+}  // namespace detail
+
+/// Key-padding mask (B, 1, 1, S) from keep (B, S) (nonzero = a real token): `masked` on the
+/// padded keys of each sequence, for every head and query.
+inline Tensor padding_mask_fill(const Tensor& keep, DType dtype = DType::f32, double masked = kMaskedValue) {
+  detail::check_keep(keep, "padding_mask_fill");
+  if (!is_floating(dtype)) detail::fail("padding_mask_fill", "dtype must be floating point, got ", dtype_name(dtype));
+  const std::int64_t Bn = keep.dim(0), S = keep.dim(1);
+  std::vector<double> m(static_cast<std::size_t>(Bn * S));
+  for (std::int64_t i = 0; i < Bn * S; ++i) m[static_cast<std::size_t>(i)] = keep.item(i) != 0 ? 0.0 : masked;
+  return Tensor::from_doubles(Shape{Bn, 1, 1, S}, m, dtype);
+}
+
+/// Causal and key-padding mask together (B, 1, T, T): the 4-D mask HF builds for a padded
+/// batch. keep: (B, T).
+inline Tensor attention_mask_fill(const Tensor& keep, DType dtype = DType::f32, double masked = kMaskedValue) {
+  detail::check_keep(keep, "attention_mask_fill");
+  if (!is_floating(dtype)) detail::fail("attention_mask_fill", "dtype must be floating point, got ", dtype_name(dtype));
+  const std::int64_t Bn = keep.dim(0), T = keep.dim(1);
+  std::vector<double> m(static_cast<std::size_t>(Bn * T * T));
+  for (std::int64_t b = 0; b < Bn; ++b)
+    for (std::int64_t i = 0; i < T; ++i)
+      for (std::int64_t j = 0; j < T; ++j)
+        m[static_cast<std::size_t>((b * T + i) * T + j)] = (j <= i && keep.item(b * T + j) != 0) ? 0.0 : masked;
+  return Tensor::from_doubles(Shape{Bn, 1, T, T}, m, dtype);
+}
+
+/// The tape forms register the mask as a constant on the tape's device. (A mask that changes
+/// between replays, e.g. padding per batch, belongs in an input slot: nn::input(tp, mask).)
+template <class B>
+GVar causal_mask_fill(GTape<B>& tp, std::int64_t T, DType dtype = DType::f32, double masked = kMaskedValue,
+                      std::int64_t offset = 0) {
+  return tp.constant(detail::on_backend<B>(causal_mask_fill(T, dtype, masked, offset)));
+}
+template <class B>
+GVar attention_mask_fill(GTape<B>& tp, const Tensor& keep, DType dtype = DType::f32, double masked = kMaskedValue) {
+  return tp.constant(detail::on_backend<B>(attention_mask_fill(keep, dtype, masked)));
+}
+
+}  // namespace nn
+// ---- end nn/layers/mask.hpp ----
+// ---- begin nn/layers/attention.hpp ----
+// Multi-head attention with grouped-query sharing (Vaswani et al. 2017; Ainslie et al. 2023,
+// "GQA"), as HF's LlamaAttention / Qwen2Attention compute it: per-head RoPE, scaled scores, an
+// additive mask, softmax, weighted sum of values, heads concatenated.
+
+
+namespace nn {
+
+/// Head h's slice of a packed projection.  x: (..., n * head_dim) -> (..., head_dim).
+template <class B>
+GVar head(GTape<B>& tp, GVar x, std::int64_t h, std::int64_t head_dim) {
+  const Shape& xs = tp.shape(x);
+  if (xs.rank() < 1 || head_dim <= 0 || xs.dim(-1) % head_dim != 0)
+    detail::fail("head", "x ", xs.str(), " is not a whole number of heads of size ", head_dim);
+  const std::int64_t n = xs.dim(-1) / head_dim;
+  if (h < 0 || h >= n) detail::fail("head", "head ", h, " out of range: x ", xs.str(), " holds ", n, " heads of size ", head_dim);
+  return slice(tp, x, -1, h * head_dim, (h + 1) * head_dim);
+}
+
+namespace detail {
+
+/// The mask as a rank-5 view that broadcasts against the grouped scores (B, n_kv, group, T, T):
+/// a mask of (B | 1, n_heads | 1, T | 1, T), left-padded with 1s as NumPy broadcasting does.
+template <class B>
+GVar grouped_mask(GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std::int64_t nh, std::int64_t nkv) {
+  const Shape& ms = tp.shape(mask);
+  std::int64_t d[4] = {1, 1, 1, 1};
+  bool ok = ms.rank() >= 1 && ms.rank() <= 4;
+  for (int i = 0; ok && i < ms.rank(); ++i) d[4 - ms.rank() + i] = ms[i];
+  ok = ok && (d[0] == 1 || d[0] == Bn) && (d[1] == 1 || d[1] == nh) && (d[2] == 1 || d[2] == T) && d[3] == T;
+  if (!ok)
+    fail("gqa_attention", "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn,
+         ", ", nh, ", ", T, ", ", T, ")");
+  const bool per_head = d[1] == nh && nh > 1;
+  return view(tp, mask, Shape{d[0], per_head ? nkv : 1, per_head ? nh / nkv : 1, d[2], d[3]});
+}
+
+}  // namespace detail
+
+/// Grouped-query attention over packed projections.
+///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
+///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
+///   cos, sin: RoPE tables (T, dims/2) from rope_fill, dims <= head_dim; pass GVar{} for no RoPE
+///   mask: additive, broadcasting against (B, n_heads, T, T) — (T, T) causal, (B, 1, T, T)
+///         causal + padding (attention_mask_fill); pass GVar{} for none
+///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
+/// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
+/// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
+///
+/// Layout: q is viewed as (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim),
+/// so one batched matmul per kv head serves its whole group: K and V are never repeated, and
+/// their gradients sum over the group inside that matmul's vjp. k, v are (B, n_kv, T, head_dim).
+/// `scale` (usually 1/sqrt(head_dim)) multiplies q after RoPE — the same product as scaling the
+/// scores, on head_dim columns instead of T. `traditional` selects the interleaved RoPE.
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional = false) {
+  const char* L = "gqa_attention";
+  detail::layer_same_dtype(tp, q, k, L, "q", "k");
+  detail::layer_same_dtype(tp, q, v, L, "q", "v");
+  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
+    detail::fail(L, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
+                 ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const Shape qs = tp.shape(q), ks = tp.shape(k), vs = tp.shape(v);  // copies: used after recording
+  const std::int64_t qc = n_heads * head_dim, kc = n_kv_heads * head_dim;
+  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
+  if (!ranks_ok || qs.dim(-1) != qc || ks.dim(-1) != kc || vs.dim(-1) != kc ||
+      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
+      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1) || !(ks == vs))
+    detail::fail(L, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
+                 ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim, ": expected q (B, T, ", qc,
+                 ") and k, v (B, T, ", kc, ") (or rows B*T)");
+  const std::int64_t Bn = qs.prod(0, qs.rank() - 1) / T, nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
+
+  GVar qh = permute(tp, detail::view(tp, q, Shape{Bn, T, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, T, hd)
+  GVar kh = permute(tp, detail::view(tp, k, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  GVar vh = permute(tp, detail::view(tp, v, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  if (cos.valid() || sin.valid()) {
+    if (!cos.valid() || !sin.valid()) detail::fail(L, "pass both cos and sin, or neither");
+    detail::check_rope(tp, kh, cos, sin, L);
+    if (tp.shape(cos).rank() > 2 || tp.shape(cos).dim(-2) != T)
+      detail::fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", tp.shape(cos).str());
+    qh = rope(tp, qh, cos, sin, traditional);
+    kh = rope(tp, kh, cos, sin, traditional);
+  }
+  qh = nn::scale(tp, qh, scale);
+  GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  if (mask.valid()) {
+    detail::layer_same_dtype(tp, q, mask, L, "q", "mask");
+    GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
+    scores = add(tp, detail::view(tp, scores, Shape{Bn, nkv, g, T, T}), m);  // (B, nkv, g, T, T)
+  }
+  GVar p = softmax(tp, scores);
+  GVar ctx = matmul(tp, detail::view(tp, p, Shape{Bn, nkv, g * T, T}), vh);  // (B, nkv, g*T, hd)
+  ctx = permute(tp, detail::view(tp, ctx, Shape{Bn, nkv, g, T, hd}), {0, 3, 1, 2, 4});  // (B, T, nkv, g, hd)
+  return detail::view(tp, ctx, qs);
+}
+
+}  // namespace nn
+// ---- end nn/layers/attention.hpp ----
+// ---- begin nn/layers/embedding.hpp ----
+// Token embedding: rows of a table looked up by integer ids (torch.nn.Embedding, mlx.nn.Embedding).
+
+
+namespace nn {
+
+/// ids: (...) int32/int64, table: (vocab, C) -> (..., C).
+/// The gradient scatter-adds into the table's rows, so a repeated id accumulates (the
+/// gather_rows primitive); an id outside [0, vocab) raises on every run, replays included.
+template <class B>
+GVar embedding(GTape<B>& tp, GVar ids, GVar table) {
+  detail::layer_float(tp, table, "embedding", "table");
+  DType it = tp.dtype(ids);
+  if (it != DType::i32 && it != DType::i64)
+    detail::fail("embedding", "ids must be int32 or int64, got ", detail::desc(tp, ids));
+  if (tp.shape(table).rank() != 2)
+    detail::fail("embedding", "table must be (vocab, C), got ", tp.shape(table).str(), " (ids ", tp.shape(ids).str(), ")");
+  return gather_rows(tp, table, ids);
+}
+
+}  // namespace nn
+// ---- end nn/layers/embedding.hpp ----
+// ---- begin nn/layers/loss.hpp ----
+// Cross-entropy losses (torch.nn.functional.cross_entropy, mlx.nn.losses.cross_entropy) and the
+// next-token form over the first N rows of a sequence (the seed's nn_cross_entropy_rows).
+
+
+namespace nn {
+
+namespace detail {
+
+template <class B>
+GVar reduce_rows(GTape<B>& tp, GVar rows, Reduction reduction) {
+  if (reduction == Reduction::none) return rows;
+  return reduction == Reduction::sum ? sum(tp, rows) : mean(tp, rows);
+}
+
+/// -sum_j p_j log softmax(x)_j per row: probability (or one-hot, or label-smoothed) targets.
+template <class B>
+GVar prob_cross_entropy_rows(GTape<B>& tp, GVar logits, GVar probs) {
+  if (!(tp.shape(logits) == tp.shape(probs)))
+    fail("cross_entropy", "probability targets ", tp.shape(probs).str(), " must have the logits' shape ",
+         tp.shape(logits).str());
+  layer_same_dtype(tp, logits, probs, "cross_entropy", "logits", "targets");
+  return neg(tp, sum(tp, mul(tp, probs, log_softmax(tp, logits)), {-1}));
+}
+
+/// keep * rows, reduced: sum -> sum(keep * rows), mean -> sum(keep * rows) / sum(keep).
+template <class B>
+GVar weighted(GTape<B>& tp, GVar rows, GVar keep, Reduction reduction) {
+  GVar w = mul(tp, rows, keep);
+  if (reduction == Reduction::none) return w;
+  GVar total = sum(tp, w);
+  return reduction == Reduction::sum ? total : div(tp, total, sum(tp, keep));
+}
+
+template <class B>
+void check_logits(const GTape<B>& tp, GVar logits) {
+  layer_float(tp, logits, "cross_entropy", "logits");
+  if (tp.shape(logits).rank() < 1 || tp.shape(logits).dim(-1) == 0)
+    fail("cross_entropy", "logits must be (..., V) with V > 0, got ", tp.shape(logits).str());
+}
+
+}  // namespace detail
+
+/// Softmax cross-entropy, classes on the last axis (as MLX).
+///   logits: (..., V).  targets: integer class ids (...), or probabilities (..., V) (one-hot,
+///   label-smoothed) when float.  -> () for mean / sum, (...) for none.
+/// Integer targets go through the fused softmax_cross_entropy primitive: no (..., V) one-hot or
+/// log-probabilities are materialised, logits in the thousands are safe (max-subtracted), and a
+/// target equal to `ignore_index` (default -100, as PyTorch) is left out, the mean being over
+/// the rest. Probability targets: mean over all rows (PyTorch's rule); ignore_index unused.
+template <class B>
+GVar cross_entropy(GTape<B>& tp, GVar logits, GVar targets, Reduction reduction = Reduction::mean,
+                   std::int64_t ignore_index = -100) {
+  detail::check_logits(tp, logits);
+  if (is_floating(tp.dtype(targets)))
+    return detail::reduce_rows(tp, detail::prob_cross_entropy_rows(tp, logits, targets), reduction);
+  return softmax_cross_entropy(tp, logits, targets, reduction, ignore_index);
+}
+
+/// The same with per-row weights `keep` (...) (1 = count the row, 0 = skip it; mlx-lm's length
+/// mask): sum -> sum(keep * loss), mean -> sum(keep * loss) / sum(keep), none -> keep * loss.
+/// keep may be a constant or an input slot (set per batch on replay).
+template <class B>
+GVar cross_entropy(GTape<B>& tp, GVar logits, GVar targets, GVar keep, Reduction reduction = Reduction::mean,
+                   std::int64_t ignore_index = -100) {
+  detail::check_logits(tp, logits);
+  detail::layer_same_dtype(tp, logits, keep, "cross_entropy", "logits", "keep");
+  Shape rows_shape = tp.shape(logits);
+  Shape expect;
+  for (int i = 0; i + 1 < rows_shape.rank(); ++i) expect.push_back(rows_shape[i]);
+  if (!(tp.shape(keep) == expect))
+    detail::fail("cross_entropy", "keep ", tp.shape(keep).str(), " must have the logits' leading dims ", expect.str(),
+                 " (logits ", rows_shape.str(), ")");
+  GVar rows = is_floating(tp.dtype(targets)) ? detail::prob_cross_entropy_rows(tp, logits, targets)
+                                             : softmax_cross_entropy(tp, logits, targets, Reduction::none, ignore_index);
+  return detail::weighted(tp, rows, keep, reduction);
+}
+
+namespace detail {
+template <class B>
+void check_rows(const GTape<B>& tp, GVar logits, GVar targets, std::int64_t n_rows) {
+  check_logits(tp, logits);
+  const Shape &ls = tp.shape(logits), &ts = tp.shape(targets);
+  // integer targets are (..., n_rows); probability targets (..., n_rows, V)
+  const int row_axis = is_floating(tp.dtype(targets)) ? 2 : 1;
+  if (ls.rank() < 2 || n_rows < 0 || n_rows > ls.dim(-2) || ts.rank() < row_axis || ts.dim(-row_axis) != n_rows)
+    fail("cross_entropy_rows", "logits ", ls.str(), " and targets ", ts.str(), " do not fit n_rows = ", n_rows,
+         ": expected logits (..., T, V) with T >= n_rows and targets (..., n_rows) (or (..., n_rows, V))");
+}
+template <class B>
+GVar first_rows(GTape<B>& tp, GVar logits, GVar targets, std::int64_t n_rows) {
+  check_rows(tp, logits, targets, n_rows);
+  return n_rows == tp.shape(logits).dim(-2) ? logits : slice(tp, logits, -2, 0, n_rows);
+}
+}  // namespace detail
+
+/// Next-token cross-entropy: only the first n_rows positions of each sequence are scored (the
+/// last position has no next token; the seed's nn_cross_entropy_rows).
+///   logits: (..., T, V), targets: (..., n_rows) (the tokens shifted left), n_rows <= T.
+/// With integer targets the fused primitive reads the first n_rows rows in place (no copy of
+/// the logits); probability targets (..., n_rows, V) go through a slice.
+template <class B>
+GVar cross_entropy_rows(GTape<B>& tp, GVar logits, GVar targets, std::int64_t n_rows,
+                        Reduction reduction = Reduction::mean, std::int64_t ignore_index = -100) {
+  if (is_floating(tp.dtype(targets)))
+    return cross_entropy(tp, detail::first_rows(tp, logits, targets, n_rows), targets, reduction, ignore_index);
+  detail::check_rows(tp, logits, targets, n_rows);
+  return softmax_cross_entropy_rows(tp, logits, targets, reduction, ignore_index);
+}
+/// The same with per-row weights keep (..., n_rows).
+template <class B>
+GVar cross_entropy_rows(GTape<B>& tp, GVar logits, GVar targets, GVar keep, std::int64_t n_rows,
+                        Reduction reduction = Reduction::mean, std::int64_t ignore_index = -100) {
+  if (is_floating(tp.dtype(targets)))
+    return cross_entropy(tp, detail::first_rows(tp, logits, targets, n_rows), targets, keep, reduction, ignore_index);
+  detail::check_rows(tp, logits, targets, n_rows);
+  detail::layer_same_dtype(tp, logits, keep, "cross_entropy_rows", "logits", "keep");
+  if (!(tp.shape(keep) == tp.shape(targets)))
+    detail::fail("cross_entropy_rows", "keep ", tp.shape(keep).str(), " must have the targets' shape ",
+                 tp.shape(targets).str());
+  return detail::weighted(tp, softmax_cross_entropy_rows(tp, logits, targets, Reduction::none, ignore_index), keep,
+                          reduction);
+}
+
+}  // namespace nn
+// ---- end nn/layers/loss.hpp ----
+// ---- begin nn/layers/dropout.hpp ----
+// Dropout as MLX's nn.Dropout: in training, y = x * bernoulli(1 - p, x.shape, key) / (1 - p);
+// in evaluation, or with p = 0, y = x.
+
+
+namespace nn {
+
+/// MLX nn.Dropout(p) (python/mlx/nn/layers/dropout.py) on the tape.
+///   x:   (...) float32 or float64
+///   key: uint32 (2), an MLX key, normally an input slot (tp.input(nn::random::next_key())): a
+///        compiled step sets a fresh key into the slot before each replay, as MLX threads its
+///        random state through mx.compile, so each replay draws a new mask, and the masks equal
+///        mx.random.bernoulli(1 - p, x.shape, key=k) for the same keys.
+/// p outside [0, 1) raises, as MLX does. p = 0 and training = false return x itself (no node;
+/// switching mode therefore means recording the step again, as the design has it).
+template <class B>
+GVar dropout(GTape<B>& tp, GVar x, double p, GVar key, bool training = true) {
+  if (!(p >= 0.0 && p < 1.0)) detail::fail("dropout", "the dropout probability ", p, " is not in [0, 1)");
+  detail::require_key(tp, key, "dropout");
+  if (p == 0.0 || !training) return x;
+  return dropout_mask_mul(tp, x, p, key);
+}
+
+}  // namespace nn
+// ---- end nn/layers/dropout.hpp ----
+// ---- begin nn/io/safetensors.hpp ----
+// safetensors: a validating, memory-mapped reader of every dtype the format defines, and an
+// atomic (temp file + fsync + rename), MLX-compatible writer.
+//
+// Format (huggingface/safetensors README, safetensors/src/tensor.rs): an 8-byte little-endian
+// u64 N, N bytes of UTF-8 JSON starting with '{' (padded with spaces), then the data buffer.
+// Each tensor entry is {"dtype", "shape", "data_offsets": [begin, end)} relative to the buffer;
+// the tensors cover the buffer exactly, with no holes and no overlaps. "__metadata__" maps
+// strings to strings.
+//
+// Reading. SafetensorsFile mmaps the file read-only and validates the whole header before any
+// tensor is handed out; a bad file raises nn::Error "[safetensors] <file>: tensor "<name>":
+// <what> (rule: <rule>)". The rules, by name:
+//   file too short · header size limit (N <= 100,000,000) · header length (N inside the file) ·
+//   header start ('{' first) · JSON (well-formed UTF-8 JSON, trailing whitespace only) ·
+//   header structure (objects where objects belong) · no duplicate names (tensor names,
+//   metadata keys and tensor fields; nlohmann's DOM parser would silently keep the last one, so
+//   the header is read through a SAX handler) · metadata strings · missing field · known dtype ·
+//   shape · data_offsets · byte size (shape x dtype = end - begin, whole bytes, no overflow) ·
+//   offsets inside buffer · no overlap · no holes (the buffer is covered exactly).
+// Compatibility with the Rust reader: unknown fields inside a tensor entry are skipped and
+// "__metadata__": null means no metadata, as there; we are stricter on duplicates and on '{'.
+// The mapping is released when the last SafetensorsFile / SafetensorsView that shares it goes.
+//
+// safetensors dtype -> nn::Tensor (SafetensorsView::to_tensor, always a copy into aligned storage):
+//   F64 -> f64   F32 -> f32   F16 -> f16   BF16 -> bf16   (bit-exact; convert with Tensor::to)
+//   I64 -> i64   I32 -> i32   I16, I8 -> i32 (sign-extended)   U16 -> i32   U32 -> u32   U8 -> u8
+//   BOOL -> u8 (0 or 1; any nonzero byte reads as 1)
+//   F4 F6_E2M3 F6_E3M2 F8_* C64 U64: parsed and validated, raw bytes through view().bytes();
+//   to_tensor() raises naming the dtype (nn has no such tensor dtype).
+//
+// Writing. save_safetensors writes the header padded with spaces to a multiple of 8 (as the Rust
+// and MLX writers do), "__metadata__" first, then every tensor in the order given, little-endian
+// and row-major; to a temporary file in the target's folder, fsync'ed, then renamed over the
+// target, so a crash leaves either the old file or the new one, never a truncated one.
+// nn::Tensor dtype -> safetensors: f32 F32, f64 F64, bf16 BF16, f16 F16, i32 I32, i64 I64,
+// u32 U32, u8 U8.
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+#if defined(_WIN32)
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
+#ifndef WIN32_LEAN_AND_MEAN
+#define WIN32_LEAN_AND_MEAN
+#endif
+#include <windows.h>
+#else
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+namespace nn {
+
+// ---------------------------------------------------------------------------------------------
+// Dtypes of the format
+
+/// Every element type the safetensors format defines, spelled as in the header.
+enum class SafetensorsDtype : std::uint8_t {
+  BOOL, F4, F6_E2M3, F6_E3M2, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ,
+  I16, U16, F16, BF16, I32, U32, F32, C64, F64, I64, U64
+};
+inline constexpr int kSafetensorsDtypeCount = 22;
+
+namespace detail {
+struct StDtypeInfo {
+  const char* name;
+  int bits;  // F4 and F6 pack several elements per byte; a tensor must still fill whole bytes
+};
+inline constexpr StDtypeInfo kStDtypes[kSafetensorsDtypeCount] = {
+    {"BOOL", 8},     {"F4", 4},           {"F6_E2M3", 6},      {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},       {"F8_E5M2", 8},      {"F8_E4M3", 8},      {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},      {"U16", 16},         {"F16", 16},    {"BF16", 16},
+    {"I32", 32},     {"U32", 32},         {"F32", 32},         {"C64", 64},    {"F64", 64},
+    {"I64", 64},     {"U64", 64}};
+}  // namespace detail
+
+/// The header spelling ("BF16", "F8_E4M3", ...).
+constexpr const char* safetensors_dtype_name(SafetensorsDtype t) {
+  return detail::kStDtypes[static_cast<int>(t)].name;
+}
+/// Bits per element (4 for F4, 6 for F6_*, 64 for C64).
+constexpr int safetensors_dtype_bits(SafetensorsDtype t) { return detail::kStDtypes[static_cast<int>(t)].bits; }
+
+/// The dtype a header spells, or nothing when the name is not one of the 22.
+inline std::optional<SafetensorsDtype> parse_safetensors_dtype(std::string_view name) {
+  for (int i = 0; i < kSafetensorsDtypeCount; ++i)
+    if (name == detail::kStDtypes[i].name) return static_cast<SafetensorsDtype>(i);
+  return std::nullopt;
+}
+
+/// The nn::Tensor dtype a safetensors dtype loads as (see the table at the top), if any.
+constexpr std::optional<DType> safetensors_tensor_dtype(SafetensorsDtype t) {
+  switch (t) {
+    case SafetensorsDtype::F64: return DType::f64;
+    case SafetensorsDtype::F32: return DType::f32;
+    case SafetensorsDtype::F16: return DType::f16;
+    case SafetensorsDtype::BF16: return DType::bf16;
+    case SafetensorsDtype::I64: return DType::i64;
+    case SafetensorsDtype::I32:
+    case SafetensorsDtype::I16:
+    case SafetensorsDtype::U16:
+    case SafetensorsDtype::I8: return DType::i32;
+    case SafetensorsDtype::U32: return DType::u32;
+    case SafetensorsDtype::U8:
+    case SafetensorsDtype::BOOL: return DType::u8;
+    default: return std::nullopt;
+  }
+}
+
+/// The safetensors dtype an nn::Tensor of dtype `t` is written as.
+constexpr SafetensorsDtype safetensors_dtype_of(DType t) {
+  switch (t) {
+    case DType::f32: return SafetensorsDtype::F32;
+    case DType::f64: return SafetensorsDtype::F64;
+    case DType::bf16: return SafetensorsDtype::BF16;
+    case DType::f16: return SafetensorsDtype::F16;
+    case DType::i32: return SafetensorsDtype::I32;
+    case DType::i64: return SafetensorsDtype::I64;
+    case DType::u32: return SafetensorsDtype::U32;
+    case DType::u8: return SafetensorsDtype::U8;
+  }
+  return SafetensorsDtype::U8;
+}
+
+inline std::ostream& operator<<(std::ostream& os, SafetensorsDtype t) { return os << safetensors_dtype_name(t); }
+
+/// `__metadata__`: free-form string -> string annotations (mlx-lm writes {"format": "mlx"}).
+using SafetensorsMetadata = std::map<std::string, std::string>;
+/// Tensors in order, by name: what the writer takes and load_safetensors returns.
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+// ---------------------------------------------------------------------------------------------
+// Internals: the bytes of a file, the parsed header, the SAX handler that reads it.
+namespace detail {
+
+inline constexpr std::uint64_t kStMaxHeader = 100'000'000;  // the Rust reader's MAX_HEADER_SIZE
+
+/// The whole file's bytes: mapped (the SafetensorsFile constructor) or owned (from_bytes).
+struct StBytes {
+  const std::byte* data = nullptr;
+  std::size_t size = 0;
+  StBytes() = default;
+  StBytes(const StBytes&) = delete;
+  StBytes& operator=(const StBytes&) = delete;
+  virtual ~StBytes() = default;
+};
+
+struct StOwnedBytes final : StBytes {
+  std::vector<std::byte> v;
+  explicit StOwnedBytes(std::vector<std::byte> bytes) : v(std::move(bytes)) {
+    data = v.data();
+    size = v.size();
+  }
+};
+
+struct StEntry {
+  std::string name;
+  SafetensorsDtype dtype = SafetensorsDtype::U8;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin = 0, end = 0;  // relative to the data buffer
+};
+
+/// A validated file: its bytes stay alive (mapped) as long as any view shares this.
+struct StFile {
+  std::string label;  // the path, or a name for an in-memory buffer; leads every error
+  std::shared_ptr<const StBytes> bytes;
+  std::size_t data_start = 0;  // 8 + N
+  std::vector<StEntry> entries;  // header order
+  std::map<std::string, std::size_t, std::less<>> index;
+  SafetensorsMetadata metadata;
+};
+
+/// At most `max` bytes of a string from the file, for an error message: a hostile header may
+/// hold a 100 MB name. Cut at a UTF-8 character boundary.
+inline std::string st_clip(std::string_view s, std::size_t max = 200) {
+  if (s.size() <= max) return std::string(s);
+  while (max > 0 && (static_cast<unsigned char>(s[max]) & 0xC0u) == 0x80u) --max;
+  return std::string(s.substr(0, max)) + "...";
+}
+
+/// "[safetensors] <label>: tensor "<name>": <what> (rule: <rule>)"; `tensor` may be null.
+template <class... Parts>
+[[noreturn]] void st_fail(const std::string& label, const std::string* tensor, std::string_view rule,
+                          const Parts&... parts) {
+  if (tensor)
+    fail("safetensors", label, ": tensor \"", st_clip(*tensor), "\": ", parts..., " (rule: ", rule, ")");
+  fail("safetensors", label, ": ", parts..., " (rule: ", rule, ")");
+}
+
+/// Reads the header JSON as a stream of events, so that duplicates are seen (a DOM keeps only
+/// the last of two equal keys), the wrong structure is refused at its first token (no DOM of
+/// an arbitrary 100 MB document is ever built), and numbers are checked as they come.
+class StHeaderSax {
+ public:
+  using json = nlohmann::json;
+  std::vector<StEntry> entries;
+  SafetensorsMetadata metadata;
+  // The first rule broken; the parse stops there.
+  std::string err_rule, err_what, err_tensor;
+  bool err_has_tensor = false;
+
+  bool null() { return scalar(Kind::null, "null"); }
+  bool boolean(bool) { return scalar(Kind::other, "a boolean"); }
+  bool number_integer(json::number_integer_t v) {
+    if (v < 0) return scalar(Kind::negative, "a negative number");
+    return integer(static_cast<std::uint64_t>(v));
+  }
+  bool number_unsigned(json::number_unsigned_t v) { return integer(v); }
+  bool number_float(json::number_float_t, const json::string_t&) { return scalar(Kind::other, "a non-integer number"); }
+  bool string(json::string_t& s) {
+    switch (st_) {
+      case St::meta_value:
+        metadata.emplace(meta_key_, s);
+        st_ = St::meta;
+        return true;
+      case St::tensor_value:
+        if (field_ == Field::dtype) {
+          auto d = parse_safetensors_dtype(s);
+          if (!d) return bad(&cur_.name, "known dtype", "unknown dtype \"" + st_clip(s, 40) + "\"");
+          cur_.dtype = *d;
+          st_ = St::tensor;
+          return true;
+        }
+        break;
+      default: break;
+    }
+    return scalar(Kind::other, "a string");
+  }
+  bool binary(json::binary_t&) { return scalar(Kind::other, "binary data"); }
+
+  bool start_object(std::size_t) {
+    switch (st_) {
+      case St::start: st_ = St::root; return true;
+      case St::root_value:
+        if (root_key_ == "__metadata__") {
+          st_ = St::meta;
+          return true;
+        }
+        cur_ = StEntry{};
+        cur_.name = root_key_;
+        seen_ = 0;
+        tensor_keys_.clear();
+        st_ = St::tensor;
+        return true;
+      case St::skip: ++skip_depth_; return true;
+      case St::tensor_value:
+        if (field_ == Field::other) {
+          st_ = St::skip;
+          skip_depth_ = 1;
+          return true;
+        }
+        break;
+      default: break;
+    }
+    return scalar(Kind::other, "an object");
+  }
+  bool start_array(std::size_t) {
+    switch (st_) {
+      case St::skip: ++skip_depth_; return true;
+      case St::tensor_value:
+        if (field_ == Field::shape) {
+          st_ = St::shape;
+          return true;
+        }
+        if (field_ == Field::offsets) {
+          st_ = St::offsets;
+          noff_ = 0;
+          return true;
+        }
+        if (field_ == Field::other) {
+          st_ = St::skip;
+          skip_depth_ = 1;
+          return true;
+        }
+        break;
+      default: break;
+    }
+    return scalar(Kind::other, "an array");
+  }
+  bool key(json::string_t& k) {
+    switch (st_) {
+      case St::root:
+        if (!root_keys_.insert(k).second)
+          return k == "__metadata__" ? bad(nullptr, "no duplicate names", "\"__metadata__\" appears twice")
+                                     : bad(&k, "no duplicate names", "the name appears twice in the header");
+        root_key_ = k;
+        st_ = St::root_value;
+        return true;
+      case St::meta:
+        if (metadata.count(k))
+          return bad(nullptr, "no duplicate names", "metadata key \"" + st_clip(k) + "\" appears twice");
+        meta_key_ = k;
+        st_ = St::meta_value;
+        return true;
+      case St::tensor: {
+        if (!tensor_keys_.insert(k).second)
+          return bad(&cur_.name, "no duplicate names", "field \"" + st_clip(k) + "\" appears twice");
+        if (k == "dtype") field_ = Field::dtype, seen_ |= 1;
+        else if (k == "shape") field_ = Field::shape, seen_ |= 2;
+        else if (k == "data_offsets") field_ = Field::offsets, seen_ |= 4;
+        else field_ = Field::other;  // the Rust reader ignores unknown fields; so do we
+        st_ = St::tensor_value;
+        return true;
+      }
+      case St::skip: return true;
+      default: return bad(nullptr, "header structure", "unexpected key \"" + st_clip(k) + "\"");
+    }
+  }
+  bool end_object() {
+    switch (st_) {
+      case St::root: st_ = St::done; return true;
+      case St::meta: st_ = St::root; return true;
+      case St::tensor:
+        if (!(seen_ & 1)) return bad(&cur_.name, "missing field", "the entry has no \"dtype\"");
+        if (!(seen_ & 2)) return bad(&cur_.name, "missing field", "the entry has no \"shape\"");
+        if (!(seen_ & 4)) return bad(&cur_.name, "missing field", "the entry has no \"data_offsets\"");
+        entries.push_back(std::move(cur_));
+        st_ = St::root;
+        return true;
+      case St::skip: return end_skip();
+      default: return bad(nullptr, "header structure", "unexpected end of object");
+    }
+  }
+  bool end_array() {
+    switch (st_) {
+      case St::shape: st_ = St::tensor; return true;
+      case St::offsets:
+        if (noff_ != 2) return bad(&cur_.name, "data_offsets", "data_offsets must hold exactly two integers [begin, end]");
+        st_ = St::tensor;
+        return true;
+      case St::skip: return end_skip();
+      default: return bad(nullptr, "header structure", "unexpected end of array");
+    }
+  }
+  bool parse_error(std::size_t position, const std::string&, const json::exception& ex) {
+    if (err_rule.empty())
+      bad(nullptr, "JSON", "the header is not well-formed JSON at byte " + std::to_string(position) + ": " +
+                               st_clip(ex.what(), 300));
+    return false;
+  }
+
+ private:
+  enum class St { start, root, root_value, meta, meta_value, tensor, tensor_value, shape, offsets, skip, done };
+  enum class Field { dtype, shape, offsets, other };
+  enum class Kind { null, negative, other };
+  St st_ = St::start;
+  Field field_ = Field::other;
+  StEntry cur_;
+  unsigned seen_ = 0;
+  int noff_ = 0;
+  std::size_t skip_depth_ = 0;
+  std::string root_key_, meta_key_;
+  std::set<std::string, std::less<>> root_keys_, tensor_keys_;
+
+  bool bad(const std::string* tensor, std::string rule, std::string what) {
+    err_rule = std::move(rule);
+    err_what = std::move(what);
+    err_has_tensor = tensor != nullptr;
+    if (tensor) err_tensor = *tensor;
+    return false;
+  }
+  bool end_skip() {
+    if (--skip_depth_ == 0) st_ = St::tensor;
+    return true;
+  }
+  bool integer(std::uint64_t v) {
+    if (st_ == St::shape) {
+      if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        return bad(&cur_.name, "shape", "dimension " + std::to_string(v) + " is too large");
+      cur_.shape.push_back(static_cast<std::int64_t>(v));
+      return true;
+    }
+    if (st_ == St::offsets) {
+      if (noff_ == 2) return bad(&cur_.name, "data_offsets", "data_offsets must hold exactly two integers [begin, end]");
+      (noff_++ == 0 ? cur_.begin : cur_.end) = v;
+      return true;
+    }
+    return scalar(Kind::other, "a number");
+  }
+  // A value arrived where the state allows only some kinds: accept it if it fits, else name the rule.
+  bool scalar(Kind kind, const char* what) {
+    const std::string w(what);
+    switch (st_) {
+      case St::skip: return true;
+      case St::tensor_value:
+        switch (field_) {
+          case Field::other: st_ = St::tensor; return true;
+          case Field::dtype: return bad(&cur_.name, "known dtype", "dtype is " + w + ", not a dtype name");
+          case Field::shape: return bad(&cur_.name, "shape", "shape is " + w + ", not an array of non-negative integers");
+          case Field::offsets: return bad(&cur_.name, "data_offsets", "data_offsets is " + w + ", not [begin, end]");
+        }
+        break;
+      case St::shape: return bad(&cur_.name, "shape", "shape holds " + w + "; dimensions are non-negative integers");
+      case St::offsets: return bad(&cur_.name, "data_offsets", "data_offsets holds " + w + "; offsets are non-negative integers");
+      case St::meta_value:
+        return bad(nullptr, "metadata strings", "metadata value for key \"" + st_clip(meta_key_) + "\" is " + w + ", not a string");
+      case St::root_value:
+        if (root_key_ == "__metadata__") {
+          if (kind == Kind::null) {  // as the Rust reader's Option: null is no metadata
+            st_ = St::root;
+            return true;
+          }
+          return bad(nullptr, "metadata strings", "\"__metadata__\" is " + w + ", not an object of strings");
+        }
+        return bad(&root_key_, "header structure", "the entry is " + w + ", not an object");
+      case St::start: return bad(nullptr, "header structure", "the header is " + w + ", not an object");
+      default: break;
+    }
+    return bad(nullptr, "header structure", "unexpected " + w);
+  }
+};
+
+inline std::string st_shape_str(const std::vector<std::int64_t>& shape) {
+  std::string s = "(";
+  for (std::size_t k = 0; k < shape.size(); ++k) s += (k ? ", " : "") + std::to_string(shape[k]);
+  return s + ")";
+}
+
+inline std::uint64_t st_load_u64_le(const std::byte* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<std::uint64_t>(p[i]);
+  return v;
+}
+
+/// Validates a whole file held in `bytes` and indexes it. Never reads outside bytes->size.
+inline std::shared_ptr<StFile> st_parse(std::shared_ptr<const StBytes> bytes, std::string label) {
+  const std::size_t size = bytes->size;
+  const std::byte* p = bytes->data;
+  if (size < 8)
+    st_fail(label, nullptr, "file too short", "the file has ", size,
+            " bytes; a safetensors file starts with an 8-byte header length");
+  const std::uint64_t n = st_load_u64_le(p);
+  if (n > kStMaxHeader)
+    st_fail(label, nullptr, "header size limit", "the header length ", n, " exceeds the limit of ", kStMaxHeader,
+            " bytes");
+  if (n > size - 8)
+    st_fail(label, nullptr, "header length", "the header length ", n, " runs past the end of the file (",
+            size, " bytes, so at most ", size - 8, " header bytes)");
+  const char* h = reinterpret_cast<const char*>(p + 8);
+  if (n == 0 || h[0] != '{')
+    st_fail(label, nullptr, "header start", "the header must begin with '{'",
+            n == 0 ? " but is empty" : "");
+
+  // nlohmann's lexer takes a NUL byte for the end of input, which would let bytes after it pass
+  // unread; JSON allows NUL nowhere unescaped, so any NUL is an error.
+  if (const void* z = std::memchr(h, 0, static_cast<std::size_t>(n)))
+    st_fail(label, nullptr, "JSON", "the header is not well-formed JSON: a NUL byte at header offset ",
+            static_cast<const char*>(z) - h);
+
+  StHeaderSax sax;
+  bool ok = false;
+  try {
+    ok = nlohmann::json::sax_parse(h, h + n, &sax);
+  } catch (const nlohmann::json::exception& e) {  // defensive: the SAX path reports via parse_error
+    st_fail(label, nullptr, "JSON", "the header is not well-formed JSON: ", e.what());
+  }
+  if (!ok) {
+    if (sax.err_rule.empty()) st_fail(label, nullptr, "JSON", "the header is not well-formed JSON");
+    st_fail(label, sax.err_has_tensor ? &sax.err_tensor : nullptr, sax.err_rule, sax.err_what);
+  }
+
+  auto f = std::make_shared<StFile>();
+  f->label = std::move(label);
+  f->data_start = static_cast<std::size_t>(8 + n);
+  f->metadata = std::move(sax.metadata);
+  f->entries = std::move(sax.entries);
+  const std::uint64_t buf = size - f->data_start;
+  const std::string& L = f->label;
+
+  for (std::size_t i = 0; i < f->entries.size(); ++i) {
+    const StEntry& e = f->entries[i];
+    f->index.emplace(e.name, i);
+    if (e.end < e.begin)
+      st_fail(L, &e.name, "data_offsets", "data_offsets [", e.begin, ", ", e.end, "] end before they begin");
+    // Element count and bit count with overflow checks: a hostile shape must not wrap around to
+    // a size that happens to match. Every running product must fit an int64 (as Shape::numel
+    // computes it, left to right), so [2^32, 2^32, 0] is refused as the Rust reader refuses it;
+    // [0, 2^32, 2^32] is zero elements there and here.
+    std::uint64_t numel = 1;
+    bool overflow = false;
+    constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+    for (std::int64_t d : e.shape) {
+      const auto u = static_cast<std::uint64_t>(d);
+      if (u != 0 && numel > kMax / u) overflow = true;
+      numel *= u;
+    }
+    const auto bits = static_cast<std::uint64_t>(safetensors_dtype_bits(e.dtype));
+    if (overflow || numel > std::numeric_limits<std::uint64_t>::max() / bits)
+      st_fail(L, &e.name, "byte size", "the size of shape ", st_shape_str(e.shape), " of ",
+              safetensors_dtype_name(e.dtype), " overflows 64 bits");
+    if ((numel * bits) % 8 != 0)
+      st_fail(L, &e.name, "byte size", numel, " elements of ", safetensors_dtype_name(e.dtype),
+              " do not fill a whole number of bytes");
+    const std::uint64_t nbytes = numel * bits / 8;
+    if (nbytes != e.end - e.begin)
+      st_fail(L, &e.name, "byte size", "shape ", st_shape_str(e.shape), " of ", safetensors_dtype_name(e.dtype),
+              " needs ", nbytes, " bytes but data_offsets [", e.begin, ", ", e.end, "] span ", e.end - e.begin);
+    if (e.end > buf)
+      st_fail(L, &e.name, "offsets inside buffer", "data_offsets [", e.begin, ", ", e.end,
+              "] reach past the end of the data buffer (", buf, " bytes)");
+  }
+
+  // Coverage: sorted by offsets, each tensor starts where the previous one ended.
+  std::vector<std::size_t> order(f->entries.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const StEntry &x = f->entries[a], &y = f->entries[b];
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+  });
+  std::uint64_t pos = 0;
+  const StEntry* prev = nullptr;
+  for (std::size_t i : order) {
+    const StEntry& e = f->entries[i];
+    if (e.begin > pos)
+      st_fail(L, &e.name, "no holes", "bytes [", pos, ", ", e.begin,
+              ") of the data buffer, before this tensor, belong to no tensor");
+    if (e.begin < pos)
+      st_fail(L, &e.name, "no overlap", "data_offsets [", e.begin, ", ", e.end, "] overlap tensor \"", st_clip(prev->name),
+              "\" [", prev->begin, ", ", prev->end, "]");
+    pos = e.end;
+    prev = &e;
+  }
+  if (pos != buf)
+    st_fail(L, nullptr, "no holes", "the last ", buf - pos, " bytes of the data buffer (", buf,
+            " bytes) belong to no tensor");
+  f->bytes = std::move(bytes);
+  return f;
+}
+
+/// Copies `n` elements of `size` bytes each between little-endian file order and host order.
+inline void st_copy_le(void* dst, const std::byte* src, std::size_t n, std::size_t size) {
+  if (n == 0) return;
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(dst, src, n * size);
+  } else {
+    auto* d = static_cast<std::byte*>(dst);
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t b = 0; b < size; ++b) d[i * size + b] = src[i * size + size - 1 - b];
+  }
+}
+
+template <class T>
+T st_load_le(const std::byte* p) {
+  T v;
+  st_copy_le(&v, p, 1, sizeof(T));
+  return v;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+/// One tensor of an open file: its name, dtype, shape and raw bytes inside the mapping. Holding
+/// a view keeps the file mapped.
+class SafetensorsView {
+ public:
+  SafetensorsView() = default;
+  const std::string& name() const { return e().name; }
+  SafetensorsDtype dtype() const { return e().dtype; }
+  const std::vector<std::int64_t>& shape() const { return e().shape; }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (auto d : e().shape) n *= d;
+    return n;
+  }
+  /// [begin, end) relative to the data buffer, as in the header.
+  std::pair<std::uint64_t, std::uint64_t> data_offsets() const { return {e().begin, e().end}; }
+  /// The raw little-endian, row-major bytes, straight from the mapping (not aligned in general).
+  std::span<const std::byte> bytes() const {
+    const auto& en = e();
+    return {f_->bytes->data + f_->data_start + en.begin, static_cast<std::size_t>(en.end - en.begin)};
+  }
+  /// The file this view came from (its path, or the label of an in-memory buffer).
+  const std::string& file() const { return f_->label; }
+  /// The nn dtype to_tensor() produces, if there is one.
+  std::optional<DType> tensor_dtype() const { return safetensors_tensor_dtype(dtype()); }
+
+  /// A host tensor holding a copy of the data, converted per the table at the top of this file.
+  Tensor to_tensor() const {
+    const auto& en = e();
+    auto dt = tensor_dtype();
+    if (!dt)
+      detail::fail("safetensors", file(), ": tensor \"", en.name, "\" has dtype ", safetensors_dtype_name(en.dtype),
+                   ", which no nn::Tensor dtype holds (F64 F32 F16 BF16 I64 I32 I16 I8 U16 U32 U8 BOOL load); "
+                   "read its raw bytes with SafetensorsView::bytes()");
+    if (en.shape.size() > static_cast<std::size_t>(kMaxRank))
+      detail::fail("safetensors", file(), ": tensor \"", en.name, "\" has rank ", en.shape.size(),
+                   "; nn::Tensor holds at most rank ", kMaxRank);
+    Tensor t = Tensor::empty(Shape(en.shape), *dt);
+    const std::size_t n = static_cast<std::size_t>(t.numel());
+    const std::byte* src = bytes().data();
+    switch (en.dtype) {
+      case SafetensorsDtype::I16: {
+        auto* d = t.data<std::int32_t>();
+        for (std::size_t i = 0; i < n; ++i) d[i] = detail::st_load_le<std::int16_t>(src + 2 * i);
+        break;
+      }
+      case SafetensorsDtype::U16: {
+        auto* d = t.data<std::int32_t>();
+        for (std::size_t i = 0; i < n; ++i) d[i] = detail::st_load_le<std::uint16_t>(src + 2 * i);
+        break;
+      }
+      case SafetensorsDtype::I8: {
+        auto* d = t.data<std::int32_t>();
+        for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<std::int8_t>(src[i]);
+        break;
+      }
+      case SafetensorsDtype::BOOL: {
+        auto* d = t.data<std::uint8_t>();
+        for (std::size_t i = 0; i < n; ++i) d[i] = src[i] != std::byte{0} ? 1 : 0;
+        break;
+      }
+      default: detail::st_copy_le(t.raw(), src, n, dtype_size(*dt)); break;
+    }
+    return t;
+  }
+
+ private:
+  friend class SafetensorsFile;
+  SafetensorsView(std::shared_ptr<const detail::StFile> f, std::size_t i) : f_(std::move(f)), i_(i) {}
+  const detail::StEntry& e() const {
+    if (!f_) detail::fail("safetensors", "the view is empty (default-constructed)");
+    return f_->entries[i_];
+  }
+  std::shared_ptr<const detail::StFile> f_;
+  std::size_t i_ = 0;
+};
+
+/// A safetensors file, memory-mapped read-only and validated on open. Cheap to copy (shared).
+class SafetensorsFile {
+ public:
+  /// Maps and validates `path`; raises nn::Error naming the file, the tensor and the rule.
+  explicit SafetensorsFile(const std::filesystem::path& path) : f_(detail::st_parse(map(path), path.string())) {}
+
+  /// Validates a file image held in memory (tests, fuzzing, network buffers); `label` leads errors.
+  static SafetensorsFile from_bytes(std::vector<std::byte> bytes, std::string label = "<memory>") {
+    auto owned = std::make_shared<const detail::StOwnedBytes>(std::move(bytes));
+    return SafetensorsFile(detail::st_parse(owned, std::move(label)));
+  }
+
+  /// The path it was opened from (or the in-memory label).
+  const std::string& path() const { return f_->label; }
+  const SafetensorsMetadata& metadata() const { return f_->metadata; }
+  /// The number of tensors.
+  std::size_t size() const { return f_->entries.size(); }
+  /// Tensor names in header order (the writer's order for files written here).
+  std::vector<std::string> names() const {
+    std::vector<std::string> v;
+    v.reserve(size());
+    for (const auto& e : f_->entries) v.push_back(e.name);
+    return v;
+  }
+  bool contains(std::string_view name) const { return f_->index.find(name) != f_->index.end(); }
+  /// Where the data buffer starts in the file (8 + header length).
+  std::size_t data_start() const { return f_->data_start; }
+
+  SafetensorsView view(std::size_t i) const {
+    if (i >= size()) detail::fail("safetensors", path(), ": tensor index ", i, " out of range (", size(), " tensors)");
+    return SafetensorsView(f_, i);
+  }
+  /// The tensor called `name`; raises listing what the file holds when there is none.
+  SafetensorsView view(std::string_view name) const {
+    auto it = f_->index.find(name);
+    if (it == f_->index.end()) {
+      std::string some;
+      for (std::size_t i = 0; i < f_->entries.size() && i < 8; ++i)
+        some += (i ? ", \"" : "\"") + f_->entries[i].name + "\"";
+      if (f_->entries.size() > 8) some += ", ...";
+      detail::fail("safetensors", path(), ": no tensor named \"", name, "\"; the file holds ", size(),
+                   " tensors", size() ? ": " : "", some);
+    }
+    return SafetensorsView(f_, it->second);
+  }
+  std::vector<SafetensorsView> views() const {
+    std::vector<SafetensorsView> v;
+    v.reserve(size());
+    for (std::size_t i = 0; i < size(); ++i) v.push_back(SafetensorsView(f_, i));
+    return v;
+  }
+  /// A host copy of tensor `name` (see to_tensor()).
+  Tensor tensor(std::string_view name) const { return view(name).to_tensor(); }
+  /// Every tensor as a host copy, in header order; raises on a dtype nn cannot hold.
+  NamedTensors tensors() const {
+    NamedTensors out;
+    out.reserve(size());
+    for (std::size_t i = 0; i < size(); ++i) out.emplace_back(f_->entries[i].name, SafetensorsView(f_, i).to_tensor());
+    return out;
+  }
+
+ private:
+  explicit SafetensorsFile(std::shared_ptr<const detail::StFile> f) : f_(std::move(f)) {}
+
+#if defined(_WIN32)
+  struct Mapped final : detail::StBytes {
+    const void* view = nullptr;
+    ~Mapped() override {
+      if (view) UnmapViewOfFile(view);
+    }
+  };
+  static std::shared_ptr<const detail::StBytes> map(const std::filesystem::path& path) {
+    const std::string label = path.string();
+    HANDLE fh = CreateFileW(path.c_str(), GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_DELETE, nullptr, OPEN_EXISTING,
+                            FILE_ATTRIBUTE_NORMAL, nullptr);
+    if (fh == INVALID_HANDLE_VALUE)
+      detail::fail("safetensors", label, ": cannot open (Windows error ", GetLastError(), ")");
+    LARGE_INTEGER sz{};
+    if (!GetFileSizeEx(fh, &sz) || GetFileType(fh) != FILE_TYPE_DISK) {
+      CloseHandle(fh);
+      detail::fail("safetensors", label, ": not a regular file");
+    }
+    if (static_cast<unsigned long long>(sz.QuadPart) < 8) {
+      CloseHandle(fh);
+      detail::st_fail(label, nullptr, "file too short", "the file has ", sz.QuadPart,
+                      " bytes; a safetensors file starts with an 8-byte header length");
+    }
+    HANDLE mh = CreateFileMappingW(fh, nullptr, PAGE_READONLY, 0, 0, nullptr);
+    CloseHandle(fh);
+    if (!mh) detail::fail("safetensors", label, ": cannot map (Windows error ", GetLastError(), ")");
+    const void* v = MapViewOfFile(mh, FILE_MAP_READ, 0, 0, 0);
+    CloseHandle(mh);  // the view keeps the mapping alive
+    if (!v) detail::fail("safetensors", label, ": cannot map (Windows error ", GetLastError(), ")");
+    auto m = std::make_shared<Mapped>();
+    m->view = v;
+    m->data = static_cast<const std::byte*>(v);
+    m->size = static_cast<std::size_t>(sz.QuadPart);
+    return m;
+  }
+#else
+  struct Mapped final : detail::StBytes {
+    void* base = nullptr;
+    std::size_t len = 0;
+    ~Mapped() override {
+      if (base) ::munmap(base, len);
+    }
+  };
+  static std::shared_ptr<const detail::StBytes> map(const std::filesystem::path& path) {
+    const std::string label = path.string();
+    // O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever.
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) detail::fail("safetensors", label, ": cannot open: ", std::strerror(errno));
+    struct stat sb {};
+    if (::fstat(fd, &sb) != 0) {
+      int err = errno;
+      ::close(fd);
+      detail::fail("safetensors", label, ": cannot stat: ", std::strerror(err));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+      ::close(fd);
+      detail::fail("safetensors", label, ": not a regular file");
+    }
+    if (sb.st_size < 8) {  // too short to map usefully (and mmap refuses length 0)
+      ::close(fd);
+      detail::st_fail(label, nullptr, "file too short", "the file has ", sb.st_size,
+                      " bytes; a safetensors file starts with an 8-byte header length");
+    }
+    if (static_cast<std::uint64_t>(sb.st_size) > std::numeric_limits<std::size_t>::max()) {
+      ::close(fd);
+      detail::fail("safetensors", label, ": the file is too large to map on this platform");
+    }
+    const auto len = static_cast<std::size_t>(sb.st_size);
+    void* base = ::mmap(nullptr, len, PROT_READ, MAP_PRIVATE, fd, 0);
+    int err = errno;
+    ::close(fd);  // the mapping keeps the file open
+    if (base == MAP_FAILED) detail::fail("safetensors", label, ": cannot mmap: ", std::strerror(err));
+    auto m = std::make_shared<Mapped>();
+    m->base = base;
+    m->len = len;
+    m->data = static_cast<const std::byte*>(base);
+    m->size = len;
+    return m;
+  }
+#endif
+
+  std::shared_ptr<const detail::StFile> f_;
+};
+
+/// Every tensor of `path` as host copies, in header order; the metadata too when asked.
+inline NamedTensors load_safetensors(const std::filesystem::path& path, SafetensorsMetadata* metadata = nullptr) {
+  SafetensorsFile f(path);
+  if (metadata) *metadata = f.metadata();
+  return f.tensors();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+namespace detail {
+
+/// One tensor to write: little-endian bytes when `le` is set, else host-order bytes of
+/// elements `elem` bytes wide (swapped on a big-endian host).
+struct StOut {
+  std::string name;
+  SafetensorsDtype dtype;
+  std::vector<std::int64_t> shape;
+  const std::byte* data = nullptr;
+  std::size_t nbytes = 0;
+  std::size_t elem = 1;
+  bool le = false;
+};
+
+/// A JSON string literal; raises naming `what` when the text is not valid UTF-8.
+inline std::string st_quote(const std::string& label, const std::string& s, const char* what) {
+  try {
+    return nlohmann::json(s).dump();
+  } catch (const nlohmann::json::exception&) {
+    fail("safetensors", label, ": ", what, " is not valid UTF-8");
+  }
+}
+
+/// The header JSON, padded with spaces to a multiple of 8 so the data buffer starts 8-aligned.
+inline std::string st_header(const std::string& label, const std::vector<StOut>& outs, const SafetensorsMetadata& meta) {
+  std::string h = "{";
+  bool first = true;
+  if (!meta.empty()) {
+    h += "\"__metadata__\":{";
+    bool f2 = true;
+    for (const auto& [k, v] : meta) {
+      if (!f2) h += ',';
+      f2 = false;
+      h += st_quote(label, k, ("metadata key \"" + k + "\"").c_str());
+      h += ':';
+      h += st_quote(label, v, ("the metadata value of \"" + k + "\"").c_str());
+    }
+    h += '}';
+    first = false;
+  }
+  std::map<std::string_view, int> seen;
+  std::uint64_t off = 0;
+  for (const auto& o : outs) {
+    if (o.name == "__metadata__")
+      fail("safetensors", label, ": a tensor cannot be named \"__metadata__\" (the format reserves it)");
+    if (!seen.emplace(o.name, 0).second)
+      fail("safetensors", label, ": tensor \"", o.name, "\" is given twice (names must be unique)");
+    if (!first) h += ',';
+    first = false;
+    h += st_quote(label, o.name, ("tensor name \"" + o.name + "\"").c_str());
+    h += ":{\"dtype\":\"";
+    h += safetensors_dtype_name(o.dtype);
+    h += "\",\"shape\":[";
+    for (std::size_t i = 0; i < o.shape.size(); ++i) {
+      if (i) h += ',';
+      h += std::to_string(o.shape[i]);
+    }
+    h += "],\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + o.nbytes) + "]}";
+    off += o.nbytes;
+  }
+  h += '}';
+  h.append((8 - h.size() % 8) % 8, ' ');
+  if (h.size() > kStMaxHeader)
+    fail("safetensors", label, ": the header would be ", h.size(), " bytes, above the format's limit of ",
+         kStMaxHeader);
+  return h;
+}
+
+inline std::string st_len_prefix(std::uint64_t n) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xffu);
+  return s;
+}
+
+/// Appends the little-endian bytes of `o` to `sink(const std::byte*, size_t)`, in chunks.
+template <class Sink>
+void st_emit(const StOut& o, Sink&& sink) {
+  if (o.le || o.elem == 1 || std::endian::native == std::endian::little) {
+    if (o.nbytes) sink(o.data, o.nbytes);
+    return;
+  }
+  std::vector<std::byte> tmp(std::min<std::size_t>(o.nbytes, 1 << 20));
+  for (std::size_t at = 0; at < o.nbytes; at += tmp.size()) {
+    const std::size_t k = std::min(tmp.size(), o.nbytes - at);
+    st_copy_le(tmp.data(), o.data + at, k / o.elem, o.elem);
+    sink(tmp.data(), k);
+  }
+}
+
+/// Test hook, called after each piece of a file is written (the header, then each tensor) with
+/// the bytes written so far; tests make it throw (an I/O error) or _exit (a crash).
+inline void (*&st_write_hook())(std::size_t) {
+  static void (*hook)(std::size_t) = nullptr;
+  return hook;
+}
+
+/// Host tensors (copied off a device when needed) as writer entries.
+struct StTensorOuts {
+  std::vector<Tensor> hold;
+  std::vector<StOut> outs;
+  StTensorOuts(const std::string& label, const NamedTensors& tensors) {
+    hold.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) {
+      if (!t.defined()) fail("safetensors", label, ": tensor \"", name, "\" is empty (default-constructed)");
+      hold.push_back(t.device() == Device::cpu ? t : t.to(Device::cpu));
+      const Tensor& h = hold.back();
+      outs.push_back(StOut{name, safetensors_dtype_of(h.dtype()), h.shape().vec(),
+                           static_cast<const std::byte*>(h.raw()), h.nbytes(), dtype_size(h.dtype()), false});
+    }
+  }
+};
+
+inline std::vector<StOut> st_view_outs(const std::vector<SafetensorsView>& views) {
+  std::vector<StOut> outs;
+  for (const auto& v : views) {
+    auto b = v.bytes();
+    outs.push_back(StOut{v.name(), v.dtype(), v.shape(), b.data(), b.size(), 1, true});
+  }
+  return outs;
+}
+
+inline std::vector<std::byte> st_serialize(const std::string& label, const std::vector<StOut>& outs,
+                                           const SafetensorsMetadata& meta) {
+  const std::string h = st_header(label, outs, meta);
+  const std::string n = st_len_prefix(h.size());
+  std::vector<std::byte> out;
+  std::size_t total = 8 + h.size();
+  for (const auto& o : outs) total += o.nbytes;
+  out.reserve(total);
+  auto sink = [&](const std::byte* p, std::size_t k) { out.insert(out.end(), p, p + k); };
+  sink(reinterpret_cast<const std::byte*>(n.data()), n.size());
+  sink(reinterpret_cast<const std::byte*>(h.data()), h.size());
+  for (const auto& o : outs) st_emit(o, sink);
+  return out;
+}
+
+#if defined(_WIN32)
+inline void st_write_file(const std::filesystem::path& target, const std::vector<StOut>& outs,
+                          const SafetensorsMetadata& meta) {
+  const std::string label = target.string();
+  const std::string h = st_header(label, outs, meta);
+  const std::string n = st_len_prefix(h.size());
+  static std::atomic<unsigned> counter{0};
+  std::filesystem::path tmp = target;
+  tmp += L".tmp." + std::to_wstring(GetCurrentProcessId()) + L"." + std::to_wstring(counter++);
+  HANDLE fh = CreateFileW(tmp.c_str(), GENERIC_WRITE, 0, nullptr, CREATE_NEW, FILE_ATTRIBUTE_NORMAL, nullptr);
+  if (fh == INVALID_HANDLE_VALUE)
+    fail("safetensors", label, ": cannot create the temporary file ", tmp.string(), " (Windows error ", GetLastError(), ")");
+  bool done = false;
+  struct Guard {
+    HANDLE& fh;
+    const std::filesystem::path& tmp;
+    bool& done;
+    ~Guard() {
+      if (fh != INVALID_HANDLE_VALUE) CloseHandle(fh);
+      if (!done) DeleteFileW(tmp.c_str());
+    }
+  } guard{fh, tmp, done};
+  std::size_t written = 0;
+  auto sink = [&](const std::byte* p, std::size_t k) {
+    while (k) {
+      DWORD chunk = static_cast<DWORD>(std::min<std::size_t>(k, 1u << 30)), got = 0;
+      if (!WriteFile(fh, p, chunk, &got, nullptr))
+        fail("safetensors", label, ": cannot write ", tmp.string(), " (Windows error ", GetLastError(), ")");
+      p += got;
+      k -= got;
+      written += got;
+    }
+  };
+  auto piece = [&]() {
+    if (auto hook = st_write_hook()) hook(written);
+  };
+  sink(reinterpret_cast<const std::byte*>(n.data()), n.size());
+  sink(reinterpret_cast<const std::byte*>(h.data()), h.size());
+  piece();
+  for (const auto& o : outs) {
+    st_emit(o, sink);
+    piece();
+  }
+  if (!FlushFileBuffers(fh)) fail("safetensors", label, ": cannot flush ", tmp.string());
+  CloseHandle(fh);
+  fh = INVALID_HANDLE_VALUE;
+  if (!MoveFileExW(tmp.c_str(), target.c_str(), MOVEFILE_REPLACE_EXISTING | MOVEFILE_WRITE_THROUGH))
+    fail("safetensors", label, ": cannot rename ", tmp.string(), " over it (Windows error ", GetLastError(), ")");
+  done = true;
+}
+#else
+inline void st_write_file(const std::filesystem::path& target, const std::vector<StOut>& outs,
+                          const SafetensorsMetadata& meta) {
+  namespace fs = std::filesystem;
+  const std::string label = target.string();
+  const std::string h = st_header(label, outs, meta);  // every check before a file is touched
+  const std::string n = st_len_prefix(h.size());
+  const std::string base = target.filename().string();
+  if (base.empty() || base == "." || base == "..") fail("safetensors", label, ": the path names no file");
+  fs::path dir = target.parent_path();
+  if (dir.empty()) dir = ".";
+
+  // A hidden sibling, so rename() stays inside one file system and is atomic there.
+  static std::atomic<unsigned> counter{0};
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 64 && fd < 0; ++attempt) {
+    tmp = (dir / ("." + base + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++))).string();
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) fail("safetensors", label, ": cannot create the temporary file ", tmp, ": ", std::strerror(errno));
+  struct Guard {  // closes, and removes the temporary file unless it was renamed into place
+    int fd;
+    const std::string& tmp;
+    bool done = false;
+    ~Guard() {
+      if (fd >= 0) ::close(fd);
+      if (!done) ::unlink(tmp.c_str());
+    }
+  } g{fd, tmp};
+
+  std::size_t written = 0;
+  auto sink = [&](const std::byte* p, std::size_t k) {
+    while (k) {
+      const ssize_t w = ::write(g.fd, p, std::min<std::size_t>(k, std::size_t{1} << 30));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        fail("safetensors", label, ": cannot write the temporary file ", tmp, ": ", std::strerror(errno));
+      }
+      p += w;
+      k -= static_cast<std::size_t>(w);
+      written += static_cast<std::size_t>(w);
+    }
+  };
+  auto piece = [&]() {
+    if (auto hook = st_write_hook()) hook(written);
+  };
+  sink(reinterpret_cast<const std::byte*>(n.data()), n.size());
+  sink(reinterpret_cast<const std::byte*>(h.data()), h.size());
+  piece();
+  for (const auto& o : outs) {
+    st_emit(o, sink);
+    piece();
+  }
+  // The data must be on disk before the rename makes it the target, or a crash could leave a
+  // renamed but empty file.
+  if (::fsync(g.fd) != 0) fail("safetensors", label, ": cannot fsync the temporary file ", tmp, ": ", std::strerror(errno));
+  const int cfd = g.fd;
+  g.fd = -1;
+  if (::close(cfd) != 0) fail("safetensors", label, ": cannot close the temporary file ", tmp, ": ", std::strerror(errno));
+  if (::rename(tmp.c_str(), target.c_str()) != 0)
+    fail("safetensors", label, ": cannot rename the temporary file ", tmp, " over it: ", std::strerror(errno));
+  g.done = true;
+  // Persist the rename itself; best effort (some file systems refuse fsync on a directory).
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)::fsync(dfd);
+    ::close(dfd);
+  }
+}
+#endif
+
+}  // namespace detail
+
+/// Writes `tensors` (in this order) and `metadata` to `path` atomically: a temporary file in the
+/// same folder, fsync, rename. On any error the temporary file is removed, the target untouched,
+/// and nn::Error names the path. Device tensors are copied to the host first.
+inline void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                             const SafetensorsMetadata& metadata = {}) {
+  detail::StTensorOuts t(path.string(), tensors);
+  detail::st_write_file(path, t.outs, metadata);
+}
+
+/// Writes views of other files byte for byte (any of the 22 dtypes), e.g. to re-save quantized
+/// weights nn cannot hold as tensors. Saving over the file a view came from is safe: the view's
+/// mapping keeps the old contents.
+inline void save_safetensors(const std::filesystem::path& path, const std::vector<SafetensorsView>& views,
+                             const SafetensorsMetadata& metadata = {}) {
+  detail::st_write_file(path, detail::st_view_outs(views), metadata);
+}
+
+/// The bytes save_safetensors would write, in memory.
+inline std::vector<std::byte> serialize_safetensors(const NamedTensors& tensors, const SafetensorsMetadata& metadata = {}) {
+  detail::StTensorOuts t("<memory>", tensors);
+  return detail::st_serialize("<memory>", t.outs, metadata);
+}
+inline std::vector<std::byte> serialize_safetensors(const std::vector<SafetensorsView>& views,
+                                                    const SafetensorsMetadata& metadata = {}) {
+  return detail::st_serialize("<memory>", detail::st_view_outs(views), metadata);
+}
+
+}  // namespace nn
+// ---- end nn/io/safetensors.hpp ----
+// ---- begin nn/module.hpp ----
+// Modules: a model is a plain struct whose fields NN_MODULE reflects into a parameter tree named
+// as MLX and PyTorch name it ("layers.0.self_attn.q_proj.weight"), with the tree algorithms
+// (parameters, freeze, train, map_modules, to, summary) and value_and_grad over it.
+
+#include <filesystem>
+#include <functional>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+
+namespace nn {
+
+/// A trainable tensor of a module. `trainable` is what freeze()/unfreeze() flip.
+struct Param {
+  Tensor value;
+  bool trainable = true;
+
+  Param() = default;
+  Param(Tensor t, bool train = true) : value(std::move(t)), trainable(train) {}  // NOLINT: implicit by design
+  const Shape& shape() const { return value.shape(); }
+  DType dtype() const { return value.dtype(); }
+};
+
+/// A tensor saved and loaded with the module but never trained (running statistics, packed
+/// quantized weights).
+struct Buffer {
+  Tensor value;
+
+  Buffer() = default;
+  Buffer(Tensor t) : value(std::move(t)) {}  // NOLINT: implicit by design
+  const Shape& shape() const { return value.shape(); }
+  DType dtype() const { return value.dtype(); }
+};
+
+/// Binds a module's Param on the tape (a gradient when trainable) or a Buffer (a constant).
+template <class B>
+GVar param(GTape<B>& tp, const Param& p) {
+  return tp.param(p.value, p.trainable);
+}
+template <class B>
+GVar param(GTape<B>& tp, const Buffer& b) {
+  return tp.constant(b.value);
+}
+
+namespace detail {
+
+/// A field listed as NN_RENAME(member, "name"): reflected under `name`.
+template <class T>
+struct Renamed {
+  const char* name;
+  T& ref;
+};
+template <class T>
+Renamed<T> renamed(T& ref, const char* name) {
+  return {name, ref};
+}
+
+template <class T>
+struct is_vector : std::false_type {};
+template <class T, class A>
+struct is_vector<std::vector<T, A>> : std::true_type {};
+template <class T>
+struct is_optional : std::false_type {};
+template <class T>
+struct is_optional<std::optional<T>> : std::true_type {};
+template <class T>
+struct is_variant : std::false_type {};
+template <class... T>
+struct is_variant<std::variant<T...>> : std::true_type {};
+template <class T>
+struct is_renamed : std::false_type {};
+template <class T>
+struct is_renamed<Renamed<T>> : std::true_type {};
+
+template <class T>
+concept ModuleType = requires { T::nn_type_name; };
+
+/// Whether a field type can be reflected: Param, Buffer, a module, or a vector / optional /
+/// variant of those. Checked once per field when the struct is defined.
+template <class T>
+constexpr bool field_ok() {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (is_renamed<U>::value) return field_ok<decltype(std::declval<U>().ref)>();
+  else if constexpr (std::is_same_v<U, Param> || std::is_same_v<U, Buffer>) return true;
+  else if constexpr (ModuleType<U>) return true;
+  else if constexpr (is_vector<U>::value || is_optional<U>::value) return field_ok<typename U::value_type>();
+  else if constexpr (is_variant<U>::value)
+    return []<class... A>(std::variant<A...>*) { return (field_ok<A>() && ...); }(static_cast<U*>(nullptr));
+  else return false;
+}
+
+template <class V, class T>
+void visit_field(V& v, const char* name, T& field) {
+  v(name, field);
+}
+template <class V, class T>
+void visit_field(V& v, const char*, Renamed<T> r) {
+  v(r.name, r.ref);
+}
+
+inline std::string join_path(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+/// Walks the tree depth first in declaration order, calling f.param(path, Param&),
+/// f.buffer(path, Buffer&) and f.module(path, Module&) (pre-order). Vectors add an index
+/// segment; optionals and variants are transparent.
+template <class X, class F>
+void walk(X& x, const std::string& path, F& f) {
+  using U = std::remove_cvref_t<X>;
+  if constexpr (std::is_same_v<U, Param>) {
+    f.param(path, x);
+  } else if constexpr (std::is_same_v<U, Buffer>) {
+    f.buffer(path, x);
+  } else if constexpr (ModuleType<U>) {
+    f.module(path, x);
+    auto visitor = [&](const char* name, auto& field) { walk(field, join_path(path, name), f); };
+    x.nn_visit(visitor);
+  } else if constexpr (is_vector<U>::value) {
+    for (std::size_t i = 0; i < x.size(); ++i) walk(x[i], join_path(path, std::to_string(i)), f);
+  } else if constexpr (is_optional<U>::value) {
+    if (x) walk(*x, path, f);
+  } else if constexpr (is_variant<U>::value) {
+    std::visit([&](auto& alt) { walk(alt, path, f); }, x);
+  } else {
+    static_assert(sizeof(U) == 0, "nn: this field type cannot be part of a module tree");
+  }
+}
+
+/// A walker from lambdas; the ones not given do nothing.
+template <class P, class Bf, class M>
+struct Walker {
+  P on_param;
+  Bf on_buffer;
+  M on_module;
+  template <class T>
+  void param(const std::string& p, T& x) { on_param(p, x); }
+  template <class T>
+  void buffer(const std::string& p, T& x) { on_buffer(p, x); }
+  template <class T>
+  void module(const std::string& p, T& x) { on_module(p, x); }
+};
+inline constexpr auto ignore = [](const std::string&, auto&) {};
+template <class X, class P = decltype(ignore), class Bf = decltype(ignore), class M = decltype(ignore)>
+void for_each(X& x, P on_param, Bf on_buffer = ignore, M on_module = ignore) {
+  Walker<P, Bf, M> w{on_param, on_buffer, on_module};
+  walk(x, std::string(), w);
+}
+
+template <class X>
+std::vector<std::pair<std::string, Tensor>> tree_parameters(const X& m, bool trainable_only) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for_each(
+      m, [&](const std::string& p, const Param& x) { if (!trainable_only || x.trainable) out.emplace_back(p, x.value); },
+      [&](const std::string& p, const Buffer& x) { if (!trainable_only) out.emplace_back(p, x.value); });
+  return out;
+}
+
+template <class X>
+std::int64_t tree_count(const X& m, bool trainable_only) {
+  std::int64_t n = 0;
+  for_each(
+      m, [&](const std::string&, const Param& x) { if (!trainable_only || x.trainable) n += x.value.numel(); },
+      [&](const std::string&, const Buffer& x) { if (!trainable_only) n += x.value.numel(); });
+  return n;
+}
+
+template <class X, class Pred>
+int tree_set_trainable(X& m, Pred pred, bool trainable) {
+  int changed = 0;
+  for_each(m, [&](const std::string& p, Param& x) {
+    if (x.trainable != trainable && pred(p)) {
+      x.trainable = trainable;
+      ++changed;
+    }
+  });
+  return changed;
+}
+
+/// "1,234,567"
+inline std::string with_commas(std::int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(static_cast<std::size_t>(i), ",");
+  return s;
+}
+
+template <class X>
+std::string counts(const X& m) {
+  return "(" + with_commas(tree_count(m, false)) + " params, " + with_commas(tree_count(m, true)) + " trainable)";
+}
+
+template <class X>
+std::string tree_summary(const X& m) {
+  struct Row {
+    std::string path, shape, dtype, trainable, bytes;
+  };
+  std::vector<Row> rows{{"path", "shape", "dtype", "trainable", "bytes"}};
+  std::int64_t total = 0;
+  auto add = [&](const std::string& p, const Tensor& t, const char* tr) {
+    rows.push_back({p, t.shape().str(), dtype_name(t.dtype()), tr, with_commas(static_cast<std::int64_t>(t.nbytes()))});
+    total += static_cast<std::int64_t>(t.nbytes());
+  };
+  for_each(
+      m, [&](const std::string& p, const Param& x) { add(p, x.value, x.trainable ? "yes" : "no"); },
+      [&](const std::string& p, const Buffer& x) { add(p, x.value, "buffer"); });
+  std::array<std::size_t, 5> w{};
+  for (const auto& r : rows) {
+    w[0] = std::max(w[0], r.path.size());
+    w[1] = std::max(w[1], r.shape.size());
+    w[2] = std::max(w[2], r.dtype.size());
+    w[3] = std::max(w[3], r.trainable.size());
+    w[4] = std::max(w[4], r.bytes.size());
+  }
+  std::ostringstream os;
+  for (const auto& r : rows)
+    os << std::left << std::setw(static_cast<int>(w[0])) << r.path << "  " << std::setw(static_cast<int>(w[1]))
+       << r.shape << "  " << std::setw(static_cast<int>(w[2])) << r.dtype << "  " << std::setw(static_cast<int>(w[3]))
+       << r.trainable << "  " << std::right << std::setw(static_cast<int>(w[4])) << r.bytes << "\n";
+  os << counts(m) << ", " << with_commas(total) << " bytes\n";
+  return os.str();
+}
+
+/// Prints one line per submodule for tree_display, named relative to its parent module
+/// ("layers.0" under a model holding a vector of layers) and indented by nesting.
+struct DisplayWalker {
+  std::ostringstream& os;
+  std::vector<std::string> parents;  // paths of the enclosing modules
+  void param(const std::string&, const Param&) {}
+  void buffer(const std::string&, const Buffer&) {}
+  template <class M>
+  void module(const std::string& path, const M& mod) {
+    if (path.empty()) {
+      parents = {""};
+      return;
+    }
+    auto inside = [&](const std::string& parent) {
+      return parent.empty() || (path.size() > parent.size() && path.compare(0, parent.size(), parent) == 0 &&
+                                path[parent.size()] == '.');
+    };
+    while (parents.size() > 1 && !inside(parents.back())) parents.pop_back();
+    const std::string& parent = parents.back();
+    const std::string name = parent.empty() ? path : path.substr(parent.size() + 1);
+    os << std::string(2 * parents.size(), ' ') << name << ": " << M::nn_type_name << " " << counts(mod) << "\n";
+    parents.push_back(path);
+  }
+};
+
+/// One line per module, indented by depth: "name: Type (n params, m trainable)".
+template <class X>
+std::string tree_display(const X& m) {
+  std::ostringstream os;
+  os << X::nn_type_name << " " << counts(m) << "\n";
+  DisplayWalker d{os, {}};
+  walk(m, std::string(), d);
+  return os.str();
+}
+
+template <class X>
+void tree_train(X& m, bool mode) {
+  for_each(m, ignore, ignore, [&](const std::string&, auto& mod) { mod.nn_training_ = mode; });
+}
+
+template <class X>
+void tree_to(X& m, DType dt) {
+  if (!is_floating(dt)) fail("to", "a module converts to a floating dtype, not ", dtype_name(dt));
+  auto conv = [&](const std::string&, auto& x) {
+    if (is_floating(x.value.dtype()) && x.value.dtype() != dt) x.value = x.value.to(dt);
+  };
+  for_each(m, conv, conv);
+}
+
+/// map_modules: calls f(path, T&) on every submodule of type T whose path satisfies pred. When
+/// the T sits in a std::variant field and f returns a value (say a LoraLinear built from the
+/// Linear), the variant is assigned that value: how a layer is replaced in place.
+template <class T, class Pred, class F>
+struct ModuleMapper {
+  Pred& pred;
+  F& f;
+  int count = 0;
+
+  template <class X>
+  void walk_node(X& x, const std::string& path) {
+    using U = std::remove_cvref_t<X>;
+    if constexpr (std::is_same_v<U, T>) {
+      if (pred(path)) {
+        ++count;
+        using R = decltype(f(path, x));
+        if constexpr (std::is_void_v<R>) f(path, x);
+        else if constexpr (std::is_assignable_v<U&, R>) x = f(path, x);
+        else fail("map_modules", "the module at '", path, "' is not held in a std::variant that can take the replacement");
+      }
+      recurse(x, path);
+    } else if constexpr (is_variant<U>::value) {
+      std::visit(
+          [&](auto& alt) {
+            using A = std::remove_cvref_t<decltype(alt)>;
+            if constexpr (std::is_same_v<A, T>) {
+              if (pred(path)) {
+                ++count;
+                using R = decltype(f(path, alt));
+                if constexpr (std::is_void_v<R>) {
+                  f(path, alt);
+                } else {
+                  x = f(path, alt);  // replaces the alternative; alt is dangling from here on
+                  return;
+                }
+              }
+              recurse(alt, path);
+            } else {
+              walk_node(alt, path);
+            }
+          },
+          x);
+    } else if constexpr (is_vector<U>::value) {
+      for (std::size_t i = 0; i < x.size(); ++i) walk_node(x[i], join_path(path, std::to_string(i)));
+    } else if constexpr (is_optional<U>::value) {
+      if (x) walk_node(*x, path);
+    } else if constexpr (ModuleType<U>) {
+      recurse(x, path);
+    }
+  }
+  template <class X>
+  void recurse(X& x, const std::string& path) {
+    if constexpr (ModuleType<std::remove_cvref_t<X>>) {
+      auto visitor = [&](const char* name, auto& field) { walk_node(field, join_path(path, name)); };
+      x.nn_visit(visitor);
+    }
+  }
+};
+
+// Weight files (defined in io/weights.hpp, which nn.hpp includes): declared here so NN_MODULE's
+// members can name them.
+using NamedTensorList = std::vector<std::pair<std::string, Tensor>>;
+template <class M>
+void save_weights_impl(const M& m, const std::filesystem::path& path, bool trainable_only);
+template <class M>
+void load_weights_impl(M& m, const NamedTensorList& named, bool strict, const std::string& source);
+template <class M>
+void load_weights_file(M& m, const std::filesystem::path& path, bool strict);
+
+}  // namespace detail
+
+/// Gradients of a model's own type: runs f(tape, model) -> scalar loss GVar, back-propagates,
+/// and returns {loss, grads} where grads is a copy of the model whose trainable Params hold their
+/// gradients (zeros when the loss does not depend on them) and whose frozen Params are empty.
+/// Frozen parameters are bound as constants, so they cost no gradient work.
+template <class B = cpu, class M, class F>
+std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
+  GTape<B> tp;
+  GVar loss = f(tp, static_cast<const M&>(model));
+  tp.backward(loss);
+  M grads = model;
+  std::vector<const Param*> src;
+  std::vector<Param*> dst;
+  detail::for_each(static_cast<const M&>(model), [&](const std::string&, const Param& p) { src.push_back(&p); });
+  detail::for_each(grads, [&](const std::string&, Param& p) { dst.push_back(&p); });
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    if (!src[i]->trainable || !is_floating(src[i]->value.dtype())) {
+      dst[i]->value = Tensor();
+      continue;
+    }
+    std::optional<GVar> v = tp.find_param(src[i]->value);
+    if (v) {
+      dst[i]->value = tp.grad(*v);
+    } else {
+      dst[i]->value = B::alloc(src[i]->value.shape(), src[i]->value.dtype());
+      B::fill(dst[i]->value, 0.0);
+    }
+  }
+  return {tp.value(loss), std::move(grads)};
+}
+
+}  // namespace nn
+
+// Applies NN_DETAIL_VISIT_FIELD to each of up to 64 arguments.
+#define NN_DETAIL_EXPAND(x) x
+#define NN_DETAIL_FE_1(m, x) m(x)
+#define NN_DETAIL_FE_2(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_1(m, __VA_ARGS__))
+#define NN_DETAIL_FE_3(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_2(m, __VA_ARGS__))
+#define NN_DETAIL_FE_4(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_3(m, __VA_ARGS__))
+#define NN_DETAIL_FE_5(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_4(m, __VA_ARGS__))
+#define NN_DETAIL_FE_6(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_5(m, __VA_ARGS__))
+#define NN_DETAIL_FE_7(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_6(m, __VA_ARGS__))
+#define NN_DETAIL_FE_8(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_7(m, __VA_ARGS__))
+#define NN_DETAIL_FE_9(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_8(m, __VA_ARGS__))
+#define NN_DETAIL_FE_10(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_9(m, __VA_ARGS__))
+#define NN_DETAIL_FE_11(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_10(m, __VA_ARGS__))
+#define NN_DETAIL_FE_12(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_11(m, __VA_ARGS__))
+#define NN_DETAIL_FE_13(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_12(m, __VA_ARGS__))
+#define NN_DETAIL_FE_14(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_13(m, __VA_ARGS__))
+#define NN_DETAIL_FE_15(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_14(m, __VA_ARGS__))
+#define NN_DETAIL_FE_16(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_15(m, __VA_ARGS__))
+#define NN_DETAIL_FE_17(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_16(m, __VA_ARGS__))
+#define NN_DETAIL_FE_18(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_17(m, __VA_ARGS__))
+#define NN_DETAIL_FE_19(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_18(m, __VA_ARGS__))
+#define NN_DETAIL_FE_20(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_19(m, __VA_ARGS__))
+#define NN_DETAIL_FE_21(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_20(m, __VA_ARGS__))
+#define NN_DETAIL_FE_22(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_21(m, __VA_ARGS__))
+#define NN_DETAIL_FE_23(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_22(m, __VA_ARGS__))
+#define NN_DETAIL_FE_24(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_23(m, __VA_ARGS__))
+#define NN_DETAIL_FE_25(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_24(m, __VA_ARGS__))
+#define NN_DETAIL_FE_26(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_25(m, __VA_ARGS__))
+#define NN_DETAIL_FE_27(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_26(m, __VA_ARGS__))
+#define NN_DETAIL_FE_28(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_27(m, __VA_ARGS__))
+#define NN_DETAIL_FE_29(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_28(m, __VA_ARGS__))
+#define NN_DETAIL_FE_30(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_29(m, __VA_ARGS__))
+#define NN_DETAIL_FE_31(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_30(m, __VA_ARGS__))
+#define NN_DETAIL_FE_32(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_31(m, __VA_ARGS__))
+#define NN_DETAIL_FE_33(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_32(m, __VA_ARGS__))
+#define NN_DETAIL_FE_34(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_33(m, __VA_ARGS__))
+#define NN_DETAIL_FE_35(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_34(m, __VA_ARGS__))
+#define NN_DETAIL_FE_36(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_35(m, __VA_ARGS__))
+#define NN_DETAIL_FE_37(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_36(m, __VA_ARGS__))
+#define NN_DETAIL_FE_38(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_37(m, __VA_ARGS__))
+#define NN_DETAIL_FE_39(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_38(m, __VA_ARGS__))
+#define NN_DETAIL_FE_40(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_39(m, __VA_ARGS__))
+#define NN_DETAIL_FE_41(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_40(m, __VA_ARGS__))
+#define NN_DETAIL_FE_42(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_41(m, __VA_ARGS__))
+#define NN_DETAIL_FE_43(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_42(m, __VA_ARGS__))
+#define NN_DETAIL_FE_44(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_43(m, __VA_ARGS__))
+#define NN_DETAIL_FE_45(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_44(m, __VA_ARGS__))
+#define NN_DETAIL_FE_46(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_45(m, __VA_ARGS__))
+#define NN_DETAIL_FE_47(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_46(m, __VA_ARGS__))
+#define NN_DETAIL_FE_48(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_47(m, __VA_ARGS__))
+#define NN_DETAIL_FE_49(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_48(m, __VA_ARGS__))
+#define NN_DETAIL_FE_50(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_49(m, __VA_ARGS__))
+#define NN_DETAIL_FE_51(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_50(m, __VA_ARGS__))
+#define NN_DETAIL_FE_52(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_51(m, __VA_ARGS__))
+#define NN_DETAIL_FE_53(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_52(m, __VA_ARGS__))
+#define NN_DETAIL_FE_54(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_53(m, __VA_ARGS__))
+#define NN_DETAIL_FE_55(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_54(m, __VA_ARGS__))
+#define NN_DETAIL_FE_56(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_55(m, __VA_ARGS__))
+#define NN_DETAIL_FE_57(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_56(m, __VA_ARGS__))
+#define NN_DETAIL_FE_58(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_57(m, __VA_ARGS__))
+#define NN_DETAIL_FE_59(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_58(m, __VA_ARGS__))
+#define NN_DETAIL_FE_60(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_59(m, __VA_ARGS__))
+#define NN_DETAIL_FE_61(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_60(m, __VA_ARGS__))
+#define NN_DETAIL_FE_62(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_61(m, __VA_ARGS__))
+#define NN_DETAIL_FE_63(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_62(m, __VA_ARGS__))
+#define NN_DETAIL_FE_64(m, x, ...) m(x) NN_DETAIL_EXPAND(NN_DETAIL_FE_63(m, __VA_ARGS__))
+#define NN_DETAIL_FE_PICK(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19, _20, _21, _22, _23, _24, _25, _26, _27, _28, _29, _30, _31, _32, _33, _34, _35, _36, _37, _38, _39, _40, _41, _42, _43, _44, _45, _46, _47, _48, _49, _50, _51, _52, _53, _54, _55, _56, _57, _58, _59, _60, _61, _62, _63, _64, NAME, ...) NAME
+#define NN_DETAIL_FOR_EACH(m, ...) NN_DETAIL_EXPAND(NN_DETAIL_FE_PICK(__VA_ARGS__, NN_DETAIL_FE_64, NN_DETAIL_FE_63, NN_DETAIL_FE_62, NN_DETAIL_FE_61, NN_DETAIL_FE_60, NN_DETAIL_FE_59, NN_DETAIL_FE_58, NN_DETAIL_FE_57, NN_DETAIL_FE_56, NN_DETAIL_FE_55, NN_DETAIL_FE_54, NN_DETAIL_FE_53, NN_DETAIL_FE_52, NN_DETAIL_FE_51, NN_DETAIL_FE_50, NN_DETAIL_FE_49, NN_DETAIL_FE_48, NN_DETAIL_FE_47, NN_DETAIL_FE_46, NN_DETAIL_FE_45, NN_DETAIL_FE_44, NN_DETAIL_FE_43, NN_DETAIL_FE_42, NN_DETAIL_FE_41, NN_DETAIL_FE_40, NN_DETAIL_FE_39, NN_DETAIL_FE_38, NN_DETAIL_FE_37, NN_DETAIL_FE_36, NN_DETAIL_FE_35, NN_DETAIL_FE_34, NN_DETAIL_FE_33, NN_DETAIL_FE_32, NN_DETAIL_FE_31, NN_DETAIL_FE_30, NN_DETAIL_FE_29, NN_DETAIL_FE_28, NN_DETAIL_FE_27, NN_DETAIL_FE_26, NN_DETAIL_FE_25, NN_DETAIL_FE_24, NN_DETAIL_FE_23, NN_DETAIL_FE_22, NN_DETAIL_FE_21, NN_DETAIL_FE_20, NN_DETAIL_FE_19, NN_DETAIL_FE_18, NN_DETAIL_FE_17, NN_DETAIL_FE_16, NN_DETAIL_FE_15, NN_DETAIL_FE_14, NN_DETAIL_FE_13, NN_DETAIL_FE_12, NN_DETAIL_FE_11, NN_DETAIL_FE_10, NN_DETAIL_FE_9, NN_DETAIL_FE_8, NN_DETAIL_FE_7, NN_DETAIL_FE_6, NN_DETAIL_FE_5, NN_DETAIL_FE_4, NN_DETAIL_FE_3, NN_DETAIL_FE_2, NN_DETAIL_FE_1)(m, __VA_ARGS__))
+
+/// A field reflected under another name: NN_MODULE(Attention, q_proj, NN_RENAME(qn, "q_norm")).
+#define NN_RENAME(member, name) ::nn::detail::renamed(member, name)
+
+#define NN_DETAIL_VISIT_FIELD(f) ::nn::detail::visit_field(nn_v, #f, f);
+#define NN_DETAIL_CHECK_FIELD(f)                                                                    \
+  static_assert(::nn::detail::field_ok<decltype(f)>(),                                              \
+                "NN_MODULE: field '" #f "' must be an nn::Param, an nn::Buffer, a module, or a "    \
+                "std::vector / std::optional / std::variant of those (a bare nn::Tensor needs a "   \
+                "role: nn::Param or nn::Buffer; configuration is simply left out of NN_MODULE)");
+
+/// Reflects a module's fields (none, or up to 64), in declaration order, and gives it the module API as
+/// members: parameters(), trainable_parameters(), num_params(), num_trainable(), summary(),
+/// display(), freeze(pred), unfreeze(pred), train(bool), training(), map_modules<T>(pred, f),
+/// to(dtype), save_weights(path), save_trainable(path), load_weights(path or tensors),
+/// load_weights_partial(path or tensors). Put it last in the struct: it adds one data member (the training flag), and last
+/// keeps aggregate initialisation of the fields as written.
+#define NN_MODULE(Type, ...)                                                                              \
+  static constexpr const char* nn_type_name = #Type;                                                      \
+  bool nn_training_ = true;                                                                               \
+  template <class NnV>                                                                                    \
+  void nn_visit([[maybe_unused]] NnV&& nn_v) {                                                            \
+    __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_VISIT_FIELD, __VA_ARGS__))                                    \
+  }                                                                                                       \
+  template <class NnV>                                                                                    \
+  void nn_visit([[maybe_unused]] NnV&& nn_v) const {                                                      \
+    __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_VISIT_FIELD, __VA_ARGS__))                                    \
+  }                                                                                                       \
+  void nn_check_fields() const { __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_CHECK_FIELD, __VA_ARGS__)) }     \
+  /** (path, tensor) of every Param and Buffer, in declaration order. */                                  \
+  std::vector<std::pair<std::string, ::nn::Tensor>> parameters() const {                                  \
+    return ::nn::detail::tree_parameters(*this, false);                                                   \
+  }                                                                                                       \
+  std::vector<std::pair<std::string, ::nn::Tensor>> trainable_parameters() const {                        \
+    return ::nn::detail::tree_parameters(*this, true);                                                    \
+  }                                                                                                       \
+  std::int64_t num_params() const { return ::nn::detail::tree_count(*this, false); }                      \
+  std::int64_t num_trainable() const { return ::nn::detail::tree_count(*this, true); }                    \
+  std::string summary() const { return ::nn::detail::tree_summary(*this); }                               \
+  std::string display() const { return ::nn::detail::tree_display(*this); }                               \
+  template <class NnPred>                                                                                 \
+  int freeze(NnPred pred) {                                                                               \
+    return ::nn::detail::tree_set_trainable(*this, pred, false);                                          \
+  }                                                                                                       \
+  int freeze() {                                                                                          \
+    return freeze([](const std::string&) { return true; });                                               \
+  }                                                                                                       \
+  template <class NnPred>                                                                                 \
+  int unfreeze(NnPred pred) {                                                                             \
+    return ::nn::detail::tree_set_trainable(*this, pred, true);                                           \
+  }                                                                                                       \
+  int unfreeze() {                                                                                        \
+    return unfreeze([](const std::string&) { return true; });                                             \
+  }                                                                                                       \
+  void train(bool mode = true) { ::nn::detail::tree_train(*this, mode); }                                 \
+  bool training() const { return nn_training_; }                                                          \
+  template <class NnT, class NnPred, class NnF>                                                           \
+  int map_modules(NnPred pred, NnF f) {                                                                   \
+    ::nn::detail::ModuleMapper<NnT, NnPred, NnF> m{pred, f};                                              \
+    m.recurse(*this, std::string());                                                                      \
+    return m.count;                                                                                       \
+  }                                                                                                       \
+  void to(::nn::DType dt) { ::nn::detail::tree_to(*this, dt); }                                          \
+  /** Every Param and Buffer to a safetensors file MLX loads (model.load_weights). */                    \
+  void save_weights(const std::filesystem::path& nn_path) const {                                         \
+    ::nn::detail::save_weights_impl(*this, nn_path, false);                                               \
+  }                                                                                                       \
+  /** Only the trainable Params (an adapter file). */                                                     \
+  void save_trainable(const std::filesystem::path& nn_path) const {                                       \
+    ::nn::detail::save_weights_impl(*this, nn_path, true);                                                \
+  }                                                                                                       \
+  /** Strict: every missing, unknown and mismatched name in one error; the model unchanged then. */      \
+  void load_weights(const std::filesystem::path& nn_path) { ::nn::detail::load_weights_file(*this, nn_path, true); } \
+  void load_weights(const ::nn::detail::NamedTensorList& nn_named) {                                      \
+    ::nn::detail::load_weights_impl(*this, nn_named, true, "tensors");                                    \
+  }                                                                                                       \
+  /** Ignores unknown and missing names; shape and dtype must still match. */                            \
+  void load_weights_partial(const std::filesystem::path& nn_path) {                                       \
+    ::nn::detail::load_weights_file(*this, nn_path, false);                                               \
+  }                                                                                                       \
+  void load_weights_partial(const ::nn::detail::NamedTensorList& nn_named) {                              \
+    ::nn::detail::load_weights_impl(*this, nn_named, false, "tensors");                                   \
+  }
+// ---- end nn/module.hpp ----
+// ---- begin nn/modules.hpp ----
+// Every module layer class (included by nn.hpp).
+
+// ---- begin nn/modules/linear.hpp ----
+// Linear: y = x W^T + b with weight (out, in), MLX's nn.Linear initialisation and names.
+
+
+namespace nn {
+
+/// MLX nn.Linear / torch.nn.Linear. Linear(in, out) draws weight then bias from nn::random's
+/// global sequence, uniform in [-1/sqrt(in), 1/sqrt(in)) as MLX (so nn::random::seed(s) gives
+/// MLX's values bit for bit). `.without_bias()` drops the bias; right after construction it
+/// also gives the bias's draw back to the sequence, so the next draws match MLX's
+/// nn.Linear(in, out, bias=False).
+struct Linear {
+  Param weight;               // (out, in)
+  std::optional<Param> bias;  // (out)
+
+  Linear() = default;
+  Linear(std::int64_t in, std::int64_t out) {
+    init::LinearInit w = init::linear(in, out, false);
+    before_bias_ = random::state();
+    weight = Param(w.weight);
+    bias = Param(init::linear_bias(in, out));
+    after_bias_ = random::state();
+  }
+  Linear& without_bias() {
+    bias.reset();
+    if (after_bias_.defined() && random::state().to_doubles() == after_bias_.to_doubles()) random::set_state(before_bias_);
+    return *this;
+  }
+  std::int64_t in_features() const { return weight.value.dim(1); }
+  std::int64_t out_features() const { return weight.value.dim(0); }
+
+  // x: (..., in) -> (..., out)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    return bias ? linear(tp, x, nn::param(tp, weight), nn::param(tp, *bias)) : linear(tp, x, nn::param(tp, weight));
+  }
+
+  NN_MODULE(Linear, weight, bias)
+
+ private:
+  Tensor before_bias_, after_bias_;  // the global RNG state around the bias draw
+};
+
+}  // namespace nn
+// ---- end nn/modules/linear.hpp ----
+// ---- begin nn/modules/embedding.hpp ----
+// Embedding: a (num, dims) table looked up by token ids, MLX's nn.Embedding initialisation.
+
+
+namespace nn {
+
+/// MLX nn.Embedding(num, dims): weight (num, dims) ~ N(0, 1/dims), drawn from nn::random's
+/// global sequence as MLX draws it.
+struct Embedding {
+  Param weight;  // (num, dims)
+
+  Embedding() = default;
+  Embedding(std::int64_t num, std::int64_t dims) : weight(init::embedding(num, dims)) {}
+
+  // ids: (...) int32/int64 -> (..., dims)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar ids) const {
+    return embedding(tp, ids, nn::param(tp, weight));
+  }
+  /// The table as an output projection (a tied LM head): x (..., dims) -> logits (..., num).
+  template <class B>
+  GVar as_linear(GTape<B>& tp, GVar x) const {
+    return linear(tp, x, nn::param(tp, weight));
+  }
+
+  NN_MODULE(Embedding, weight)
+};
+
+}  // namespace nn
+// ---- end nn/modules/embedding.hpp ----
+// ---- begin nn/modules/norm.hpp ----
+// RmsNorm and LayerNorm modules (MLX's nn.RMSNorm and nn.LayerNorm: eps 1e-5, weight ones,
+// bias zeros).
+
+
+namespace nn {
+
+/// x / sqrt(mean(x^2) + eps) * weight over the last axis (Zhang & Sennrich 2019).
+struct RmsNorm {
+  Param weight;  // (dims)
+
+  RmsNorm() = default;
+  explicit RmsNorm(std::int64_t dims) : weight(Tensor::ones({dims})) {}
+  RmsNorm& eps(double e) {
+    eps_ = e;
+    return *this;
+  }
+  double eps() const { return eps_; }
+
+  // x: (..., dims)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    return rmsnorm(tp, x, nn::param(tp, weight), eps_);
+  }
+
+  NN_MODULE(RmsNorm, weight)
+
+ private:
+  double eps_ = 1e-5;
+};
+
+/// (x - mean) / sqrt(var + eps) * weight + bias over the last axis (Ba et al. 2016).
+/// `.affine(false)`: no weight or bias; `.without_bias()`: weight only.
+struct LayerNorm {
+  std::optional<Param> weight;  // (dims)
+  std::optional<Param> bias;    // (dims)
+
+  LayerNorm() = default;
+  explicit LayerNorm(std::int64_t dims) : weight(Param(Tensor::ones({dims}))), bias(Param(Tensor::zeros({dims}))) {}
+  LayerNorm& eps(double e) {
+    eps_ = e;
+    return *this;
+  }
+  double eps() const { return eps_; }
+  LayerNorm& affine(bool on) {
+    if (!on) {
+      weight.reset();
+      bias.reset();
+    }
+    return *this;
+  }
+  LayerNorm& without_bias() {
+    bias.reset();
+    return *this;
+  }
+
+  // x: (..., dims)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    if (!weight) return layernorm(tp, x, eps_);
+    if (!bias) return layernorm(tp, x, nn::param(tp, *weight), eps_);
+    return layernorm(tp, x, nn::param(tp, *weight), nn::param(tp, *bias), eps_);
+  }
+
+  NN_MODULE(LayerNorm, weight, bias)
+
+ private:
+  double eps_ = 1e-5;
+};
+
+}  // namespace nn
+// ---- end nn/modules/norm.hpp ----
+// ---- begin nn/modules/rope.hpp ----
+// Rope: MLX's nn.RoPE as a module (no parameters; its options are configuration).
+
+
+namespace nn {
+
+/// Rotary position embedding on the first `dims` features of the last axis, positions along
+/// the second-to-last axis: x (..., T, D). NEOX half-split by default (MLX traditional=False),
+/// `.traditional()` for interleaved pairs; base 10000 and scale 1 as MLX.
+struct Rope {
+  Rope() = default;
+  explicit Rope(std::int64_t dims) : dims_(dims) {}
+  Rope& traditional(bool on = true) {
+    traditional_ = on;
+    return *this;
+  }
+  Rope& base(double b) {
+    base_ = b;
+    return *this;
+  }
+  Rope& scale(double s) {
+    scale_ = s;
+    return *this;
+  }
+  std::int64_t dims() const { return dims_; }
+
+  // x: (..., T, D), D >= dims; positions offset, offset + 1, ...
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x, std::int64_t offset = 0) const {
+    const Shape& s = tp.shape(x);
+    if (s.rank() < 2) detail::fail("Rope", "expects x (..., T, D), got ", s.str());
+    RopeVars t = rope_fill(tp, s.dim(-2), dims_, base_, scale_, offset, tp.dtype(x));
+    return rope(tp, x, t.cos, t.sin, traditional_);
+  }
+
+  NN_MODULE(Rope)
+
+ private:
+  std::int64_t dims_ = 0;
+  bool traditional_ = false;
+  double base_ = 10000.0, scale_ = 1.0;
+};
+
+}  // namespace nn
+// ---- end nn/modules/rope.hpp ----
+// ---- begin nn/modules/dropout.hpp ----
+// Dropout: MLX's nn.Dropout as a module; its key comes from the tape's random_key().
+
+
+namespace nn {
+
+/// In training, y = x * bernoulli(1 - p) / (1 - p) with a key drawn from nn::random's global
+/// sequence through tp.random_key() (so nn::random::seed(s) gives MLX's masks, and a compiled
+/// step draws a fresh mask each replay); in evaluation (train(false)), y = x.
+struct Dropout {
+  Dropout() = default;
+  explicit Dropout(double p) : p_(p) {
+    if (!(p >= 0.0 && p < 1.0)) detail::fail("Dropout", "the dropout probability ", p, " is not in [0, 1)");
+  }
+  double p() const { return p_; }
+
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    if (!nn_training_ || p_ == 0.0) return x;
+    return dropout(tp, x, p_, tp.random_key());
+  }
+
+  NN_MODULE(Dropout)
+
+ private:
+  double p_ = 0.5;
+};
+
+}  // namespace nn
+// ---- end nn/modules/dropout.hpp ----
+// ---- begin nn/modules/lora.hpp ----
+// LoraLinear: a frozen Linear plus a trainable low-rank update (Hu et al. 2021), laid out as
+// mlx-lm's LoRALinear (linear.weight, lora_a (in, r), lora_b (r, out)).
+
+#include <cmath>
+
+
+namespace nn {
+
+/// y = linear(x) + scale * (dropout(x) @ lora_a) @ lora_b. from_base(base, r) freezes the base,
+/// draws lora_a ~ U(+-1/sqrt(in)) as mlx-lm does and zeroes lora_b, so the layer starts equal to
+/// its base. `scale` is mlx-lm's multiplier (default 20); `.rslora()` divides it by sqrt(r)
+/// (rank-stabilised LoRA, Kalajdzievski 2023: with scale = alpha this is PEFT's
+/// use_rslora scaling alpha / sqrt(r)).
+struct LoraLinear {
+  Linear base;     // reflected as "linear", frozen
+  Param lora_a;    // (in, r)
+  Param lora_b;    // (r, out)
+  Dropout drop{0.0};
+
+  static LoraLinear from_base(Linear base, std::int64_t rank) {
+    LoraLinear l;
+    init::LoraInit f = init::lora(base.in_features(), base.out_features(), rank);
+    l.base = std::move(base);
+    l.base.freeze();
+    l.lora_a = Param(f.lora_a.to(l.base.weight.dtype()));
+    l.lora_b = Param(f.lora_b.to(l.base.weight.dtype()));
+    return l;
+  }
+  LoraLinear& scale(double s) {
+    scale_ = s;
+    return *this;
+  }
+  LoraLinear& dropout(double p) {
+    drop = Dropout(p);
+    return *this;
+  }
+  LoraLinear& rslora(bool on = true) {
+    rslora_ = on;
+    return *this;
+  }
+  std::int64_t rank() const { return lora_a.value.dim(1); }
+  /// The multiplier the forward applies: scale, or scale / sqrt(r) with rslora.
+  double effective_scale() const { return rslora_ ? scale_ / std::sqrt(static_cast<double>(rank())) : scale_; }
+
+  // x: (..., in) -> (..., out)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    GVar w = nn::param(tp, base.weight), a = nn::param(tp, lora_a), b = nn::param(tp, lora_b);
+    if (drop.p() == 0.0 || !drop.training()) {
+      if (base.bias) return lora_linear(tp, x, w, nn::param(tp, *base.bias), a, b, effective_scale());
+      return lora_linear(tp, x, w, a, b, effective_scale());
+    }
+    detail::check_lora(tp, x, w, a, b, "LoraLinear");
+    return add(tp, base(tp, x), detail::lora_branch(tp, drop(tp, x), a, b, effective_scale()));
+  }
+
+  /// The merged Linear: W + scale * (a @ b)^T = W + scale * b^T a^T (mlx-lm's fuse), bias kept.
+  Linear fused() const {
+    GTape<cpu> tp;
+    GVar delta = matmul(tp, tp.constant(lora_b.value), tp.constant(lora_a.value), true, true);  // (out, in)
+    GVar w = add(tp, tp.constant(base.weight.value), nn::scale(tp, delta, effective_scale()));
+    Linear out = base;
+    out.weight = Param(tp.value(w).clone());
+    out.unfreeze();
+    return out;
+  }
+
+  NN_MODULE(LoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, drop)
+
+ private:
+  double scale_ = 20.0;
+  bool rslora_ = false;
+};
+
+}  // namespace nn
+// ---- end nn/modules/lora.hpp ----
+// ---- end nn/modules.hpp ----
+// ---- begin nn/optim.hpp ----
+// Every optimizer, schedule and clip_grad_norm (included by nn.hpp).
+
+// ---- begin nn/optim/optimizer.hpp ----
+// The optimizer base: a state tree (step, learning_rate, slots by parameter path) and
+// update(model, grads) over a gradient tree of the model's own type, following MLX's
+// Optimizer.apply_gradients (schedule at the current step, then step += 1, then the updates).
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin nn/optim/schedules.hpp ----
+// Learning-rate schedules as functions of the step, with MLX's semantics
+// (mlx.optimizers.schedulers): the first update uses schedule(0), and each value is computed in
+// float32 as MLX computes it (its scalars rounded to float32, then float32 arithmetic), so a
+// schedule gives MLX's learning rate to the bit rather than a rounding of the exact one (which
+// drifts: init * 0.9^step in double is 7e-7 away from MLX's by step 29).
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <numbers>
+#include <vector>
+
+
+namespace nn {
+
+/// A learning rate as a function of the optimizer's step count (0 for the first update).
+using Schedule = std::function<double(std::int64_t)>;
+
+/// init * rate^step
+inline Schedule exponential_decay(double init, double decay_rate) {
+  const float i = static_cast<float>(init), r = static_cast<float>(decay_rate);
+  return [=](std::int64_t step) { return static_cast<double>(i * std::pow(r, static_cast<float>(step))); };
+}
+
+/// init * rate^(step / step_size), integer division
+inline Schedule step_decay(double init, double decay_rate, std::int64_t step_size) {
+  if (step_size <= 0) detail::fail("step_decay", "step_size must be positive, got ", step_size);
+  const float i = static_cast<float>(init), r = static_cast<float>(decay_rate);
+  return [=](std::int64_t step) { return static_cast<double>(i * std::pow(r, static_cast<float>(step / step_size))); };
+}
+
+/// end + 0.5 (1 + cos(pi min(step, decay_steps) / decay_steps)) (init - end)
+inline Schedule cosine_decay(double init, std::int64_t decay_steps, double end = 0.0) {
+  if (decay_steps <= 0) detail::fail("cosine_decay", "decay_steps must be positive, got ", decay_steps);
+  // MLX: (pi / decay_steps) and (init - end) are Python doubles, rounded once to float32.
+  const float k = static_cast<float>(std::numbers::pi / static_cast<double>(decay_steps));
+  const float e = static_cast<float>(end), span = static_cast<float>(init - end);
+  return [=](std::int64_t step) {
+    const float s = static_cast<float>(std::min(step, decay_steps));
+    const float decay = 0.5f * (1.0f + std::cos(k * s));
+    return static_cast<double>(e + decay * span);
+  };
+}
+
+/// init + min(step, steps) (end - init) / steps: a linear warm-up when init < end.
+inline Schedule linear_schedule(double init, double end, std::int64_t steps) {
+  if (steps <= 0) detail::fail("linear_schedule", "steps must be positive, got ", steps);
+  const float i = static_cast<float>(init), slope = static_cast<float>((end - init) / static_cast<double>(steps));
+  return [=](std::int64_t step) { return static_cast<double>(static_cast<float>(std::min(step, steps)) * slope + i); };
+}
+
+/// schedules[0] until boundaries[0], then schedules[1] on (step - boundaries[0]), and so on.
+inline Schedule join_schedules(std::vector<Schedule> schedules, std::vector<std::int64_t> boundaries) {
+  if (schedules.empty() || boundaries.size() + 1 != schedules.size())
+    detail::fail("join_schedules", "needs one boundary fewer than schedules, got ", schedules.size(),
+                 " schedules and ", boundaries.size(), " boundaries");
+  return [=](std::int64_t step) {
+    double out = schedules[0](step);
+    for (std::size_t i = 0; i < boundaries.size(); ++i)
+      if (step >= boundaries[i]) out = schedules[i + 1](step - boundaries[i]);
+    return out;
+  };
+}
+
+}  // namespace nn
+// ---- end nn/optim/schedules.hpp ----
+
+namespace nn {
+
+namespace detail {
+/// FNV-1a over the bytes of some doubles / ints (hyperparameter hashes; allocation-free).
+template <class... V>
+std::uint64_t hash_values(const V&... v) {
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const auto& x) {
+    const auto* b = reinterpret_cast<const unsigned char*>(&x);
+    for (std::size_t i = 0; i < sizeof(x); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  };
+  (mix(v), ...);
+  return h;
+}
+}  // namespace detail
+
+/// The base of every optimizer (usable through std::unique_ptr<Optimizer>).
+///
+/// State: `step` (0-D int64) and `learning_rate` (0-D float64) are tensors so a replayed step
+/// reads new values without re-recording; `slots` hold per-parameter buffers keyed by the
+/// parameter's path. Freezing or unfreezing a parameter never moves or resets its slots.
+class Optimizer {
+ public:
+  using Slots = std::map<std::string, Tensor>;
+
+  explicit Optimizer(double lr) : Optimizer(Schedule{}) { set_learning_rate(lr); }
+  explicit Optimizer(Schedule schedule) : schedule_(std::move(schedule)) {
+    step_ = Tensor::zeros(Shape{}, DType::i64);
+    lr_ = Tensor::zeros(Shape{}, DType::f64);
+    if (schedule_) lr_.data<double>()[0] = schedule_(0);
+  }
+  virtual ~Optimizer() = default;
+
+  /// Creates the slots of every trainable parameter now (else they are made on first use).
+  template <class M>
+  void init(const M& model) {
+    detail::for_each(model, [&](const std::string& path, const Param& p) {
+      if (p.trainable) init_param(path, p.value);
+    });
+  }
+
+  /// Updates every trainable parameter of `model` from the same-typed gradient tree `grads`
+  /// (as returned by value_and_grad); frozen parameters are untouched.
+  template <class M>
+  void update(M& model, const M& grads) {
+    std::vector<std::pair<std::string, Param*>> ps;
+    std::vector<const Param*> gs;
+    detail::for_each(model, [&](const std::string& path, Param& p) { ps.emplace_back(path, &p); });
+    detail::for_each(grads, [&](const std::string&, const Param& g) { gs.push_back(&g); });
+    if (ps.size() != gs.size())
+      detail::fail("optimizer", "the gradient tree has ", gs.size(), " parameters but the model has ", ps.size());
+    // Every check (gradients, slots) before anything changes: a failed update changes nothing.
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      Param& p = *ps[i].second;
+      if (!p.trainable) continue;
+      const Tensor& g = gs[i]->value;
+      if (!g.defined()) detail::fail("optimizer", "no gradient for trainable parameter '", ps[i].first, "'");
+      if (!(g.shape() == p.value.shape()) || g.dtype() != p.value.dtype())
+        detail::fail("optimizer", "gradient of '", ps[i].first, "' is ", g.shape().str(), " ", dtype_name(g.dtype()),
+                     " but the parameter is ", p.value.shape().str(), " ", dtype_name(p.value.dtype()));
+      init_param(ps[i].first, p.value);
+    }
+    begin_step();
+    for (std::size_t i = 0; i < ps.size(); ++i)
+      if (ps[i].second->trainable) apply(ps[i].first, ps[i].second->value, gs[i]->value);
+  }
+
+  /// The number of updates applied so far.
+  std::int64_t step() const { return step_.data<std::int64_t>()[0]; }
+  /// The learning rate the next update uses (a schedule overrides it at each update).
+  double learning_rate() const { return lr_.data<double>()[0]; }
+  virtual void set_learning_rate(double lr) { lr_.data<double>()[0] = lr; }
+
+  /// The state as a flat list of (path, tensor): "step", "learning_rate", "slots.<param>.<slot>"
+  /// — how a checkpoint saves it. Tensors are shared, not copied.
+  virtual std::vector<std::pair<std::string, Tensor>> state() const {
+    std::vector<std::pair<std::string, Tensor>> out{{"step", step_}, {"learning_rate", lr_}};
+    for (const auto& [path, slots] : slots_)
+      for (const auto& [name, t] : slots) out.emplace_back("slots." + path + "." + name, t);
+    return out;
+  }
+  /// Replaces the state from (path, tensor) pairs as state() wrote them. Strict: an unknown,
+  /// missing or mis-shaped entry raises and leaves the optimizer as it was.
+  virtual void load_state(const std::vector<std::pair<std::string, Tensor>>& entries) {
+    Parsed st = parse_state(entries);
+    step_.data<std::int64_t>()[0] = st.step;
+    lr_.data<double>()[0] = st.lr;
+    slots_ = std::move(st.slots);
+  }
+  /// Raises exactly when load_state would; changes nothing.
+  virtual void check_state(const std::vector<std::pair<std::string, Tensor>>& entries) const {
+    parse_state(entries);
+  }
+
+  /// The slots of one parameter (empty map when it has none yet).
+  const Slots& slots(const std::string& path) const {
+    static const Slots none;
+    auto it = slots_.find(path);
+    return it == slots_.end() ? none : it->second;
+  }
+
+  /// MLX's order: scheduled values at the current step, then step += 1. Called once per update.
+  virtual void begin_step() {
+    if (schedule_) lr_.data<double>()[0] = schedule_(step());
+    step_.data<std::int64_t>()[0] += 1;
+  }
+  /// Creates the slots of one parameter if it has none; checks those it has (they may come from
+  /// load_state) against the parameter, so a mis-shaped slot raises before any kernel reads it.
+  virtual void init_param(const std::string& path, const Tensor& p) {
+    auto it = slots_.find(path);
+    if (it == slots_.end()) {
+      Slots& s = slots_[path];
+      for (const char* name : slot_names(p)) s[name] = Tensor::zeros(p.shape(), p.dtype());
+      return;
+    }
+    for (const char* name : slot_names(p)) {
+      auto t = it->second.find(name);
+      if (t == it->second.end())
+        detail::fail("optimizer", "parameter '", path, "' has no slot '", name, "' (state entry 'slots.", path, ".",
+                     name, "' is missing)");
+      if (!(t->second.shape() == p.shape()) || t->second.dtype() != p.dtype())
+        detail::fail("optimizer", "slot '", name, "' of '", path, "' is ", t->second.shape().str(), " ",
+                     dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()));
+    }
+  }
+  /// The update of one parameter from its gradient, using its slots.
+  virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
+  /// A hash of the non-tensor hyperparameters (betas, momentum, ...): a compiled step
+  /// re-records when it changes. The learning rate and step are tensors and are not in it.
+  virtual std::uint64_t hyper_hash() const { return 0; }
+
+ protected:
+  struct Parsed {
+    std::int64_t step = 0;
+    double lr = 0;
+    std::map<std::string, Slots> slots;
+  };
+  /// Parses a state; where this optimizer already holds slots (after init or updates), the
+  /// entries must name exactly those slots, with their shapes and dtypes.
+  Parsed parse_state(const std::vector<std::pair<std::string, Tensor>>& entries) const {
+    Parsed out;
+    bool has_step = false, has_lr = false;
+    for (const auto& [name, t] : entries) {
+      if ((name == "step" || name == "learning_rate") && (!t.defined() || t.numel() != 1))
+        detail::fail("optimizer", "state entry '", name, "' must hold one element, got ",
+                     t.defined() ? t.shape().str() : std::string("nothing"));
+      if (name == "step") {
+        out.step = static_cast<std::int64_t>(t.item());
+        has_step = true;
+      } else if (name == "learning_rate") {
+        out.lr = t.item();
+        has_lr = true;
+      } else if (name.rfind("slots.", 0) == 0 && name.rfind('.') > 6 && t.defined()) {
+        const std::size_t dot = name.rfind('.');
+        const std::string path = name.substr(6, dot - 6), slot_name = name.substr(dot + 1);
+        auto held = slots_.find(path);
+        if (held != slots_.end()) {
+          auto s = held->second.find(slot_name);
+          if (s == held->second.end()) detail::fail("optimizer", "unknown state entry '", name, "'");
+          if (!(s->second.shape() == t.shape()) || s->second.dtype() != t.dtype())
+            detail::fail("optimizer", "state entry '", name, "' is ", t.shape().str(), " ", dtype_name(t.dtype()),
+                         " but the slot is ", s->second.shape().str(), " ", dtype_name(s->second.dtype()));
+        }
+        out.slots[path][slot_name] = t.clone();
+      } else {
+        detail::fail("optimizer", "unknown state entry '", name, "'");
+      }
+    }
+    if (!has_step || !has_lr) detail::fail("optimizer", "state needs 'step' and 'learning_rate'");
+    for (const auto& [path, slots] : slots_)
+      for (const auto& [slot_name, t] : slots) {
+        auto got = out.slots.find(path);
+        if (got == out.slots.end() || !got->second.count(slot_name))
+          detail::fail("optimizer", "state entry 'slots.", path, ".", slot_name, "' is missing");
+      }
+    return out;
+  }
+
+  /// Which zero-initialised slots a parameter needs ("m", "v", ...).
+  virtual std::vector<const char*> slot_names(const Tensor& p) const = 0;
+  Tensor& slot(const std::string& path, const char* name) { return slots_.at(path).at(name); }
+
+  Tensor step_;  // 0-D int64
+  Tensor lr_;    // 0-D float64
+  Schedule schedule_;
+  std::map<std::string, Slots> slots_;
+};
+
+}  // namespace nn
+// ---- end nn/optim/optimizer.hpp ----
+// ---- begin nn/optim/sgd.hpp ----
+// Stochastic gradient descent with momentum, dampening, Nesterov and weight decay (MLX's SGD).
+
+
+namespace nn {
+
+/// MLX's SGD: g += wd p; without momentum p -= lr g; with it v = mu v + (1 - tau) g and
+/// p -= lr (nesterov ? g + mu v : v). Matches torch.optim.SGD when dampening is 0.
+template <class B = cpu>
+class Sgd : public Optimizer {
+ public:
+  explicit Sgd(double lr) : Optimizer(lr) {}
+  explicit Sgd(Schedule s) : Optimizer(std::move(s)) {}
+
+  Sgd& momentum(double m) { momentum_ = m; return check(); }
+  Sgd& dampening(double d) { dampening_ = d; return check(); }
+  Sgd& weight_decay(double w) { wd_ = w; return *this; }
+  /// Nesterov momentum; needs momentum > 0 and no dampening (as MLX and PyTorch).
+  Sgd& nesterov(bool on = true) { nesterov_ = on; return check(); }
+
+  std::uint64_t hyper_hash() const override { return detail::hash_values(momentum_, dampening_, wd_, nesterov_); }
+  void apply(const std::string& path, Tensor& p, const Tensor& g) override {
+    Tensor none;
+    B::sgd_update(p, g, momentum_ > 0 ? slot(path, "v") : none, lr_, momentum_, dampening_, wd_, nesterov_);
+  }
+
+ protected:
+  std::vector<const char*> slot_names(const Tensor&) const override { return {"v"}; }
+
+ private:
+  Sgd& check() {
+    if (nesterov_ && (momentum_ <= 0 || dampening_ != 0))
+      detail::fail("sgd", "Nesterov momentum needs momentum > 0 and zero dampening (momentum ", momentum_,
+                   ", dampening ", dampening_, ")");
+    return *this;
+  }
+  double momentum_ = 0, dampening_ = 0, wd_ = 0;
+  bool nesterov_ = false;
+};
+
+}  // namespace nn
+// ---- end nn/optim/sgd.hpp ----
+// ---- begin nn/optim/adam.hpp ----
+// Adam and AdamW with MLX's defaults: betas (0.9, 0.999), eps 1e-8, no bias correction unless
+// asked; AdamW's decoupled decay (default 0.01) applied before the Adam step.
+
+
+namespace nn {
+
+/// MLX's Adam: m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2, p -= lr m / (sqrt v + eps);
+/// .bias_correction() gives torch.optim.Adam's update.
+template <class B = cpu>
+class Adam : public Optimizer {
+ public:
+  explicit Adam(double lr) : Optimizer(lr) {}
+  explicit Adam(Schedule s) : Optimizer(std::move(s)) {}
+
+  Adam& betas(double b1, double b2) { b1_ = b1; b2_ = b2; return *this; }
+  Adam& eps(double e) { eps_ = e; return *this; }
+  Adam& bias_correction(bool on = true) { bias_correction_ = on; return *this; }
+
+  std::uint64_t hyper_hash() const override {
+    return detail::hash_values(b1_, b2_, eps_, bias_correction_, decoupled_wd());
+  }
+  void apply(const std::string& path, Tensor& p, const Tensor& g) override {
+    B::adam_update(p, g, slot(path, "m"), slot(path, "v"), lr_, step_, b1_, b2_, eps_, decoupled_wd(), bias_correction_);
+  }
+
+ protected:
+  virtual double decoupled_wd() const { return 0.0; }
+  std::vector<const char*> slot_names(const Tensor&) const override { return {"m", "v"}; }
+  double b1_ = 0.9, b2_ = 0.999, eps_ = 1e-8;
+  bool bias_correction_ = false;
+};
+
+/// MLX's AdamW: p *= 1 - lr wd, then Adam. With .bias_correction() it is torch.optim.AdamW.
+template <class B = cpu>
+class AdamW : public Adam<B> {
+ public:
+  explicit AdamW(double lr) : Adam<B>(lr) {}
+  explicit AdamW(Schedule s) : Adam<B>(std::move(s)) {}
+
+  AdamW& weight_decay(double w) { wd_ = w; return *this; }
+  AdamW& betas(double b1, double b2) { Adam<B>::betas(b1, b2); return *this; }
+  AdamW& eps(double e) { Adam<B>::eps(e); return *this; }
+  AdamW& bias_correction(bool on = true) { Adam<B>::bias_correction(on); return *this; }
+
+ protected:
+  double decoupled_wd() const override { return wd_; }
+
+ private:
+  double wd_ = 0.01;
+};
+
+}  // namespace nn
+// ---- end nn/optim/adam.hpp ----
+// ---- begin nn/optim/lion.hpp ----
+// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), MLX's form.
+
+
+namespace nn {
+
+/// c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; p *= 1 - lr wd (when wd > 0); p -= lr sign(c).
+template <class B = cpu>
+class Lion : public Optimizer {
+ public:
+  explicit Lion(double lr) : Optimizer(lr) {}
+  explicit Lion(Schedule s) : Optimizer(std::move(s)) {}
+
+  Lion& betas(double b1, double b2) { b1_ = b1; b2_ = b2; return *this; }
+  Lion& weight_decay(double w) { wd_ = w; return *this; }
+
+  std::uint64_t hyper_hash() const override { return detail::hash_values(b1_, b2_, wd_); }
+  void apply(const std::string& path, Tensor& p, const Tensor& g) override {
+    B::lion_update(p, g, slot(path, "m"), lr_, b1_, b2_, wd_);
+  }
+
+ protected:
+  std::vector<const char*> slot_names(const Tensor&) const override { return {"m"}; }
+
+ private:
+  double b1_ = 0.9, b2_ = 0.99, wd_ = 0.0;
+};
+
+}  // namespace nn
+// ---- end nn/optim/lion.hpp ----
+// ---- begin nn/optim/muon.hpp ----
+// Muon (Jordan et al. 2024): momentum orthogonalised by Newton-Schulz iterations, MLX's form.
+
+#include <cmath>
+
+
+namespace nn {
+
+/// g += wd p (coupled); v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v. For a
+/// parameter of rank >= 2, u is viewed as (shape[0], -1), orthogonalised by `ns_steps`
+/// Newton-Schulz iterations with (a, b, c) = (3.4445, -4.7750, 2.0315) on the wide orientation,
+/// and the step is scaled by sqrt(max(1, shape[-2] / shape[-1])) of the parameter's own shape
+/// (MLX's choice). Rank < 2: the plain momentum update.
+template <class B = cpu>
+class Muon : public Optimizer {
+ public:
+  explicit Muon(double lr) : Optimizer(lr) {}
+  explicit Muon(Schedule s) : Optimizer(std::move(s)) {}
+
+  Muon& momentum(double m) { mu_ = m; return *this; }
+  Muon& weight_decay(double w) { wd_ = w; return *this; }
+  Muon& nesterov(bool on = true) { nesterov_ = on; return *this; }
+  Muon& ns_steps(int n) { steps_ = n; return *this; }
+
+  std::uint64_t hyper_hash() const override { return detail::hash_values(mu_, wd_, nesterov_, steps_); }
+  void apply(const std::string& path, Tensor& p, const Tensor& g) override {
+    Slots& w = work_.at(path);
+    Tensor& u = w.at("u");
+    B::muon_momentum(p, g, slot(path, "v"), u, mu_, wd_, nesterov_);
+    if (p.rank() < 2) {
+      B::apply_update(p, u, lr_, 1.0);
+      return;
+    }
+    const std::int64_t rows = p.dim(0), cols = p.numel() / rows;
+    const bool tall = rows > cols;  // iterate on X = u^T so that X X^T is the small Gram matrix
+    const std::int64_t r = tall ? cols : rows, c = tall ? rows : cols;
+    Tensor X = w.at("x"), A = w.at("a"), Bm = w.at("b"), T1 = w.at("t");
+    X = X.reshape(Shape{r, c});
+    A = A.reshape(Shape{r, r});
+    Bm = Bm.reshape(Shape{r, r});
+    T1 = T1.reshape(Shape{r, c});
+    Tensor u2 = u.reshape(Shape{rows, cols});
+    if (tall) B::permute(u2, {1, 0}, X, false);
+    else B::copy(u2, X, false);
+    B::normalize_frobenius(X, 1e-7);
+    for (int i = 0; i < steps_; ++i) {
+      B::matmul(X, false, X, true, A, false);  // A = X X^T
+      B::copy(A, Bm, false);
+      B::matmul(A, false, A, false, Bm, false);  // Bm = A A
+      B::axpby(kB, A, kC, Bm);                   // Bm = b A + c A A
+      B::matmul(Bm, false, X, false, T1, false); // T1 = Bm X
+      B::axpby(kA, X, 1.0, T1);                  // T1 = a X + Bm X
+      std::swap(X, T1);
+    }
+    if (tall) B::permute(X, {1, 0}, u2, false);
+    else B::copy(X, u2, false);
+    const double ratio = static_cast<double>(p.dim(-2)) / static_cast<double>(p.dim(-1));
+    B::apply_update(p, u, lr_, std::sqrt(std::max(1.0, ratio)));
+  }
+
+ protected:
+  void init_param(const std::string& path, const Tensor& p) override {
+    Optimizer::init_param(path, p);
+    if (work_.count(path)) return;
+    // Workspace, not state (not saved): the update direction and the Newton-Schulz buffers,
+    // kept so an update allocates nothing.
+    Slots& w = work_[path];
+    w["u"] = Tensor::zeros(p.shape(), p.dtype());
+    if (p.rank() >= 2) {
+      const std::int64_t rows = p.dim(0), cols = p.numel() / rows, r = std::min(rows, cols);
+      w["x"] = Tensor::zeros(Shape{rows * cols}, p.dtype());
+      w["t"] = Tensor::zeros(Shape{rows * cols}, p.dtype());
+      w["a"] = Tensor::zeros(Shape{r * r}, p.dtype());
+      w["b"] = Tensor::zeros(Shape{r * r}, p.dtype());
+    }
+  }
+  std::vector<const char*> slot_names(const Tensor&) const override { return {"v"}; }
+
+ private:
+  static constexpr double kA = 3.4445, kB = -4.7750, kC = 2.0315;
+  double mu_ = 0.95, wd_ = 0.01;
+  bool nesterov_ = true;
+  int steps_ = 5;
+  std::map<std::string, Slots> work_;
+};
+
+}  // namespace nn
+// ---- end nn/optim/muon.hpp ----
+// ---- begin nn/optim/multi.hpp ----
+// Parameter groups (MLX's MultiOptimizer): each parameter goes to the first group whose
+// predicate matches its path, else to the default optimizer.
+
+#include <functional>
+#include <memory>
+
+
+namespace nn {
+
+/// MultiOptimizer(Sgd(1e-2)).group(pred, Adam(1e-3)): the first matching group wins; the
+/// optimizer given to the constructor takes every parameter no group claims. Every member steps
+/// on every update (as MLX's). Its state is "<k>.step", "<k>.slots.<path>.m", ... with k the
+/// group index and the default optimizer last.
+class MultiOptimizer : public Optimizer {
+ public:
+  using Pred = std::function<bool(const std::string&)>;
+
+  template <class Opt>
+  explicit MultiOptimizer(Opt fallback) : Optimizer(0.0), fallback_(std::make_unique<Opt>(std::move(fallback))) {}
+
+  template <class Opt>
+  MultiOptimizer& group(Pred pred, Opt opt) & {
+    groups_.emplace_back(std::move(pred), std::make_unique<Opt>(std::move(opt)));
+    return *this;
+  }
+  /// On a temporary, so `auto opt = MultiOptimizer(a).group(p, b);` moves rather than copies.
+  template <class Opt>
+  MultiOptimizer&& group(Pred pred, Opt opt) && {
+    return std::move(group(std::move(pred), std::move(opt)));
+  }
+
+  void set_learning_rate(double lr) override {
+    for (auto& g : groups_) g.second->set_learning_rate(lr);
+    fallback_->set_learning_rate(lr);
+  }
+  void begin_step() override {
+    Optimizer::begin_step();  // counts this wrapper's own step
+    for (auto& g : groups_) g.second->begin_step();
+    fallback_->begin_step();
+  }
+  void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
+  std::uint64_t hyper_hash() const override {
+    std::uint64_t h = fallback_->hyper_hash();
+    for (const auto& g : groups_) h = detail::hash_values(h, g.second->hyper_hash());
+    return h;
+  }
+  void apply(const std::string& path, Tensor& p, const Tensor& g) override { route(path).apply(path, p, g); }
+
+  std::vector<std::pair<std::string, Tensor>> state() const override {
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (std::size_t k = 0; k <= groups_.size(); ++k)
+      for (auto& [name, t] : member(k).state()) out.emplace_back(std::to_string(k) + "." + name, t);
+    return out;
+  }
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& entries) override {
+    auto parts = split(entries);
+    // Validate every part first, so a bad entry leaves every group as it was.
+    for (std::size_t k = 0; k < parts.size(); ++k) member(k).check_state(parts[k]);
+    for (std::size_t k = 0; k < parts.size(); ++k) member(k).load_state(parts[k]);
+    step_.data<std::int64_t>()[0] = fallback_->step();  // the members step together; step() is theirs
+  }
+  void check_state(const std::vector<std::pair<std::string, Tensor>>& entries) const override {
+    auto parts = split(entries);
+    for (std::size_t k = 0; k < parts.size(); ++k) member(k).check_state(parts[k]);
+  }
+
+ protected:
+  std::vector<const char*> slot_names(const Tensor&) const override { return {}; }
+
+ private:
+  std::vector<std::vector<std::pair<std::string, Tensor>>> split(
+      const std::vector<std::pair<std::string, Tensor>>& entries) const {
+    std::vector<std::vector<std::pair<std::string, Tensor>>> parts(groups_.size() + 1);
+    for (const auto& [name, t] : entries) {
+      const std::size_t dot = name.find('.');
+      std::size_t k = parts.size();
+      try {
+        k = std::stoul(name.substr(0, dot));
+      } catch (...) {
+      }
+      if (dot == std::string::npos || k >= parts.size())
+        detail::fail("optimizer", "state entry '", name, "' names no group of this MultiOptimizer");
+      parts[k].emplace_back(name.substr(dot + 1), t);
+    }
+    return parts;
+  }
+  Optimizer& route(const std::string& path) {
+    for (auto& g : groups_)
+      if (g.first(path)) return *g.second;
+    return *fallback_;
+  }
+  Optimizer& member(std::size_t k) const { return k < groups_.size() ? *groups_[k].second : *fallback_; }
+
+  std::vector<std::pair<Pred, std::unique_ptr<Optimizer>>> groups_;
+  std::unique_ptr<Optimizer> fallback_;
+};
+
+}  // namespace nn
+// ---- end nn/optim/multi.hpp ----
+// ---- begin nn/optim/clip.hpp ----
+// Global gradient-norm clipping over a whole gradient tree (MLX's clip_grad_norm).
+
+#include <cmath>
+#include <utility>
+
+
+namespace nn {
+
+/// Returns {clipped, norm}: norm = sqrt(sum over every gradient of sum(g^2)) (one global norm,
+/// not per tensor), and clipped = grads * min(max_norm / (norm + 1e-6), 1) in new tensors (the
+/// input tree is not modified). Empty (frozen) gradients stay empty.
+template <class B = cpu, class M>
+std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
+  if (max_norm < 0) detail::fail("clip_grad_norm", "max_norm must be >= 0, got ", max_norm);
+  double sq = 0;
+  detail::for_each(grads, [&](const std::string&, const Param& g) {
+    if (g.value.defined()) sq += B::sum_squares(g.value);
+  });
+  const double norm = std::sqrt(sq);
+  const double scale = std::min(max_norm / (norm + 1e-6), 1.0);
+  M out = grads;
+  detail::for_each(out, [&](const std::string&, Param& g) {
+    if (!g.value.defined()) return;
+    Tensor t = B::alloc(g.value.shape(), g.value.dtype());
+    B::unary(Unary::scale, scale, g.value, t);
+    g.value = t;
+  });
+  return {std::move(out), norm};
+}
+
+}  // namespace nn
+// ---- end nn/optim/clip.hpp ----
+// ---- end nn/optim.hpp ----
+// ---- begin nn/compile.hpp ----
+// A compiled training step (MLX's mx.compile(step, inputs=state, outputs=state)): the first call
+// records forward, backward and the optimizer update; later calls replay the same tape into the
+// buffers it owns, with no re-recording and no heap allocation.
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace nn {
+
+/// The step `compile(model, opt, loss_fn)` returns. Calling it with the batch tensors runs one
+/// training step (loss, gradients, optimizer update) and returns the loss (a 0-D tensor owned by
+/// the step: read it before the next call).
+///
+/// It re-records, once, when an input's shape or dtype changes, when a module's train/eval mode
+/// changes, when a parameter is frozen or unfrozen, when the optimizer's non-tensor
+/// hyperparameters change (betas, momentum, ...), or after reset(). The learning rate and step
+/// count are tensors and change without re-recording. Random keys drawn on the tape
+/// (tp.random_key(), used by Dropout) are refilled from nn::random's global sequence before each
+/// replay, in recording order, so a compiled run draws exactly the masks an eager run draws.
+/// The model must keep its structure (no map_modules, no reassigned Param tensors) between
+/// calls without a reset().
+template <class B, class M, class F, std::size_t N>
+class CompiledStep {
+ public:
+  CompiledStep(M& model, Optimizer& opt, F fn) : model_(&model), opt_(&opt), fn_(std::move(fn)) {}
+
+  template <class... T>
+  Tensor operator()(const T&... batch) {
+    static_assert(sizeof...(T) == N, "a compiled step is called with the batch tensors it was declared with");
+    std::array<const Tensor*, N> in{&batch...};
+    if (stale(in)) record(in);
+    else replay(in);
+    update();
+    return tp_.value(loss_);
+  }
+
+  /// How many times the step has been recorded (1 after the first call when nothing changed).
+  int recordings() const { return recordings_; }
+  /// Forces the next call to record again.
+  void reset() { recorded_ = false; }
+  /// The tape (for inspection: node count, values).
+  const GTape<B>& tape() const { return tp_; }
+
+ private:
+  struct Entry {
+    std::string path;
+    Param* param;
+    const Tensor* grad;  // the tape's gradient buffer of this parameter
+  };
+
+  bool stale(const std::array<const Tensor*, N>& in) const {
+    if (!recorded_) return true;
+    for (std::size_t i = 0; i < N; ++i) {
+      const Tensor& t = tp_.value(inputs_[i]);
+      if (!(in[i]->shape() == t.shape()) || in[i]->dtype() != t.dtype()) return true;
+    }
+    for (const auto& [flag, value] : modes_)
+      if (*flag != value) return true;
+    for (const auto& [p, trainable] : params_seen_)
+      if (p->trainable != trainable) return true;
+    return opt_->hyper_hash() != hyper_;
+  }
+
+  void record(const std::array<const Tensor*, N>& in) {
+    tp_.clear();
+    entries_.clear();
+    modes_.clear();
+    params_seen_.clear();
+    std::array<GVar, N> vars{};
+    for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
+    for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
+    loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
+    tp_.backward(loss_);
+    detail::for_each(
+        *model_,
+        [&](const std::string& path, Param& p) {
+          params_seen_.emplace_back(&p, p.trainable);
+          if (!p.trainable || !is_floating(p.value.dtype())) return;
+          std::optional<GVar> v = tp_.find_param(p.value);
+          if (!v) detail::fail("compile", "trainable parameter '", path, "' is not used by the loss");
+          opt_->init_param(path, p.value);
+          entries_.push_back({path, &p, &tp_.grad(*v)});
+        },
+        detail::ignore, [&](const std::string&, auto& mod) { modes_.emplace_back(&mod.nn_training_, mod.nn_training_); });
+    hyper_ = opt_->hyper_hash();
+    recorded_ = true;
+    ++recordings_;
+  }
+
+  void replay(const std::array<const Tensor*, N>& in) {
+    for (std::size_t i = 0; i < N; ++i) tp_.set(inputs_[i], *in[i]);
+    tp_.refresh_keys();
+    tp_.replay();
+  }
+
+  // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
+  void update() {
+    opt_->begin_step();
+    for (Entry& e : entries_) opt_->apply(e.path, e.param->value, *e.grad);
+  }
+
+  M* model_;
+  Optimizer* opt_;
+  F fn_;
+  GTape<B> tp_;
+  std::array<GVar, N> inputs_{};
+  GVar loss_{};
+  std::vector<Entry> entries_;
+  std::vector<std::pair<const bool*, bool>> modes_;
+  std::vector<std::pair<const Param*, bool>> params_seen_;
+  std::uint64_t hyper_ = 0;
+  bool recorded_ = false;
+  int recordings_ = 0;
+};
+
+/// Compiles a training step over `model` and `opt`: loss_fn(GTape<B>&, const M&, GVar... batch)
+/// returns the scalar loss; the result is called as step(batch_tensor...) and returns the loss.
+///   auto step = nn::compile<2>(model, opt, [](auto& tp, const Mlp& m, GVar x, GVar y) {
+///     return nn::cross_entropy(tp, m(tp, x), y); });
+///   Tensor loss = step(xb, yb);
+template <std::size_t N, class B = cpu, class M, class F>
+CompiledStep<B, M, F, N> compile(M& model, Optimizer& opt, F loss_fn) {
+  return CompiledStep<B, M, F, N>(model, opt, std::move(loss_fn));
+}
+
+}  // namespace nn
+// ---- end nn/compile.hpp ----
+// ---- begin nn/io/weights.hpp ----
+// Model weights by name: save_weights / save_trainable / strict load_weights /
+// load_weights_partial, on safetensors files named by module path (MLX's conventions).
+
+#include <map>
+#include <sstream>
+
+
+namespace nn::detail {
+
+/// One tensor slot of a model: its path and the tensor a load writes.
+struct WeightSlot {
+  std::string path;
+  Tensor* target;
+};
+
+template <class M>
+std::vector<WeightSlot> weight_slots(M& m) {
+  std::vector<WeightSlot> out;
+  for_each(
+      m, [&](const std::string& p, Param& x) { out.push_back({p, &x.value}); },
+      [&](const std::string& p, Buffer& x) { out.push_back({p, &x.value}); });
+  return out;
+}
+
+/// Appends "label: a, b, c" (at most 20 names, then "... and N more").
+inline void list_names(std::ostringstream& os, const char* label, const std::vector<std::string>& names) {
+  if (names.empty()) return;
+  os << "\n  " << names.size() << ' ' << label << ": ";
+  for (std::size_t i = 0; i < names.size() && i < 20; ++i) os << (i ? ", " : "") << names[i];
+  if (names.size() > 20) os << ", ... and " << names.size() - 20 << " more";
+}
+
+/// The plan of a load: which slot gets which tensor. Raises (naming every missing, unknown and
+/// mismatched name at once) before anything is written, so a failed load changes nothing.
+template <class M>
+std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensorList& named, bool strict,
+                                                         const std::string& source, const std::string& prefix = "") {
+  std::vector<WeightSlot> slots = weight_slots(m);
+  std::map<std::string, const Tensor*> given;
+  std::vector<std::string> dup, unknown, missing, mismatched;
+  for (const auto& [name, t] : named) {
+    if (!given.emplace(name, &t).second) dup.push_back(name);
+  }
+  std::map<std::string, bool> known;
+  std::vector<std::pair<Tensor*, const Tensor*>> plan;
+  for (const WeightSlot& s : slots) {
+    known[s.path] = true;
+    auto it = given.find(s.path);
+    if (it == given.end()) {
+      if (strict) missing.push_back(prefix + s.path);
+      continue;
+    }
+    const Tensor& t = *it->second;
+    if (!t.defined()) {
+      mismatched.push_back(prefix + s.path + " (empty tensor)");
+    } else if (s.target->defined() && (!(t.shape() == s.target->shape()) || t.dtype() != s.target->dtype())) {
+      mismatched.push_back(prefix + s.path + " (file " + t.shape().str() + " " + dtype_name(t.dtype()) + ", model " +
+                           s.target->shape().str() + " " + dtype_name(s.target->dtype()) + ")");
+    } else {
+      plan.emplace_back(s.target, &t);
+    }
+  }
+  for (const auto& [name, t] : given)
+    if (strict && !known.count(name)) unknown.push_back(prefix + name);
+  if (!dup.empty() || !unknown.empty() || !missing.empty() || !mismatched.empty()) {
+    std::ostringstream os;
+    os << source << ": the weights do not fit the model (nothing was loaded)";
+    list_names(os, "missing", missing);
+    list_names(os, "unknown", unknown);
+    list_names(os, "mismatched", mismatched);
+    list_names(os, "duplicated", dup);
+    fail("load_weights", os.str());
+  }
+  return plan;
+}
+
+/// Writes a plan: into the existing storage when there is one (so tapes and compiled steps bound
+/// to the model stay valid), else as a copy.
+inline void apply_load(const std::vector<std::pair<Tensor*, const Tensor*>>& plan) {
+  for (auto& [target, t] : plan) {
+    if (target->defined() && !t->shares_storage(*target)) cpu::copy(*t, *target, false);
+    else if (!target->defined()) *target = t->clone();
+  }
+}
+
+template <class M>
+void load_weights_impl(M& m, const NamedTensorList& named, bool strict, const std::string& source) {
+  apply_load(plan_load(m, named, strict, source));
+}
+
+template <class M>
+void load_weights_file(M& m, const std::filesystem::path& path, bool strict) {
+  NamedTensorList named = load_safetensors(path);
+  load_weights_impl(m, named, strict, path.string());
+}
+
+template <class M>
+void save_weights_impl(const M& m, const std::filesystem::path& path, bool trainable_only) {
+  save_safetensors(path, tree_parameters(m, trainable_only), {{"format", "mlx"}});
+}
+
+}  // namespace nn::detail
+// ---- end nn/io/weights.hpp ----
+// ---- begin nn/io/checkpoint.hpp ----
+// Whole-run checkpoints: a model, its optimizer's state tree and the global RNG key in one
+// safetensors file, saved atomically and loaded all-or-nothing.
+
+
+namespace nn {
+
+/// Saves model ("model.<path>"), optimizer state ("optimizer.step", "optimizer.slots.<path>.m",
+/// ...) and the global random key ("rng.key") to `path` (written to a temporary file, then
+/// renamed). Resuming with load_into and training on is bitwise the run without the pause.
+template <class M>
+void save(const std::filesystem::path& path, const M& model, const Optimizer& opt) {
+  NamedTensors all;
+  for (auto& [p, t] : model.parameters()) all.emplace_back("model." + p, t);
+  for (auto& [p, t] : opt.state()) all.emplace_back("optimizer." + p, t);
+  all.emplace_back("rng.key", random::state());
+  save_safetensors(path, all, {{"format", "nn-checkpoint"}, {"nn_version", NN_VERSION_STRING}});
+}
+
+/// Loads a checkpoint written by save() into `model` and `opt` and restores the random key.
+/// Everything is checked first (every model name, shape and dtype, the optimizer's entries, the
+/// key): on any error nothing is changed.
+template <class M>
+void load_into(const std::filesystem::path& path, M& model, Optimizer& opt) {
+  SafetensorsFile file(path);
+  auto fmt = file.metadata().find("format");
+  if (fmt == file.metadata().end() || fmt->second != "nn-checkpoint")
+    detail::fail("load_into", path.string(), ": not an nn checkpoint (metadata format is '",
+                 fmt == file.metadata().end() ? std::string("missing") : fmt->second, "')");
+  detail::NamedTensorList model_part, opt_part;
+  Tensor key;
+  for (auto& [name, t] : file.tensors()) {
+    if (name.rfind("model.", 0) == 0) model_part.emplace_back(name.substr(6), t);
+    else if (name.rfind("optimizer.", 0) == 0) opt_part.emplace_back(name.substr(10), t);
+    else if (name == "rng.key") key = t;
+    else detail::fail("load_into", path.string(), ": unknown entry '", name, "'");
+  }
+  if (!key.defined() || key.dtype() != DType::u32 || !(key.shape() == Shape{2}))
+    detail::fail("load_into", path.string(), ": missing or malformed 'rng.key' (uint32 (2))");
+  auto plan = detail::plan_load(model, model_part, true, path.string(), "model.");
+  opt.check_state(opt_part);
+  detail::apply_load(plan);
+  opt.load_state(opt_part);
+  random::set_state(key);
+}
+
+}  // namespace nn
+// ---- end nn/io/checkpoint.hpp ----
+// ---- end nn/nn.hpp ----
