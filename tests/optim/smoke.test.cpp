@@ -55,3 +55,21 @@ TEST_CASE("state is a tree keyed by path") {
   CHECK(names == std::vector<std::string>{"step", "learning_rate", "slots.b.m", "slots.b.v", "slots.w.m", "slots.w.v"});
   test::check_error([&] { Sgd(0.1).nesterov(); }, {"[sgd]", "Nesterov"});
 }
+
+TEST_CASE("a copied optimizer owns its state; MultiOptimizer reports its first member's rate") {
+  Tiny m{Param(Tensor::ones({2, 2}, DType::f64)), Param(Tensor::ones({2}, DType::f64))};
+  Adam a(1e-2);
+  a.init(m);
+  Adam b = a;
+  Tiny g;
+  loss_of(m, &g);
+  a.update(m, g);
+  CHECK(a.step() == 1);
+  CHECK(b.step() == 0);
+  for (auto& [name, t] : b.state())
+    if (name.rfind("slots.", 0) == 0) CHECK(t.to_doubles() == std::vector<double>(static_cast<std::size_t>(t.numel()), 0.0));
+  MultiOptimizer mo = MultiOptimizer(Sgd(0.5)).group([](const std::string& p) { return p == "w"; }, Adam(1e-3));
+  CHECK(mo.learning_rate() == 1e-3);
+  mo.set_learning_rate(0.25);
+  CHECK(mo.learning_rate() == 0.25);
+}

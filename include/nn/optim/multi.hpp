@@ -32,6 +32,8 @@ class MultiOptimizer : public Optimizer {
     return std::move(group(std::move(pred), std::move(opt)));
   }
 
+  /// The first member's rate (the first group's, else the default's), as MLX's.
+  double learning_rate() const override { return member(0).learning_rate(); }
   void set_learning_rate(double lr) override {
     for (auto& g : groups_) g.second->set_learning_rate(lr);
     fallback_->set_learning_rate(lr);

@@ -44,6 +44,18 @@ class Optimizer {
     if (schedule_) lr_.data<double>()[0] = schedule_(0);
   }
   virtual ~Optimizer() = default;
+  /// A copy owns its state: step, learning rate and slots are cloned, so two copies train
+  /// independently (tensors themselves copy shallowly).
+  Optimizer(const Optimizer& o) : schedule_(o.schedule_) { copy_state(o); }
+  Optimizer& operator=(const Optimizer& o) {
+    if (this != &o) {
+      schedule_ = o.schedule_;
+      copy_state(o);
+    }
+    return *this;
+  }
+  Optimizer(Optimizer&&) = default;
+  Optimizer& operator=(Optimizer&&) = default;
 
   /// Creates the slots of every trainable parameter now (else they are made on first use).
   template <class M>
@@ -82,7 +94,7 @@ class Optimizer {
   /// The number of updates applied so far.
   std::int64_t step() const { return step_.data<std::int64_t>()[0]; }
   /// The learning rate the next update uses (a schedule overrides it at each update).
-  double learning_rate() const { return lr_.data<double>()[0]; }
+  virtual double learning_rate() const { return lr_.data<double>()[0]; }
   virtual void set_learning_rate(double lr) { lr_.data<double>()[0] = lr; }
 
   /// The state as a flat list of (path, tensor): "step", "learning_rate", "slots.<param>.<slot>"
@@ -144,6 +156,14 @@ class Optimizer {
   virtual std::uint64_t hyper_hash() const { return 0; }
 
  protected:
+  void copy_state(const Optimizer& o) {
+    step_ = o.step_.clone();
+    lr_ = o.lr_.clone();
+    slots_.clear();
+    for (const auto& [path, slots] : o.slots_)
+      for (const auto& [name, t] : slots) slots_[path][name] = t.clone();
+  }
+
   struct Parsed {
     std::int64_t step = 0;
     double lr = 0;

@@ -1,0 +1,269 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// LoRA adapters for decoder models named as Hugging Face names them (model.layers.N.<key>):
+// applying LoRA by path, and reading/writing mlx-lm and PEFT adapter directories.
+#pragma once
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../io/safetensors.hpp"
+#include "../io/weights.hpp"
+#include "../modules/lora.hpp"
+
+namespace nn::lm {
+
+/// The LoRA of a fine-tune, as mlx-lm's adapter_config.json holds it.
+struct LoraConfig {
+  std::int64_t rank = 8;
+  double scale = 20.0;    // mlx-lm's multiplier (PEFT's lora_alpha / r)
+  double dropout = 0.0;
+  bool rslora = false;    // the multiplier is scale / sqrt(rank) (PEFT's use_rslora)
+  int num_layers = -1;    // the last N decoder layers (-1: all), as mlx-lm
+  std::vector<std::string> keys{"self_attn.q_proj", "self_attn.v_proj"};  // paths inside a layer
+
+  double effective_scale() const { return rslora ? scale / std::sqrt(static_cast<double>(rank)) : scale; }
+};
+
+namespace detail {
+
+/// "model.layers.12.self_attn.q_proj" -> {12, "self_attn.q_proj"}; nullopt for other paths.
+inline std::optional<std::pair<int, std::string>> layer_path(const std::string& path) {
+  const std::string pre = "model.layers.";
+  if (path.rfind(pre, 0) != 0) return std::nullopt;
+  const std::size_t dot = path.find('.', pre.size());
+  if (dot == std::string::npos) return std::nullopt;
+  try {
+    return std::pair{std::stoi(path.substr(pre.size(), dot - pre.size())), path.substr(dot + 1)};
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+template <class M>
+int count_layers(const M& model) {
+  int n = 0;
+  nn::detail::for_each(model, [&](const std::string& p, auto&) {
+    if (auto lp = layer_path(p)) n = std::max(n, lp->first + 1);
+  });
+  return n;
+}
+
+inline void write_text(const std::filesystem::path& path, const std::string& text) {
+  // temporary file + rename, as every nn writer: a crash never leaves half a config behind
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream f(tmp);
+    if (!(f << text)) nn::detail::fail("adapters", path.string(), ": cannot write");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream f(path);
+  if (!f) nn::detail::fail("adapters", path.string(), ": cannot open");
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", path.string(), ": not valid JSON (", e.what(), ")");
+  }
+}
+
+}  // namespace detail
+
+/// Replaces every Linear at "model.layers.N.<key>" (key in cfg.keys, N among the last
+/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers). The fields must be
+/// std::variant<Linear, LoraLinear>. Returns how many layers were converted; raises when a key
+/// matches nothing (a typo would otherwise train nothing).
+template <class M>
+int apply_lora(M& model, const LoraConfig& cfg) {
+  const int n = detail::count_layers(model);
+  const int first = cfg.num_layers < 0 ? 0 : std::max(0, n - cfg.num_layers);
+  std::set<std::string> seen;
+  int converted = model.template map_modules<Linear>(
+      [&](const std::string& path) {
+        auto lp = detail::layer_path(path);
+        if (!lp || lp->first < first) return false;
+        for (const auto& k : cfg.keys)
+          if (lp->second == k) {
+            seen.insert(k);
+            return true;
+          }
+        return false;
+      },
+      [&](const std::string&, const Linear& base) {
+        return LoraLinear::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
+      });
+  for (const auto& k : cfg.keys)
+    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear in model.layers.N");
+  return converted;
+}
+
+// ---- mlx-lm --------------------------------------------------------------------------------
+
+/// Writes an mlx-lm adapter directory: adapters.safetensors (model.layers.N.<key>.lora_a (in, r),
+/// .lora_b (r, out)) and adapter_config.json (fine_tune_type, num_layers, lora_parameters).
+/// mlx_lm.load(model, adapter_path=dir) applies it.
+template <class M>
+void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg) {
+  std::filesystem::create_directories(dir);
+  NamedTensors t;
+  for (auto& [p, v] : model.trainable_parameters())
+    if (p.ends_with(".lora_a") || p.ends_with(".lora_b")) t.emplace_back(p, v);
+  if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
+  save_safetensors(dir / "adapters.safetensors", t, {{"format", "mlx"}});
+  if (cfg.rslora)
+    nn::detail::fail("adapters", "mlx-lm has no rsLoRA: save a PEFT adapter, or use the effective scale");
+  nlohmann::json j = {{"fine_tune_type", "lora"},
+                      {"num_layers", cfg.num_layers},
+                      {"lora_parameters", {{"rank", cfg.rank}, {"scale", cfg.scale}, {"dropout", cfg.dropout}, {"keys", cfg.keys}}}};
+  detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
+}
+
+/// Reads an mlx-lm adapter directory's config.
+inline LoraConfig read_mlx_adapter_config(const std::filesystem::path& dir) {
+  const auto path = dir / "adapter_config.json";
+  nlohmann::json j = detail::read_json(path);
+  if (j.value("fine_tune_type", std::string("lora")) != "lora")
+    nn::detail::fail("adapters", path.string(), ": fine_tune_type '", j.value("fine_tune_type", std::string()), "' is not supported (lora only)");
+  if (!j.contains("lora_parameters") || !j["lora_parameters"].is_object())
+    nn::detail::fail("adapters", path.string(), ": missing object field 'lora_parameters'");
+  const auto& lp = j["lora_parameters"];
+  LoraConfig c;
+  try {
+    c.rank = lp.at("rank").get<std::int64_t>();
+    c.scale = lp.at("scale").get<double>();
+    c.dropout = lp.value("dropout", 0.0);
+    c.num_layers = j.value("num_layers", -1);
+    if (lp.contains("keys")) c.keys = lp["keys"].get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", path.string(), ": bad lora_parameters (", e.what(), ")");
+  }
+  return c;
+}
+
+/// Applies the directory's LoRA to `model` and loads its adapter weights (strict: every adapter
+/// tensor must match a LoRA parameter by name and shape, and every LoRA parameter must be given;
+/// on error the model's weights are unchanged — the layers are converted first).
+template <class M>
+LoraConfig load_mlx_adapters(const std::filesystem::path& dir, M& model) {
+  LoraConfig cfg = read_mlx_adapter_config(dir);
+  NamedTensors w = load_safetensors(dir / "adapters.safetensors");
+  apply_lora(model, cfg);
+  NamedTensors all;
+  for (auto& [p, v] : model.parameters()) {
+    bool adapter = p.ends_with(".lora_a") || p.ends_with(".lora_b");
+    if (!adapter) all.emplace_back(p, v);  // the base is given as it is
+  }
+  for (auto& e : w) all.push_back(e);
+  nn::detail::load_weights_impl(model, all, true, (dir / "adapters.safetensors").string());
+  return cfg;
+}
+
+// ---- PEFT ----------------------------------------------------------------------------------
+
+/// Writes a PEFT LoRA directory: adapter_model.safetensors with
+/// base_model.model.<path>.lora_A.weight (r, in) and .lora_B.weight (out, r) — the transposes of
+/// mlx-lm's factors — and adapter_config.json with r, lora_alpha (scale * r, or scale with
+/// rslora, so PEFT's scaling equals ours), target_modules, use_rslora, layers_to_transform.
+template <class M>
+void save_peft_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg,
+                        const std::string& base_model = "") {
+  std::filesystem::create_directories(dir);
+  NamedTensors t;
+  GTape<cpu> tp;
+  for (auto& [p, v] : model.trainable_parameters()) {
+    const bool a = p.ends_with(".lora_a"), b = p.ends_with(".lora_b");
+    if (!a && !b) continue;
+    const std::string mod = p.substr(0, p.size() - 7);
+    Tensor tr = tp.value(transpose(tp, tp.constant(v))).clone();  // (in, r) -> (r, in); (r, out) -> (out, r)
+    t.emplace_back("base_model.model." + mod + (a ? ".lora_A.weight" : ".lora_B.weight"), tr);
+  }
+  if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
+  save_safetensors(dir / "adapter_model.safetensors", t, {{"format", "pt"}});
+  std::vector<std::string> targets;
+  for (const auto& k : cfg.keys) targets.push_back(k.substr(k.rfind('.') + 1));
+  nlohmann::json j = {{"peft_type", "LORA"},
+                      {"task_type", "CAUSAL_LM"},
+                      {"base_model_name_or_path", base_model},
+                      {"r", cfg.rank},
+                      {"lora_alpha", cfg.rslora ? cfg.scale : cfg.scale * static_cast<double>(cfg.rank)},
+                      {"lora_dropout", cfg.dropout},
+                      {"use_rslora", cfg.rslora},
+                      {"target_modules", targets},
+                      {"bias", "none"},
+                      {"fan_in_fan_out", false},
+                      {"inference_mode", true}};
+  if (cfg.num_layers >= 0) {
+    const int n = detail::count_layers(model);
+    std::vector<int> layers;
+    for (int i = std::max(0, n - cfg.num_layers); i < n; ++i) layers.push_back(i);
+    j["layers_to_transform"] = layers;
+  }
+  detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
+}
+
+/// Reads a PEFT LoRA directory into `model`: the config gives rank, scale (lora_alpha / r, or
+/// / sqrt(r) with use_rslora) and targets; the factors are transposed into mlx-lm's
+/// orientation. Orientation is checked by name and by shape (a square factor in the wrong
+/// orientation would load silently otherwise).
+template <class M>
+LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
+  const auto cpath = dir / "adapter_config.json";
+  nlohmann::json j = detail::read_json(cpath);
+  LoraConfig cfg;
+  try {
+    if (j.value("peft_type", std::string("LORA")) != "LORA")
+      nn::detail::fail("adapters", cpath.string(), ": peft_type '", j.value("peft_type", std::string()), "' is not LORA");
+    cfg.rank = j.at("r").get<std::int64_t>();
+    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
+    cfg.rslora = j.value("use_rslora", false);
+    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
+    cfg.dropout = j.value("lora_dropout", 0.0);
+    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", cpath.string(), ": fan_in_fan_out is not supported");
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", cpath.string(), ": bad field (", e.what(), ")");
+  }
+  NamedTensors w = load_safetensors(dir / "adapter_model.safetensors");
+  // targets from the tensor names: "...model.layers.N.<key>.lora_A.weight"
+  std::set<std::string> keys;
+  std::set<int> layers;
+  NamedTensors mine;
+  GTape<cpu> tp;
+  for (auto& [name, t] : w) {
+    std::string n = name;
+    const std::string pre = "base_model.model.";
+    if (n.rfind(pre, 0) == 0) n = n.substr(pre.size());
+    const bool a = n.ends_with(".lora_A.weight"), b = n.ends_with(".lora_B.weight");
+    if (!a && !b) nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name, "' is not a LoRA factor");
+    const std::string mod = n.substr(0, n.size() - 14);
+    auto lp = detail::layer_path(mod);
+    if (!lp) nn::detail::fail("adapters", "tensor '", name, "' is not under model.layers.N");
+    keys.insert(lp->second);
+    layers.insert(lp->first);
+    if (t.rank() != 2 || (a ? t.dim(0) : t.dim(1)) != cfg.rank)
+      nn::detail::fail("adapters", "tensor '", name, "' has shape ", t.shape().str(), "; PEFT's ", a ? "lora_A is (r, in)" : "lora_B is (out, r)",
+                       " with r = ", cfg.rank);
+    mine.emplace_back(mod + (a ? ".lora_a" : ".lora_b"), tp.value(transpose(tp, tp.constant(t))).clone());
+  }
+  cfg.keys.assign(keys.begin(), keys.end());
+  const int n = detail::count_layers(model);
+  cfg.num_layers = static_cast<int>(layers.size()) == n ? -1 : static_cast<int>(layers.size());
+  if (cfg.num_layers >= 0 && *layers.begin() != n - cfg.num_layers)
+    nn::detail::fail("adapters", cpath.string(), ": adapted layers are not the last ", cfg.num_layers, " (unsupported)");
+  apply_lora(model, cfg);
+  NamedTensors all;
+  for (auto& [p, v] : model.parameters())
+    if (!p.ends_with(".lora_a") && !p.ends_with(".lora_b")) all.emplace_back(p, v);
+  for (auto& e : mine) all.push_back(e);
+  nn::detail::load_weights_impl(model, all, true, (dir / "adapter_model.safetensors").string());
+  return cfg;
+}
+
+}  // namespace nn::lm

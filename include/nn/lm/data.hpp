@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Fine-tuning data as mlx-lm reads it: JSONL in three forms ({"text"}, {"prompt","completion"},
+// {"messages"} through a ChatML template), tokenized, split, shuffled with a seed, and batched
+// with padding and a loss mask.
+#pragma once
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../tensor.hpp"
+
+namespace nn::lm {
+
+/// What the data layer needs of a tokenizer: encode text without adding special tokens (the
+/// templates write them), and the end-of-sequence id.
+template <class T>
+concept TextEncoder = requires(const T& t, const std::string& s) {
+  { t.encode(s, false) } -> std::convertible_to<std::vector<std::int32_t>>;
+  { t.eos_id() } -> std::convertible_to<std::int32_t>;
+};
+
+/// One training sequence: its tokens, and the first token position that counts in the loss
+/// (0 = all; the prompt's length when only the completion is learned).
+struct Example {
+  std::vector<std::int32_t> tokens;
+  std::size_t offset = 0;
+};
+
+/// A chat message, as mlx-lm's {"role", "content"}.
+struct Message {
+  std::string role, content;
+};
+
+/// ChatML (<|im_start|>role\ncontent<|im_end|>\n), the format of SmolLM2-Instruct and Qwen2.
+/// `default_system`, when not empty, is inserted as the system message of a conversation that
+/// has none (Qwen2.5's template does this with "You are a helpful assistant.").
+struct ChatML {
+  std::string default_system;
+
+  std::string render(const std::vector<Message>& messages, bool add_generation_prompt) const {
+    std::string out;
+    if (!default_system.empty() && (messages.empty() || messages.front().role != "system"))
+      out += "<|im_start|>system\n" + default_system + "<|im_end|>\n";
+    for (const Message& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+    if (add_generation_prompt) out += "<|im_start|>assistant\n";
+    return out;
+  }
+};
+
+/// How the three JSONL forms become examples.
+struct DataOptions {
+  ChatML chat;
+  /// Learn only the completion / the last assistant message (mlx-lm's --mask-prompt).
+  bool mask_prompt = true;
+};
+
+namespace detail {
+
+[[noreturn]] inline void data_fail(const std::string& where, std::size_t line, const std::string& what) {
+  nn::detail::fail("data", where, ":", line, ": ", what);
+}
+
+inline std::string field_string(const nlohmann::json& j, const char* key, const std::string& where, std::size_t line) {
+  auto it = j.find(key);
+  if (it == j.end()) data_fail(where, line, std::string("missing field \"") + key + "\"");
+  if (!it->is_string()) data_fail(where, line, std::string("field \"") + key + "\" must be a string");
+  return it->get<std::string>();
+}
+
+}  // namespace detail
+
+/// One JSONL record as an example. Forms (as mlx-lm's create_dataset): {"text"}: every token
+/// counts, an EOS is appended if missing; {"prompt", "completion"}: a user/assistant exchange in
+/// the chat format, the prompt masked; {"messages": [{"role", "content"}, ...]}: the
+/// conversation, all but the last message masked. `where`/`line` name the source in errors.
+template <TextEncoder Tok>
+Example make_example(const nlohmann::json& j, const Tok& tok, const DataOptions& opt, const std::string& where,
+                     std::size_t line) {
+  if (!j.is_object()) detail::data_fail(where, line, "a record must be a JSON object");
+  Example ex;
+  if (j.contains("text")) {
+    ex.tokens = tok.encode(detail::field_string(j, "text", where, line), false);
+    if (ex.tokens.empty() || ex.tokens.back() != tok.eos_id()) ex.tokens.push_back(tok.eos_id());
+    return ex;
+  }
+  std::vector<Message> msgs;
+  if (j.contains("prompt") || j.contains("completion")) {
+    msgs = {{"user", detail::field_string(j, "prompt", where, line)},
+            {"assistant", detail::field_string(j, "completion", where, line)}};
+  } else if (j.contains("messages")) {
+    const auto& ms = j["messages"];
+    if (!ms.is_array() || ms.empty()) detail::data_fail(where, line, "field \"messages\" must be a non-empty array");
+    for (std::size_t i = 0; i < ms.size(); ++i) {
+      if (!ms[i].is_object())
+        detail::data_fail(where, line, "messages[" + std::to_string(i) + "] must be an object");
+      msgs.push_back({detail::field_string(ms[i], "role", where, line), detail::field_string(ms[i], "content", where, line)});
+    }
+  } else {
+    detail::data_fail(where, line, "a record needs \"text\", \"prompt\"+\"completion\" or \"messages\"");
+  }
+  ex.tokens = tok.encode(opt.chat.render(msgs, false), false);
+  if (opt.mask_prompt) {
+    std::vector<Message> head(msgs.begin(), msgs.end() - 1);
+    ex.offset = tok.encode(opt.chat.render(head, msgs.back().role == "assistant"), false).size();
+  }
+  return ex;
+}
+
+/// Every record of a JSONL file (blank lines skipped). Errors name the file and line.
+template <TextEncoder Tok>
+std::vector<Example> load_jsonl(const std::filesystem::path& path, const Tok& tok, const DataOptions& opt = {}) {
+  std::ifstream f(path);
+  if (!f) nn::detail::fail("data", path.string(), ": cannot open the file");
+  std::vector<Example> out;
+  std::string text;
+  std::size_t line = 0;
+  while (std::getline(f, text)) {
+    ++line;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::parse_error& e) {
+      detail::data_fail(path.string(), line, std::string("not valid JSON (") + e.what() + ")");
+    }
+    out.push_back(make_example(j, tok, opt, path.string(), line));
+  }
+  if (out.empty()) nn::detail::fail("data", path.string(), ": no records");
+  return out;
+}
+
+/// The train and validation sets: from DIR/train.jsonl and DIR/valid.jsonl (mlx-lm's layout),
+/// or from one file split with `valid_fraction` of the records (shuffled with `seed`) held out.
+struct Splits {
+  std::vector<Example> train, valid;
+};
+
+template <TextEncoder Tok>
+Splits load_splits(const std::filesystem::path& path, const Tok& tok, const DataOptions& opt = {},
+                   double valid_fraction = 0.1, std::uint64_t seed = 0) {
+  if (std::filesystem::is_directory(path)) {
+    Splits s;
+    s.train = load_jsonl(path / "train.jsonl", tok, opt);
+    if (std::filesystem::exists(path / "valid.jsonl")) s.valid = load_jsonl(path / "valid.jsonl", tok, opt);
+    return s;
+  }
+  std::vector<Example> all = load_jsonl(path, tok, opt);
+  std::mt19937_64 rng(seed);
+  std::shuffle(all.begin(), all.end(), rng);
+  const std::size_t nv = std::min(all.size() - 1, static_cast<std::size_t>(valid_fraction * static_cast<double>(all.size())));
+  Splits s;
+  s.valid.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(nv));
+  s.train.assign(all.begin() + static_cast<std::ptrdiff_t>(nv), all.end());
+  return s;
+}
+
+/// A padded batch. inputs/targets: (B, T) int32, targets[b, t] = tokens[t + 1] (0 as padding);
+/// mask: (B, T) float32, 1 where the target counts: t + 1 in [max(offset, 1), length - 1] (the
+/// next-token targets of the sequence's own tokens after the prompt). mlx-lm's default_loss also
+/// counts one padding target at t + 1 = length; this mask does not.
+struct Batch {
+  Tensor inputs, targets, mask;
+  std::int64_t tokens = 0;  // how many targets count
+};
+
+/// Batch `rows` of `data` (indices), padded to the longest (truncated to max_seq tokens).
+/// `pad_to` rounds T up (mlx-lm pads to a multiple of 32; a fixed T lets a compiled step replay).
+inline Batch make_batch(const std::vector<Example>& data, std::span<const std::size_t> rows, std::int64_t max_seq,
+                        std::int64_t pad_to = 1, DType mask_dtype = DType::f32) {
+  if (rows.empty()) nn::detail::fail("data", "an empty batch");
+  std::int64_t longest = 0;
+  for (std::size_t r : rows) longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(data[r].tokens.size()));
+  longest = std::min(longest, max_seq);
+  std::int64_t T = std::max<std::int64_t>(longest - 1, 1);
+  if (pad_to > 1) T = std::min((T + pad_to - 1) / pad_to * pad_to, std::max<std::int64_t>(max_seq - 1, 1));
+  const std::int64_t B = static_cast<std::int64_t>(rows.size());
+  std::vector<std::int32_t> in(static_cast<std::size_t>(B * T), 0), tg(in.size(), 0);
+  std::vector<double> mk(in.size(), 0.0);
+  std::int64_t count = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const Example& ex = data[rows[static_cast<std::size_t>(b)]];
+    const std::int64_t L = std::min<std::int64_t>(static_cast<std::int64_t>(ex.tokens.size()), max_seq);
+    for (std::int64_t t = 0; t < T && t + 1 < L; ++t) {
+      const std::size_t i = static_cast<std::size_t>(b * T + t);
+      in[i] = ex.tokens[static_cast<std::size_t>(t)];
+      tg[i] = ex.tokens[static_cast<std::size_t>(t + 1)];
+      if (t + 1 >= std::max<std::int64_t>(static_cast<std::int64_t>(ex.offset), 1)) {
+        mk[i] = 1.0;
+        ++count;
+      }
+    }
+  }
+  return {Tensor::from<std::int32_t>({B, T}, in), Tensor::from<std::int32_t>({B, T}, tg),
+          Tensor::from_doubles({B, T}, mk, mask_dtype), count};
+}
+
+/// Batches over `data` for training: examples sorted by length and grouped (so padding is
+/// small), batch order shuffled with `seed` each epoch (as mlx-lm's iterate_batches). Yields
+/// index lists; pass them to make_batch.
+class BatchOrder {
+ public:
+  BatchOrder(const std::vector<Example>& data, std::size_t batch, std::uint64_t seed) : rng_(seed) {
+    if (data.size() < batch)
+      nn::detail::fail("data", "the data set has ", data.size(), " examples, fewer than the batch size ", batch);
+    std::vector<std::size_t> idx(data.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::stable_sort(idx.begin(), idx.end(),
+                     [&](std::size_t a, std::size_t b) { return data[a].tokens.size() < data[b].tokens.size(); });
+    for (std::size_t i = 0; i + batch <= idx.size(); i += batch)
+      batches_.emplace_back(idx.begin() + static_cast<std::ptrdiff_t>(i), idx.begin() + static_cast<std::ptrdiff_t>(i + batch));
+    reshuffle();
+  }
+  /// The next batch's rows; a new shuffled epoch starts when one ends.
+  const std::vector<std::size_t>& next() {
+    if (pos_ == order_.size()) reshuffle();
+    return batches_[order_[pos_++]];
+  }
+  std::size_t batches_per_epoch() const { return batches_.size(); }
+
+ private:
+  void reshuffle() {
+    order_.resize(batches_.size());
+    std::iota(order_.begin(), order_.end(), 0);
+    std::shuffle(order_.begin(), order_.end(), rng_);
+    pos_ = 0;
+  }
+  std::vector<std::vector<std::size_t>> batches_;
+  std::vector<std::size_t> order_;
+  std::size_t pos_ = 0;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace nn::lm

@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// JSONL data in mlx-lm's three forms, ChatML, prompt masking, batching and errors.
+#include "support/check.hpp"
+
+#include <filesystem>
+#include <fstream>
+
+#include <nn/lm/data.hpp>
+
+using namespace nn;
+using namespace nn::lm;
+
+namespace {
+
+// A byte tokenizer: one id per byte, EOS = 256. Enough to check offsets and masks exactly.
+struct Bytes {
+  std::vector<std::int32_t> encode(const std::string& s, bool) const {
+    return std::vector<std::int32_t>(s.begin(), s.end());
+  }
+  std::int32_t eos_id() const { return 256; }
+};
+
+std::filesystem::path write(const std::string& name, const std::string& text) {
+  auto dir = std::filesystem::temp_directory_path() / "nn_data_test";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / name) << text;
+  return dir / name;
+}
+
+}  // namespace
+
+TEST_CASE("the three record forms") {
+  Bytes tok;
+  DataOptions opt;
+  auto text = make_example(nlohmann::json{{"text", "ab"}}, tok, opt, "f", 1);
+  CHECK(text.tokens == std::vector<std::int32_t>{'a', 'b', 256});
+  CHECK(text.offset == 0);
+
+  auto pc = make_example(nlohmann::json{{"prompt", "hi"}, {"completion", "yo"}}, tok, opt, "f", 1);
+  const std::string full = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n";
+  const std::string head = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+  CHECK(pc.tokens == tok.encode(full, false));
+  CHECK(pc.offset == head.size());
+
+  auto chat = make_example(nlohmann::json::parse(R"({"messages": [{"role": "system", "content": "s"},
+      {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})"), tok, opt, "f", 1);
+  CHECK(chat.offset == std::string("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n").size());
+
+  DataOptions qwen;
+  qwen.chat.default_system = "You are a helpful assistant.";
+  auto withsys = make_example(nlohmann::json{{"prompt", "hi"}, {"completion", "yo"}}, tok, qwen, "f", 1);
+  CHECK(std::string(withsys.tokens.begin(), withsys.tokens.begin() + 40).rfind("<|im_start|>system\nYou are a helpful", 0) == 0);
+}
+
+TEST_CASE("batches: inputs, shifted targets, and a mask over the completion only") {
+  std::vector<Example> data{{{1, 2, 3, 4, 5}, 2}, {{7, 8, 9}, 0}};
+  std::vector<std::size_t> rows{0, 1};
+  Batch b = make_batch(data, rows, 64);
+  CHECK(b.inputs.shape() == Shape{2, 4});
+  CHECK(b.inputs.to_doubles() == std::vector<double>{1, 2, 3, 4, 7, 8, 0, 0});
+  CHECK(b.targets.to_doubles() == std::vector<double>{2, 3, 4, 5, 8, 9, 0, 0});
+  // row 0: offset 2 -> targets tokens[2..4] count (t + 1 >= 2); row 1: both real targets count
+  CHECK(b.mask.to_doubles() == std::vector<double>{0, 1, 1, 1, 1, 1, 0, 0});
+  CHECK(b.tokens == 5);
+  Batch t = make_batch(data, rows, 3);  // truncated to 3 tokens: T = 2
+  CHECK(t.inputs.shape() == Shape{2, 2});
+  CHECK(t.mask.to_doubles() == std::vector<double>{0, 1, 1, 1});
+  Batch p = make_batch(data, rows, 64, 8);
+  CHECK(p.inputs.shape() == Shape{2, 8});
+}
+
+TEST_CASE("batch order: length-sorted groups, shuffled per epoch with a seed") {
+  std::vector<Example> data;
+  for (int i = 0; i < 10; ++i) data.push_back({std::vector<std::int32_t>(static_cast<std::size_t>(10 - i), 1), 0});
+  BatchOrder a(data, 3, 7), b(data, 3, 7);
+  CHECK(a.batches_per_epoch() == 3);
+  for (int i = 0; i < 6; ++i) CHECK(a.next() == b.next());
+  for (auto r : a.next()) CHECK(data[r].tokens.size() <= 10);
+}
+
+TEST_CASE("files: a directory with train/valid, a single file split, and clear errors") {
+  Bytes tok;
+  auto f = write("one.jsonl", "{\"text\": \"a\"}\n\n{\"text\": \"b\"}\n{\"text\": \"c\"}\n{\"text\": \"d\"}\n");
+  Splits s = load_splits(f, tok, {}, 0.25, 1);
+  CHECK(s.train.size() == 3);
+  CHECK(s.valid.size() == 1);
+  auto bad = write("bad.jsonl", "{\"text\": \"a\"}\n{\"prompt\": \"x\"}\n");
+  test::check_error([&] { load_jsonl(bad, tok); }, {"[data]", "bad.jsonl:2", "missing field \"completion\""});
+  auto broken = write("broken.jsonl", "{\"text\": \"a\"\n");
+  test::check_error([&] { load_jsonl(broken, tok); }, {"broken.jsonl:1", "not valid JSON"});
+  auto kind = write("kind.jsonl", "{\"foo\": 1}\n");
+  test::check_error([&] { load_jsonl(kind, tok); }, {"kind.jsonl:1", "needs \"text\""});
+  test::check_error([&] { load_jsonl("/nonexistent/x.jsonl", tok); }, {"cannot open"});
+}
