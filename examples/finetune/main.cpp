@@ -1,0 +1,317 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// finetune: LoRA-finetunes a Llama / Qwen2 / SmolLM model from Hugging Face or GGUF files on
+// JSONL data (mlx-lm's formats) and writes adapters that mlx-lm and PEFT load.
+#include <nn/nn.hpp>
+#include <nn/lm/pretrained.hpp>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(NN_USE_BLAS)
+extern "C" void openblas_set_num_threads(int);
+#endif
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "progress.hpp"
+#include "svg.hpp"
+
+namespace fs = std::filesystem;
+using namespace nn;
+using namespace nn::lm;
+
+namespace {
+
+struct Args {
+  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse;
+  LoraConfig lora;
+  double lr = 1e-4;
+  int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
+      save_every = 50, threads = 0, max_tokens = 40;
+  std::uint64_t seed = 0;
+  bool resume = false, peft = true;
+};
+
+const char* kUsage =
+    "usage: finetune --model PATH --data DIR_or_FILE [options]\n"
+    "  --model PATH          a Hugging Face folder (config.json, model.safetensors, tokenizer.json) or a .gguf file\n"
+    "  --data DIR|FILE       JSONL: DIR/train.jsonl (+ DIR/valid.jsonl), or one file split 90/10\n"
+    "                        records: {\"text\"} | {\"prompt\",\"completion\"} | {\"messages\"} (ChatML)\n"
+    "  --rank 8 --scale 20 --rslora --dropout 0 --layers N (last N layers, -1 all)\n"
+    "  --keys q_proj,v_proj  projections to adapt (q k v o _proj, gate up down _proj)\n"
+    "  --lr 1e-4 --schedule cosine|constant --warmup N --iters 100 --batch 4 --seq 256 --grad-accum 1\n"
+    "  --val-every 25 --val-batches 4 --save-every 50 --resume --adapter-path adapters --no-peft\n"
+    "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n";
+
+Args parse(int argc, char** argv) {
+  Args a;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    if (k == "-h" || k == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    if (k.rfind("--", 0) != 0) nn::detail::fail("finetune", "unexpected argument '", k, "'\n", kUsage);
+    k = k.substr(2);
+    if (k == "rslora" || k == "resume" || k == "no-peft") {
+      kv[k] = "1";
+      continue;
+    }
+    if (i + 1 >= argc) nn::detail::fail("finetune", "--", k, " needs a value");
+    kv[k] = argv[++i];
+  }
+  auto num = [&](const char* k, auto& out) {
+    auto it = kv.find(k);
+    if (it == kv.end()) return;
+    std::istringstream is(it->second);
+    if (!(is >> out) || !is.eof()) nn::detail::fail("finetune", "--", k, " expects a number, got '", it->second, "'");
+    kv.erase(it);
+  };
+  auto str = [&](const char* k, std::string& out) {
+    auto it = kv.find(k);
+    if (it == kv.end()) return;
+    out = it->second;
+    kv.erase(it);
+  };
+  str("model", a.model);
+  str("data", a.data);
+  str("adapter-path", a.adapter_path);
+  str("schedule", a.schedule);
+  str("prompt", a.prompt);
+  str("fuse", a.fuse);
+  num("rank", a.lora.rank);
+  num("scale", a.lora.scale);
+  num("dropout", a.lora.dropout);
+  num("layers", a.lora.num_layers);
+  num("lr", a.lr);
+  num("warmup", a.warmup);
+  num("iters", a.iters);
+  num("batch", a.batch);
+  num("seq", a.seq);
+  num("grad-accum", a.grad_accum);
+  num("val-every", a.val_every);
+  num("val-batches", a.val_batches);
+  num("save-every", a.save_every);
+  num("threads", a.threads);
+  num("seed", a.seed);
+  num("max-tokens", a.max_tokens);
+  if (kv.erase("rslora")) a.lora.rslora = true;
+  if (kv.erase("resume")) a.resume = true;
+  if (kv.erase("no-peft")) a.peft = false;
+  std::string keys = "q_proj,v_proj";
+  str("keys", keys);
+  if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
+  if (a.model.empty() || a.data.empty()) nn::detail::fail("finetune", "--model and --data are required\n", kUsage);
+  if (a.schedule != "cosine" && a.schedule != "constant") nn::detail::fail("finetune", "--schedule is cosine or constant");
+  if (a.iters <= 0 || a.batch <= 0 || a.seq < 2 || a.grad_accum <= 0 || a.warmup < 0 || a.warmup >= a.iters + 1)
+    nn::detail::fail("finetune", "need iters > 0, batch > 0, seq >= 2, grad-accum > 0, 0 <= warmup <= iters");
+  a.lora.keys.clear();
+  std::istringstream ks(keys);
+  for (std::string k; std::getline(ks, k, ',');) {
+    if (k.empty()) continue;
+    a.lora.keys.push_back(k.find('.') != std::string::npos ? k
+                          : (k == "gate_proj" || k == "up_proj" || k == "down_proj") ? "mlp." + k
+                                                                                     : "self_attn." + k);
+  }
+  return a;
+}
+
+/// Greedy decoding with the KV cache: the prompt is prefilled once, then one token per step.
+std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string& text, int max_tokens) {
+  if (max_tokens <= 0 || text.empty()) return "";
+  std::vector<std::int32_t> ids = tok.encode(text);
+  KVCache cache;
+  Tensor logits = m.decode(Tensor::from<std::int32_t>({1, static_cast<std::int64_t>(ids.size())}, ids), cache);
+  std::vector<std::int32_t> out;
+  for (int i = 0; i < max_tokens; ++i) {
+    const std::int64_t V = logits.dim(-1), last = logits.numel() / V - 1;
+    std::int32_t best = 0;
+    double bv = -INFINITY;
+    for (std::int64_t v = 0; v < V; ++v) {
+      double x = logits.item(last * V + v);
+      if (x > bv) bv = x, best = static_cast<std::int32_t>(v);
+    }
+    if (tok.eos_id() && best == *tok.eos_id()) break;
+    out.push_back(best);
+    logits = m.decode(Tensor::from<std::int32_t>({1, 1}, {best}), cache);
+  }
+  return tok.decode(out, true);
+}
+
+/// Mean next-token loss over up to `batches` validation batches (token-weighted).
+double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int seq) {
+  if (data.empty()) return NAN;
+  double sum = 0;
+  std::int64_t count = 0;
+  for (int b = 0; b < batches; ++b) {
+    std::vector<std::size_t> rows;
+    for (int i = 0; i < batch && static_cast<std::size_t>(b * batch + i) < data.size(); ++i)
+      rows.push_back(static_cast<std::size_t>(b * batch + i));
+    if (rows.empty()) break;
+    Batch bt = make_batch(data, rows, seq + 1, seq, m.dtype());
+    if (bt.tokens == 0) continue;
+    GTape<cpu> tp;
+    GVar loss = cross_entropy(tp, m.logits(tp, tp.constant(bt.inputs)), tp.constant(bt.targets), tp.constant(bt.mask),
+                              Reduction::sum);
+    sum += tp.value(loss).item();
+    count += bt.tokens;
+  }
+  return count ? sum / static_cast<double>(count) : NAN;
+}
+
+Schedule make_schedule(const Args& a) {
+  Schedule main = a.schedule == "cosine" ? cosine_decay(a.lr, std::max(1, a.iters - a.warmup)) : Schedule([lr = a.lr](std::int64_t) { return lr; });
+  if (a.warmup == 0) return main;
+  // mlx-lm's warm-up: a linear ramp from 0, then the main schedule from step warmup + 1
+  return join_schedules({linear_schedule(0.0, a.lr, a.warmup), main}, {a.warmup + 1});
+}
+
+int run(const Args& a) {
+#if defined(_OPENMP)
+  if (a.threads > 0) omp_set_num_threads(a.threads);
+#endif
+#if defined(NN_USE_BLAS)
+  if (a.threads > 0) openblas_set_num_threads(a.threads);
+#endif
+  random::seed(a.seed);
+  std::printf("loading %s\n", a.model.c_str());
+  Pretrained pt = load_pretrained(a.model);
+  CausalLM& model = pt.model;
+  const Tokenizer& tok = pt.tokenizer;
+  const ModelConfig& c = model.config();
+  std::printf("model: %s, %lld layers, hidden %lld, %lld heads (%lld kv), vocab %lld, %s params\n", arch_name(c.arch),
+              static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
+              static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
+              static_cast<long long>(c.vocab_size), nn::detail::with_commas(model.num_params()).c_str());
+
+  TokenizerText enc{tok};
+  Splits data = load_splits(a.data, enc, DataOptions{}, 0.1, a.seed);
+  std::printf("data: %zu train, %zu valid examples\n", data.train.size(), data.valid.size());
+  const bool chat = !data.train.empty() && data.train.front().offset > 0;
+  const std::string prompt = a.prompt.empty() ? "" : chat ? ChatML{}.render({{"user", a.prompt}}, true) : a.prompt;
+
+  const std::string before = generate(model, tok, prompt, a.max_tokens);
+
+  model.freeze();
+  const int converted = apply_lora(model, a.lora);
+  std::printf("LoRA rank %lld scale %g on %d projections: %s trainable of %s\n", static_cast<long long>(a.lora.rank),
+              a.lora.effective_scale(), converted, nn::detail::with_commas(model.num_trainable()).c_str(),
+              nn::detail::with_commas(model.num_params()).c_str());
+
+  Adam opt(make_schedule(a));
+  opt.init(model);
+  fs::create_directories(a.adapter_path);
+  const fs::path ckpt = fs::path(a.adapter_path) / "checkpoint.safetensors";
+  BatchOrder order(data.train, static_cast<std::size_t>(a.batch), a.seed);
+  if (a.resume) {
+    if (!fs::exists(ckpt)) nn::detail::fail("finetune", "--resume: no checkpoint at ", ckpt.string());
+    load_into(ckpt, model, opt);
+    // the batch order is a function of the seed: replay it up to where the run stopped
+    for (std::int64_t i = 0; i < opt.step() * a.grad_accum; ++i) order.next();
+    std::printf("resumed at step %lld\n", static_cast<long long>(opt.step()));
+  }
+
+  auto loss_fn = [](GTape<cpu>& tp, const CausalLM& m, GVar ids, GVar targets, GVar mask) {
+    return cross_entropy(tp, m.logits(tp, ids), targets, mask, Reduction::mean);
+  };
+  auto step = compile<3>(model, opt, loss_fn);
+  auto save_all = [&]() {
+    save_mlx_adapters(a.adapter_path, model, a.lora);
+    if (a.peft) save_peft_adapters(fs::path(a.adapter_path) / "peft", model, a.lora, a.model);
+    save(ckpt, model, opt);
+  };
+
+  finetune::Progress progress(a.iters, (fs::path(a.adapter_path) / "metrics.jsonl").string());
+  finetune::Series train_curve, val_curve;
+  if (!a.resume) {
+    const double v0 = evaluate(model, data.valid, a.val_batches, a.batch, a.seq);
+    if (!std::isnan(v0)) {
+      progress.validation(0, v0);
+      val_curve.emplace_back(0, v0);
+    }
+  }
+  for (int it = static_cast<int>(opt.step()) + 1; it <= a.iters; ++it) {
+    double loss = 0;
+    std::int64_t tokens = 0;
+    if (a.grad_accum == 1) {
+      Batch b = make_batch(data.train, order.next(), a.seq + 1, a.seq, model.dtype());
+      loss = step(b.inputs, b.targets, b.mask).item();
+      tokens = b.inputs.numel();
+    } else {  // several micro-batches per update: eager gradients, summed, then one update
+      std::optional<CausalLM> sum;
+      for (int k = 0; k < a.grad_accum; ++k) {
+        Batch b = make_batch(data.train, order.next(), a.seq + 1, a.seq, model.dtype());
+        auto [l, g] = value_and_grad(model, [&](GTape<cpu>& tp, const CausalLM& m) {
+          return loss_fn(tp, m, tp.constant(b.inputs), tp.constant(b.targets), tp.constant(b.mask));
+        });
+        loss += l.item() / a.grad_accum;
+        tokens += b.inputs.numel();
+        if (!sum) {
+          sum = std::move(g);
+          continue;
+        }
+        std::vector<Tensor*> acc;
+        nn::detail::for_each(*sum, [&](const std::string&, Param& p) { acc.push_back(&p.value); });
+        std::size_t i = 0;
+        nn::detail::for_each(g, [&](const std::string&, const Param& p) {
+          if (p.value.defined()) cpu::copy(p.value, *acc[i], true);
+          ++i;
+        });
+      }
+      nn::detail::for_each(*sum, [&](const std::string&, Param& p) {
+        if (p.value.defined()) cpu::unary(Unary::scale, 1.0 / a.grad_accum, p.value, p.value);
+      });
+      opt.update(model, *sum);
+    }
+    train_curve.emplace_back(it, loss);
+    progress.step(it, loss, opt.learning_rate(), tokens, std::max(1, a.iters / 20));
+    if (a.val_every > 0 && (it % a.val_every == 0 || it == a.iters)) {
+      const double v = evaluate(model, data.valid, a.val_batches, a.batch, a.seq);
+      if (!std::isnan(v)) {
+        progress.validation(it, v);
+        val_curve.emplace_back(it, v);
+      }
+    }
+    if (a.save_every > 0 && it % a.save_every == 0) save_all();
+  }
+  save_all();
+  const fs::path svg = fs::path(a.adapter_path) / "loss.svg";
+  finetune::write_loss_svg(svg.string(), train_curve, val_curve);
+  std::printf("adapters: %s (mlx-lm)%s; loss curve: %s; %.1f s\n", a.adapter_path.c_str(),
+              a.peft ? ", peft/ (PEFT)" : "", svg.string().c_str(), progress.seconds());
+
+  if (!prompt.empty()) {
+    model.train(false);
+    const std::string after = generate(model, tok, prompt, a.max_tokens);
+    std::printf("\nprompt: %s\n--- before ---\n%s\n--- after ---\n%s\n", a.prompt.c_str(), before.c_str(), after.c_str());
+  }
+  if (!a.fuse.empty()) {
+    model.map_modules<LoraLinear>([](const std::string&) { return true; },
+                                  [](const std::string&, const LoraLinear& l) { return l.fused(); });
+    save_hf(a.fuse, model);
+    if (fs::is_directory(a.model))
+      for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
+        if (fs::exists(fs::path(a.model) / f)) fs::copy_file(fs::path(a.model) / f, fs::path(a.fuse) / f, fs::copy_options::overwrite_existing);
+    std::printf("fused model written to %s\n", a.fuse.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const nn::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// A pretrained model and its tokenizer from a Hugging Face folder (config.json, safetensors,
+// tokenizer.json) or a GGUF file (weights, hyperparameters and tokenizer in its metadata).
+#pragma once
+
+#include <filesystem>
+
+#include "adapters.hpp"
+#include "data.hpp"
+#include "gguf.hpp"
+#include "load.hpp"
+#include "model.hpp"
+#include "tokenizer.hpp"
+
+namespace nn::lm {
+
+struct Pretrained {
+  CausalLM model;
+  Tokenizer tokenizer;
+};
+
+/// The tokenizer a GGUF file carries (tokenizer.ggml.*), built by Tokenizer::from_gguf.
+inline Tokenizer gguf_tokenizer(const GgufFile& f) {
+  GgufTokenizerMetadata m = f.tokenizer();
+  GgufTokenizerData d;
+  d.model = m.model;
+  d.pre = m.pre;
+  d.tokens = std::move(m.tokens);
+  d.merges = std::move(m.merges);
+  d.token_types = std::move(m.token_types);
+  auto id = [](const std::optional<std::int64_t>& v) -> std::optional<std::int32_t> {
+    if (!v) return std::nullopt;
+    return static_cast<std::int32_t>(*v);
+  };
+  d.bos_id = id(m.bos_id);
+  d.eos_id = id(m.eot_id ? m.eot_id : m.eos_id);  // chat models end a turn with EOT
+  d.pad_id = id(m.pad_id);
+  d.unk_id = id(m.unk_id);
+  d.add_bos = m.add_bos;
+  d.add_eos = m.add_eos;
+  return Tokenizer::from_gguf(d, f.path());
+}
+
+/// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)
+/// or a .gguf file. Weights are converted to `dtype`.
+inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32) {
+  if (!std::filesystem::exists(path)) nn::detail::fail("load_pretrained", path.string(), ": no such file or folder");
+  if (std::filesystem::is_directory(path)) {
+    const auto tok = path / "tokenizer.json";
+    if (!std::filesystem::exists(tok)) nn::detail::fail("load_pretrained", tok.string(), ": missing (a byte-level BPE tokenizer.json)");
+    return {load_hf(path, dtype), Tokenizer::from_file(tok.string())};
+  }
+  GgufFile f(path);
+  return {load_gguf(f, dtype), gguf_tokenizer(f)};
+}
+
+/// Writes `model` as a Hugging Face folder: config.json and model.safetensors (its dtype), so
+/// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused).
+inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) {
+  const ModelConfig& c = model.config();
+  std::filesystem::create_directories(folder);
+  const bool qwen = c.arch == Arch::qwen2;
+  nlohmann::json j = {{"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                      {"model_type", qwen ? "qwen2" : "llama"},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.intermediate_size},
+                      {"num_hidden_layers", c.num_hidden_layers},
+                      {"num_attention_heads", c.num_attention_heads},
+                      {"num_key_value_heads", c.num_key_value_heads},
+                      {"head_dim", c.head_dim},
+                      {"vocab_size", c.vocab_size},
+                      {"max_position_embeddings", c.max_position_embeddings},
+                      {"rms_norm_eps", c.rms_norm_eps},
+                      {"rope_theta", c.rope_theta},
+                      {"tie_word_embeddings", c.tie_word_embeddings},
+                      {"hidden_act", "silu"},
+                      {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
+  if (!qwen) {
+    j["attention_bias"] = c.qkv_bias;
+    j["mlp_bias"] = c.mlp_bias;
+  }
+  if (c.rope_scaling.type != "default" && !c.rope_scaling.type.empty())
+    nn::detail::fail("save_hf", "writing rope_scaling '", c.rope_scaling.type, "' is not supported");
+  for (const auto& [path, t] : model.parameters())
+    if (path.ends_with(".lora_a") || path.ends_with(".lora_b"))
+      nn::detail::fail("save_hf", "the model still has LoRA layers (", path, "): fuse them first");
+  NamedTensors w = model.parameters();
+  save_safetensors(folder / "model.safetensors", w, {{"format", "pt"}});
+  detail::write_text(folder / "config.json", j.dump(2) + "\n");
+}
+
+/// The TextEncoder view of a Tokenizer for the data layer: special tokens in the text (ChatML's
+/// <|im_start|>) are parsed, no BOS/EOS is added (the templates and the data layer write them).
+struct TokenizerText {
+  const Tokenizer& tok;
+  std::vector<std::int32_t> encode(const std::string& s, bool add_special) const {
+    EncodeOptions o;
+    o.add_special_tokens = add_special;
+    return tok.encode(s, o);
+  }
+  std::int32_t eos_id() const {
+    if (!tok.eos_id()) nn::detail::fail("data", "the tokenizer has no end-of-sequence token (set one in tokenizer_config.json)");
+    return *tok.eos_id();
+  }
+};
+
+}  // namespace nn::lm
