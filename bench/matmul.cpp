@@ -4,11 +4,13 @@
 // markdown tables for the README.
 //
 // Usage: bench_matmul [--sizes 256,512,1024,2048] [--threads 1,2] [--chain 10000] [--quick]
-//                     [--overhead-only]
-// Each figure is the median of several timed repetitions after warm-up. Run it on an idle
-// machine; the load average at start and end is printed with the results.
+//                     [--overhead-only] [--cpu-time]
+// Each figure is the median of all timed repetitions after warm-up, taken in three rounds that
+// cycle through the engines. Run it on an idle machine; the load average at start and end is
+// printed with the results (--cpu-time makes 1-thread figures usable on a busy one).
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -77,22 +79,49 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
-/// Median seconds of one call of fn: `warm` untimed calls, then repetitions until both
-/// `min_reps` calls and `min_seconds` have passed (at most max_reps).
-double median_seconds(const std::function<void()>& fn, int warm, int min_reps, double min_seconds, int max_reps = 200) {
-  for (int i = 0; i < warm; ++i) fn();
-  std::vector<double> t;
-  const auto start = Clock::now();
-  while (static_cast<int>(t.size()) < max_reps) {
-    const auto t0 = Clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    if (static_cast<int>(t.size()) >= min_reps && std::chrono::duration<double>(Clock::now() - start).count() >= min_seconds)
-      break;
+/// --cpu-time: time by the process's CPU clock instead of the wall clock. On a machine shared with
+/// other work a single-threaded figure then leaves out the time the process was descheduled
+/// (threads > 1 would count spin-waiting too, so use it for --threads 1 only).
+bool g_cpu_clock = false;
+
+double now_seconds() {
+  if (g_cpu_clock) {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
   }
-  std::sort(t.begin(), t.end());
-  const std::size_t n = t.size();
-  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+/// Timings of one call of a measured function, collected over several rounds.
+struct Samples {
+  std::vector<double> t;
+  double median() const {
+    std::vector<double> v = t;
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  }
+};
+
+/// Appends to `s` the time of `reps` calls of fn (more while under `min_seconds`, at most 200),
+/// after `warm` untimed calls.
+void sample(Samples& s, const std::function<void()>& fn, int warm, int reps, double min_seconds) {
+  for (int i = 0; i < warm; ++i) fn();
+  const auto start = Clock::now();
+  for (int i = 0; i < 200; ++i) {
+    const double t0 = now_seconds();
+    fn();
+    s.t.push_back(now_seconds() - t0);
+    if (i + 1 >= reps && std::chrono::duration<double>(Clock::now() - start).count() >= min_seconds) break;
+  }
+}
+
+/// Median seconds of one call of fn, sampled in one go (the tape-overhead figures).
+double median_seconds(const std::function<void()>& fn, int warm, int min_reps, double min_seconds) {
+  Samples s;
+  sample(s, fn, warm, min_reps, min_seconds);
+  return s.median();
 }
 
 nn::Tensor random_matrix(std::int64_t r, std::int64_t c, std::uint64_t seed) {
@@ -121,16 +150,26 @@ std::vector<int> parse_list(const char* s) {
   return v;
 }
 
+/// Every engine is sampled in each of `kRounds` rounds, in turn, and its figure is the median of
+/// all its samples: on a machine that other work shares, each engine then sees the same spread
+/// of conditions rather than one engine a quiet minute and another a busy one.
+constexpr int kRounds = 3;
+
 Row bench_size(int threads, std::int64_t n, double min_seconds) {
   using namespace nn;
   Row r{threads, n, 0, 0, 0, 0, 0};
   const double flop = 2e-9 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);  // GFLOP
-  const int min_reps = n >= 2048 ? 5 : 9;
+  const int reps = n >= 2048 ? 2 : 4;  // per round
+  const double secs = min_seconds / kRounds;
   Tensor A = random_matrix(n, n, 1), B = random_matrix(n, n, 2), G = random_matrix(n, n, 3);
   Tensor Cd = Tensor::empty(Shape{n, n}, DType::f32);
+  Tensor GA = Tensor::empty(Shape{n, n}, DType::f32), GB = Tensor::empty(Shape{n, n}, DType::f32);
   const float* a = A.data<float>();
   const float* b = B.data<float>();
+  const float* g = G.data<float>();
   float* c = Cd.data<float>();
+  float* ga = GA.data<float>();
+  float* gb = GB.data<float>();
   const int ni = static_cast<int>(n);
 
   // The tape: y = a @ b, both trainable, so backward is two more GEMMs (dA = G B^T, dB = A^T G).
@@ -139,50 +178,55 @@ Row bench_size(int threads, std::int64_t n, double min_seconds) {
   GVar y = matmul(tp, va, vb);
   tp.backward(y, G);
 
-  // The CBLAS-backed figures first (OpenBLAS's threads), then the OpenMP/Eigen ones, with a
-  // pause between; nn's figures sit with the engine it calls.
+  Samples blas, blas_fb, nn_fwd, nn_fb, eigen;
   auto run_blas = [&] {
 #if defined(NN_BENCH_CBLAS) || defined(NN_USE_BLAS)
     settle();
-    r.blas = flop / median_seconds([&] {
+    sample(blas, [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1.0f, a, ni, b, ni, 0.0f, c, ni);
-    }, 2, min_reps, min_seconds);
+    }, 1, reps, secs);
     // The same three GEMMs the tape's forward + backward runs: C = AB, dA = G B^T, dB = A^T G.
-    Tensor GA = Tensor::empty(Shape{n, n}, DType::f32), GB = Tensor::empty(Shape{n, n}, DType::f32);
-    float* ga = GA.data<float>();
-    float* gb = GB.data<float>();
-    const float* g = G.data<float>();
-    r.blas_fb = 3 * flop / median_seconds([&] {
+    sample(blas_fb, [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1.0f, a, ni, b, ni, 0.0f, c, ni);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, ni, ni, 1.0f, g, ni, b, ni, 0.0f, ga, ni);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ni, ni, ni, 1.0f, a, ni, g, ni, 0.0f, gb, ni);
-    }, 1, min_reps, min_seconds);
+    }, 1, reps, secs);
 #endif
   };
   auto run_nn = [&] {
     settle();
-    r.nn_fwd = flop / median_seconds([&] { tp.replay_forward(); }, 2, min_reps, min_seconds);
-    r.nn_fb = 3 * flop / median_seconds([&] {
+    sample(nn_fwd, [&] { tp.replay_forward(); }, 1, reps, secs);
+    sample(nn_fb, [&] {
       tp.replay_forward();
       tp.backward(y, G);
-    }, 1, min_reps, min_seconds);
+    }, 1, reps, secs);
   };
   auto run_eigen = [&] {
     settle();
     using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     Eigen::Map<const Mat> Am(a, n, n), Bm(b, n, n);
     Eigen::Map<Mat> Cm(c, n, n);
-    r.eigen = flop / median_seconds([&] { Cm.noalias() = Am * Bm; }, 2, min_reps, min_seconds);
+    sample(eigen, [&] { Cm.noalias() = Am * Bm; }, 1, reps, secs);
   };
+  // Engines that share a thread pool run back to back (nn with the one it calls), with a pause
+  // whenever the pool changes, so spinning workers of one do not slow the other.
+  for (int round = 0; round < kRounds; ++round) {
 #if defined(NN_USE_BLAS)
-  run_blas();
-  run_nn();
-  run_eigen();
+    run_blas();
+    run_nn();
+    run_eigen();
 #else
-  run_blas();
-  run_eigen();
-  run_nn();
+    run_blas();
+    run_eigen();
+    run_nn();
 #endif
+  }
+  auto rate = [](double gflop, const Samples& s) { return s.t.empty() ? 0.0 : gflop / s.median(); };
+  r.blas = rate(flop, blas);
+  r.blas_fb = rate(3 * flop, blas_fb);
+  r.nn_fwd = rate(flop, nn_fwd);
+  r.nn_fb = rate(3 * flop, nn_fb);
+  r.eigen = rate(flop, eigen);
   return r;
 }
 
@@ -208,9 +252,9 @@ void bench_overhead(int len) {
   for (int rep = 0; rep < 11; ++rep) {
     GTape<cpu> tp;
     GVar y = build(tp);
-    const auto t0 = Clock::now();
+    const double t0 = now_seconds();
     tp.backward(y);
-    first.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    first.push_back(now_seconds() - t0);
   }
   std::sort(first.begin(), first.end());
   const double t_backward_first = first[first.size() / 2];
@@ -270,10 +314,11 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--sizes") && i + 1 < argc) sizes = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) min_seconds = 0.05;
+    else if (!std::strcmp(argv[i], "--cpu-time")) g_cpu_clock = true;
     else if (!std::strcmp(argv[i], "--chain") && i + 1 < argc) chain = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--overhead-only")) sizes.clear();
     else {
-      std::fprintf(stderr, "usage: %s [--sizes 256,512,...] [--threads 1,2] [--chain N] [--quick] [--overhead-only]\n",
+      std::fprintf(stderr, "usage: %s [--sizes 256,512,...] [--threads 1,2] [--chain N] [--quick] [--overhead-only] [--cpu-time]\n",
                    argv[0]);
       return 2;
     }
@@ -288,7 +333,8 @@ int main(int argc, char** argv) {
 #if (defined(NN_BENCH_CBLAS) || defined(NN_USE_BLAS)) && defined(OPENBLAS_VERSION)
   std::printf("- OpenBLAS: %s(core %s)\n", openblas_get_config(), openblas_get_corename());
 #endif
-  std::printf("- float32, square n x n, row-major; GFLOP/s = 2n^3 / median time (x3 for forward+backward)\n");
+  std::printf("- float32, square n x n, row-major; GFLOP/s = 2n^3 / median time (x3 for forward+backward)%s\n",
+              g_cpu_clock ? "; time = process CPU time (--cpu-time), not wall clock" : "");
 
   std::vector<Row> rows;
   for (int t : sizes.empty() ? std::vector<int>{} : threads) {

@@ -15,6 +15,18 @@
 
 namespace nn {
 
+namespace detail {
+/// How a compiled step feeds and replays its recorded tape: tp.set() and tp.replay() here. A
+/// device backend may specialise it (nn/cuda.hpp captures the replay into a CUDA graph once and
+/// relaunches it, copying each batch into buffers the graph owns).
+template <class B>
+struct TapeReplayer {
+  void set(GTape<B>& tp, GVar slot, const Tensor& t) { tp.set(slot, t); }
+  void replay(GTape<B>& tp) { tp.replay(); }
+  void reset() {}  // the tape was recorded again
+};
+}  // namespace detail
+
 /// The step `compile(model, opt, loss_fn)` returns. Calling it with the batch tensors runs one
 /// training step (loss, gradients, optimizer update) and returns the loss (a 0-D tensor owned by
 /// the step: read it before the next call).
@@ -91,14 +103,15 @@ class CompiledStep {
         },
         detail::ignore, [&](const std::string&, auto& mod) { modes_.emplace_back(&mod.nn_training_, mod.nn_training_); });
     hyper_ = opt_->hyper_hash();
+    replayer_.reset();
     recorded_ = true;
     ++recordings_;
   }
 
   void replay(const std::array<const Tensor*, N>& in) {
-    for (std::size_t i = 0; i < N; ++i) tp_.set(inputs_[i], *in[i]);
+    for (std::size_t i = 0; i < N; ++i) replayer_.set(tp_, inputs_[i], *in[i]);
     tp_.refresh_keys();
-    tp_.replay();
+    replayer_.replay(tp_);
   }
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
@@ -111,6 +124,7 @@ class CompiledStep {
   Optimizer* opt_;
   F fn_;
   GTape<B> tp_;
+  detail::TapeReplayer<B> replayer_;
   std::array<GVar, N> inputs_{};
   GVar loss_{};
   std::vector<Entry> entries_;

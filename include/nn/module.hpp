@@ -279,6 +279,16 @@ void tree_to(X& m, DType dt) {
   for_each(m, conv, conv);
 }
 
+/// Moves every Param and Buffer to `dev` (a no-op for those already there). Tensors are
+/// replaced, not written in place: a tape recorded before the move must be recorded again.
+template <class X>
+void tree_to_device(X& m, Device dev) {
+  auto move = [&](const std::string&, auto& x) {
+    if (x.value.defined() && x.value.device() != dev) x.value = x.value.to(dev);
+  };
+  for_each(m, move, move);
+}
+
 /// map_modules: calls f(path, T&) on every submodule of type T whose path satisfies pred. When
 /// the T sits in a std::variant field and f returns a value (say a LoraLinear built from the
 /// Linear), the variant is assigned that value: how a layer is replaced in place.
@@ -513,6 +523,7 @@ std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
     return m.count;                                                                                       \
   }                                                                                                       \
   void to(::nn::DType dt) { ::nn::detail::tree_to(*this, dt); }                                          \
+  void to(::nn::Device nn_dev) { ::nn::detail::tree_to_device(*this, nn_dev); }                           \
   /** Every Param and Buffer to a safetensors file MLX loads (model.load_weights). */                    \
   void save_weights(const std::filesystem::path& nn_path) const {                                         \
     ::nn::detail::save_weights_impl(*this, nn_path, false);                                               \

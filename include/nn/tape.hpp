@@ -139,13 +139,19 @@ class GTape {
   /// refresh_keys() refills in recording order: how Dropout gets its key, so that a replayed step
   /// and an eager step draw the same keys (and so the same masks) from the same sequence.
   GVar random_key() {
-    GVar k = input(random::next_key());
-    key_slots_.push_back(k.index);
-    return k;
+    Tensor k = random::next_key();
+    GVar v = input(B::device == Device::cpu ? k : k.to(B::device));  // the key lives where the tape runs
+    key_slots_.push_back(v.index);
+    return v;
   }
-  /// Refills every random_key() slot with the global sequence's next keys (before a replay).
+  /// Refills every random_key() slot with the global sequence's next keys (before a replay), in
+  /// place: a device backend's slot keeps its buffer (a captured graph reads that address).
   void refresh_keys() {
-    for (std::int32_t i : key_slots_) random::next_key_into(nodes_[static_cast<std::size_t>(i)].value);
+    for (std::int32_t i : key_slots_) {
+      Tensor& slot = nodes_[static_cast<std::size_t>(i)].value;
+      if (slot.device() == Device::cpu) random::next_key_into(slot);
+      else B::copy(random::next_key(), slot, false);  // an upload of the host-drawn key
+    }
   }
 
   /// Puts a new value in an input slot; shape and dtype must match what was recorded (a new

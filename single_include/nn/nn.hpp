@@ -9,14 +9,15 @@
 // nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/tape.hpp, nn/ops/common.hpp,
 // nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp,
 // nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp, nn/ops/random.hpp,
-// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
-// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
-// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/module.hpp, nn/modules.hpp,
+// nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp, nn/layers/helpers.hpp,
+// nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp,
+// nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp,
+// nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/module.hpp, nn/modules.hpp,
 // nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
 // nn/modules/dropout.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
 // nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
 // nn/optim/muon.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp,
-// nn/io/checkpoint.hpp
+// nn/io/checkpoint.hpp, nn/lm/config.hpp, nn/lm/model.hpp, nn/lm/gguf.hpp, nn/lm/load.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -1096,6 +1097,15 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
   B::cross_entropy(x, x, i64, axis, y, y);     // (logits, targets, ignore, reduction, y, lse)
   B::cross_entropy_vjp(x, x, i64, axis, x, x, y, acc);  // (logits, targets, ignore, reduction, lse, g, gx, acc)
+  // fused primitives, each beside its composite reference (ops/norm, rope, attention, glu.hpp);
+  // a null gradient pointer means that input needs none
+  B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
+  B::rms_norm_vjp(x, x, x, x, &y, acc, &y, acc); // (x, w, rstd, g, gx, acc_x, gw, acc_w)
+  B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
+  B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p)
+  B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc)
+  B::swiglu(x, x, y);                            // (gate, up, y)
+  B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
   B::sgd_update(y, x, y, x, v, v, v, acc);
   B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);
@@ -1344,7 +1354,9 @@ inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer,
 // path allocates the shared packed A on every call. A replay must not allocate, so nn runs Eigen's
 // blocked kernel (internal::general_matrix_matrix_product, stable since 3.3.90) itself, packing
 // into a per-thread buffer that only grows, and splits the product over threads itself.
-#if !defined(NN_USE_BLAS) && EIGEN_VERSION_AT_LEAST(3, 3, 90)
+// The serial kernel also serves CBLAS builds where a fused kernel runs many small products at once
+// inside its own parallel loop (see gemm_serial).
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
 
 /// This thread's GEMM packing space: at least `bytes`, 64-byte aligned. It grows only when a
 /// larger product comes, so replaying products already seen allocates nothing.
@@ -1442,7 +1454,117 @@ void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K
   block(0, M, 0, N);
 }
 
-#endif  // !NN_USE_BLAS && Eigen >= 3.3.90
+#endif  // Eigen >= 3.3.90
+
+/// While alive, OpenBLAS runs each call on the calling thread (its thread count set to 1, then
+/// restored): a kernel that splits its own work over OpenMP threads and calls GEMM from each
+/// would otherwise have OpenBLAS's pthreads pool contend with them. A no-op for other builds.
+struct BlasSerial {
+#if defined(NN_USE_BLAS) && defined(OPENBLAS_VERSION)
+  int prev = openblas_get_num_threads();
+  BlasSerial() {
+    if (prev != 1) openblas_set_num_threads(1);
+  }
+  ~BlasSerial() {
+    if (prev != 1) openblas_set_num_threads(prev);
+  }
+#else
+  BlasSerial() = default;
+#endif
+  BlasSerial(const BlasSerial&) = delete;
+  BlasSerial& operator=(const BlasSerial&) = delete;
+};
+
+/// Row-major C[M,N] with row stride ldc (+)= op(A) @ op(B) on the calling thread, for products
+/// that a kernel runs many of at once from its own parallel loop (attention's per-head
+/// products: strided views into (B, T, n * head_dim), no copies). With CBLAS, hold a
+/// BlasSerial around the loop.
+template <class T>
+void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                 const T* B, std::int64_t ldb, T* C, std::int64_t ldc, bool acc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!acc)
+      for (std::int64_t i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
+    return;
+  }
+#if defined(NN_USE_BLAS)
+  const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
+                static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0f : 0.0f, C, static_cast<int>(ldc));
+  else
+    cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
+                static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0 : 0.0, C, static_cast<int>(ldc));
+#else
+  if (!acc)
+    for (std::int64_t i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
+  constexpr int R = Eigen::RowMajor, Cm = Eigen::ColMajor;
+  if (ta && tb) eigen_gemm_serial<T, Cm, Cm>(M, N, K, A, lda, B, ldb, C, ldc);
+  else if (ta) eigen_gemm_serial<T, Cm, R>(M, N, K, A, lda, B, ldb, C, ldc);
+  else if (tb) eigen_gemm_serial<T, R, Cm>(M, N, K, A, lda, B, ldb, C, ldc);
+  else eigen_gemm_serial<T, R, R>(M, N, K, A, lda, B, ldb, C, ldc);
+#else
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
+  Eigen::Map<Mat, Eigen::Unaligned, Eigen::OuterStride<>> Cm(C, M, N, Eigen::OuterStride<>(ldc));
+  CMap Am(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda)), Bm(B, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
+  if (ta && tb) Cm.noalias() += Am.transpose() * Bm.transpose();
+  else if (ta) Cm.noalias() += Am.transpose() * Bm;
+  else if (tb) Cm.noalias() += Am * Bm.transpose();
+  else Cm.noalias() += Am * Bm;
+#endif
+#endif
+}
+
+/// A contiguous run of n values as an Eigen array, for the vectorised math (exp above all) of
+/// the row kernels: softmax, cross-entropy, SwiGLU.
+template <class T>
+using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
+/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
+/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
+/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
+template <class T>
+inline void exp_inplace(T* x, std::int64_t n) {
+  constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
+  constexpr std::int64_t blk = 256;
+  T in[blk];
+  for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
+    const std::int64_t len = std::min(blk, n - i0);
+    std::copy_n(x + i0, len, in);
+    ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
+    for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
+  }
+}
+
+/// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
+/// every entry is -inf kept finite in its max, as cpu::softmax.
+template <class T>
+inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
+  ArrayMap<T> r(row, n);
+  if (add) r = r * scale + ConstArrayMap<T>(add, n);
+  else if (scale != T(1)) r *= scale;
+  T m = r.maxCoeff();
+  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+  r -= m;
+  exp_inplace(row, n);
+  r *= T(1) / r.sum();
+}
+
+/// Elementwise work over n values in chunks: f(i0, i1) per chunk, the chunks in parallel once n
+/// passes kParallelGrain.
+inline constexpr std::int64_t kChunk = 4096;
+template <class F>
+inline void parallel_chunks(std::int64_t n, F&& f) {
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for if (n > kParallelGrain)
+  for (std::int64_t c = 0; c < chunks; ++c) f(c * kChunk, std::min(n, (c + 1) * kChunk));
+}
 
 }  // namespace detail
 
@@ -1834,21 +1956,22 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
 #pragma omp parallel for if (x.numel() > detail::kParallelGrain)
       for (std::int64_t r = 0; r < R; ++r) {
-        const T* in = xs + r * V;
-        T* out = ys + r * V;
+        // Eigen's array exp is vectorised (std::exp is not, and takes a slow path on underflow,
+        // which every masked score hits).
+        detail::ConstArrayMap<T> in(xs + r * V, V);
+        detail::ArrayMap<T> out(ys + r * V, V);
         T m = -std::numeric_limits<T>::infinity();
         for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
         if (m == -std::numeric_limits<T>::infinity()) m = 0;  // a fully masked row stays finite in its max
-        T s = 0;
-        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
         if (log) {
           // (x - m) - log(s), not x - (m + log(s)): m + log(s) would round to m's ulp, an
           // absolute error of 1e-4 for float32 logits in the thousands.
-          const T ls = std::log(s);
-          for (std::int64_t j = 0; j < V; ++j) out[j] = (in[j] - m) - ls;
+          const T ls = std::log((in - m).exp().sum());
+          out = (in - m) - ls;
         } else {
-          T inv = T(1) / s;
-          for (std::int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m) * inv;
+          out = in - m;
+          detail::exp_inplace(ys + r * V, V);
+          out *= T(1) / out.sum();
         }
       }
     });
@@ -1869,7 +1992,10 @@ struct cpu {
         T s = 0;
         if (log) {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j];
-          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr[j] - std::exp(yr[j]) * s, acc);
+          detail::ConstArrayMap<T> ya(yr, V), ga(gr, V);
+          detail::ArrayMap<T> oa(o, V);
+          if (acc) oa += ga - ya.exp() * s;
+          else oa = ga - ya.exp() * s;
         } else {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
           for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
@@ -1905,8 +2031,7 @@ struct cpu {
         const T* in = xs + ((r / N) * G + r % N) * V;
         T m = -std::numeric_limits<T>::infinity();
         for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
-        T s = 0;
-        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
+        const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
         ls[r] = m + std::log(s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
@@ -1958,9 +2083,253 @@ struct cpu {
         }
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
-        for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr * std::exp(in[j] - l), acc);
+        detail::ArrayMap<T> oa(o, V);
+        if (acc) oa += gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
+        else oa = gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
         o[k] -= gr;
       }
+    });
+  }
+
+  // ---- fused primitives (ops/norm.hpp, rope.hpp, attention.hpp, glu.hpp), each the same math as
+  // its composite reference in layers/, in one pass; tests/ops/fused.test.cpp holds them together.
+
+  /// y = x * rstd (* w) with rstd = 1 / sqrt(mean(x^2) + eps) per row of the last axis (kept in
+  /// `rstd` for the vjp). w may be undefined (no gain).
+  static void rms_norm(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
+    detail::dispatch_float(x.dtype(), "rmsnorm", [&]<class T>() {
+      const std::int64_t C = x.dim(-1), R = x.numel() / C;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ws = w.defined() ? static_cast<const T*>(w.raw()) : nullptr;
+      T* ys = static_cast<T*>(y.raw());
+      T* rs = static_cast<T*>(rstd.raw());
+      const T inv_c = static_cast<T>(1.0 / static_cast<double>(C)), e = static_cast<T>(eps);
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        detail::ConstArrayMap<T> xr(xs + r * C, C);
+        detail::ArrayMap<T> yr(ys + r * C, C);
+        const T k = T(1) / std::sqrt(inv_c * xr.square().sum() + e);
+        rs[r] = k;
+        if (ws) yr = (xr * k) * detail::ConstArrayMap<T>(ws, C);
+        else yr = xr * k;
+      }
+    });
+  }
+
+  /// The vjp of rms_norm: with u = g * w (or g), gx (+)= rstd u - rstd^3 x sum(u x) / C per row,
+  /// gw (+)= sum over rows of g x rstd (serial over rows: deterministic). Either may be null.
+  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, Tensor* gx,
+                           bool acc_x, Tensor* gw, bool acc_w) {
+    detail::dispatch_float(x.dtype(), "rmsnorm", [&]<class T>() {
+      const std::int64_t C = x.dim(-1), R = x.numel() / C;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ws = w.defined() ? static_cast<const T*>(w.raw()) : nullptr;
+      const T* rs = static_cast<const T*>(rstd.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      const T inv_c = static_cast<T>(1.0 / static_cast<double>(C));
+      if (gx) {
+        T* out = static_cast<T*>(gx->raw());
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+        for (std::int64_t r = 0; r < R; ++r) {
+          detail::ConstArrayMap<T> xr(xs + r * C, C), gr(gs + r * C, C);
+          detail::ArrayMap<T> o(out + r * C, C);
+          const T k = rs[r];
+          if (ws) {
+            detail::ConstArrayMap<T> wr(ws, C);
+            const T c = k * k * k * inv_c * (gr * wr * xr).sum();
+            if (acc_x) o += k * (gr * wr) - c * xr;
+            else o = k * (gr * wr) - c * xr;
+          } else {
+            const T c = k * k * k * inv_c * (gr * xr).sum();
+            if (acc_x) o += k * gr - c * xr;
+            else o = k * gr - c * xr;
+          }
+        }
+      }
+      if (gw) {
+        detail::ArrayMap<T> o(static_cast<T*>(gw->raw()), C);
+        if (!acc_w) o.setZero();
+        for (std::int64_t r = 0; r < R; ++r)
+          o += detail::ConstArrayMap<T>(gs + r * C, C) * detail::ConstArrayMap<T>(xs + r * C, C) * rs[r];
+      }
+    });
+  }
+
+  /// y (+)= x with the first dims = 2 * cos.shape[-1] features of each row rotated by its
+  /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
+  /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
+  /// cos/sin (T, dims/2) against x (..., T, D), or (T, 1, dims/2) against x (..., T, M, D).
+  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool traditional, bool inverse, Tensor& y,
+                   bool acc) {
+    detail::dispatch_float(x.dtype(), "rope", [&]<class T>() {
+      const std::int64_t D = x.dim(-1), half = cos.dim(-1), T_ = cos.dim(0);
+      const std::int64_t M = cos.rank() == 3 ? x.dim(-2) : 1, rows = x.numel() / D;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* cs = static_cast<const T*>(cos.raw());
+      const T* ss = static_cast<const T*>(sin.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sg = inverse ? T(-1) : T(1);
+      auto rows_of = [&]<bool Acc, bool Trad>() {
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t t = (r / M) % T_;
+          const T* c = cs + t * half;
+          const T* s = ss + t * half;
+          const T* a = xs + r * D;
+          T* o = ys + r * D;
+          for (std::int64_t i = 0; i < half; ++i) {
+            const std::int64_t i1 = Trad ? 2 * i : i, i2 = Trad ? 2 * i + 1 : i + half;
+            const T si = sg * s[i], o1 = a[i1] * c[i] - a[i2] * si, o2 = a[i1] * si + a[i2] * c[i];
+            if constexpr (Acc) {
+              o[i1] += o1;
+              o[i2] += o2;
+            } else {
+              o[i1] = o1;
+              o[i2] = o2;
+            }
+          }
+          for (std::int64_t j = 2 * half; j < D; ++j) {
+            if constexpr (Acc) o[j] += a[j];
+            else o[j] = a[j];
+          }
+        }
+      };
+      if (acc) traditional ? rows_of.template operator()<true, true>() : rows_of.template operator()<true, false>();
+      else traditional ? rows_of.template operator()<false, true>() : rows_of.template operator()<false, false>();
+    });
+  }
+
+  /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
+  /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
+  /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). The heads run in parallel,
+  /// each product a strided GEMM on its thread (no permuted copies).
+  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
+                        std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
+                        Tensor& p) {
+    detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
+      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* Mk = mask.defined() ? static_cast<const T*>(mask.raw()) : nullptr;
+      T* O = static_cast<T*>(out.raw());
+      T* P = static_cast<T*>(p.raw());
+      std::array<std::int64_t, kMaxRank> ms{};
+      if (Mk) ms = detail::broadcast_strides(mask.shape(), Shape{Bn, H, T_, T_});
+      const T sc = static_cast<T>(scale);
+      detail::BlasSerial serial;
+#pragma omp parallel for schedule(dynamic) if (Bn * H > 1 && p.numel() * hd > detail::kParallelGrain)
+      for (std::int64_t t = 0; t < Bn * H; ++t) {
+        const std::int64_t b = t / H, h = t % H, kh = h / g;
+        T* pt = P + t * T_ * T_;
+        detail::gemm_serial<T>(false, true, T_, T_, hd, Q + b * T_ * qs + h * hd, qs, K + b * T_ * ks + kh * hd, ks, pt,
+                               T_, false);  // q k^T: (T, T)
+        for (std::int64_t i = 0; i < T_; ++i)
+          detail::softmax_row(pt + i * T_, T_, sc, Mk ? Mk + b * ms[0] + h * ms[1] + i * ms[2] : nullptr);
+        detail::gemm_serial<T>(false, false, T_, hd, T_, pt, T_, V + b * T_ * ks + kh * hd, ks, O + b * T_ * qs + h * hd,
+                               qs, false);  // P v: (T, hd)
+      }
+    });
+  }
+
+  /// The vjp of attention, per (batch, kv head) so each kv head's gradient sums its query heads
+  /// without races: dv += P^T g; dS = P * (g v^T - rowsum(P * g v^T)) * scale (in `scratch`,
+  /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null.
+  static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
+                            std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
+                            double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
+                            bool acc_v) {
+    detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
+      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* P = static_cast<const T*>(p.raw());
+      const T* G = static_cast<const T*>(g.raw());
+      T* S = static_cast<T*>(scratch.raw());
+      T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
+      T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
+      T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
+      // One tensor passed as two inputs (k = v, self-attention's q = k = v) has one gradient
+      // buffer: the tape hands its first slot acc = false and the later ones acc = true, but
+      // the loop below interleaves the writes, so such a buffer is zeroed once and every write
+      // to it accumulates.
+      auto share = [](T* a, bool& acc_a, T* b, bool& acc_b, const Tensor* t) {
+        if (!a || a != b || (acc_a && acc_b)) return;
+        std::memset(a, 0, t->nbytes());
+        acc_a = acc_b = true;
+      };
+      share(GQ, acc_q, GK, acc_k, gq);
+      share(GQ, acc_q, GV, acc_v, gq);
+      share(GK, acc_k, GV, acc_v, gk);
+      const T sc = static_cast<T>(scale);
+      detail::BlasSerial serial;
+#pragma omp parallel for schedule(dynamic) if (Bn * KV > 1 && p.numel() * hd > detail::kParallelGrain)
+      for (std::int64_t t = 0; t < Bn * KV; ++t) {
+        const std::int64_t b = t / KV, kh = t % KV;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ds = S + t * T_ * T_;
+        for (std::int64_t j = 0; j < grp; ++j) {
+          const std::int64_t h = kh * grp + j, qo = b * T_ * qs + h * hd;
+          const T* pt = P + (b * H + h) * T_ * T_;
+          if (GV) detail::gemm_serial<T>(true, false, T_, hd, T_, pt, T_, G + qo, qs, GV + b * T_ * ks + kh * hd, ks,
+                                         acc_v || j > 0);  // P^T g
+          if (!GQ && !GK) continue;
+          detail::gemm_serial<T>(false, true, T_, T_, hd, G + qo, qs, vt, ks, ds, T_, false);  // g v^T
+          for (std::int64_t i = 0; i < T_; ++i) {
+            detail::ArrayMap<T> d(ds + i * T_, T_);
+            detail::ConstArrayMap<T> pr(pt + i * T_, T_);
+            const T dot = (d * pr).sum();
+            d = pr * (d - dot) * sc;
+          }
+          if (GQ) detail::gemm_serial<T>(false, false, T_, hd, T_, ds, T_, kt, ks, GQ + qo, qs, acc_q);  // dS k
+          if (GK) detail::gemm_serial<T>(true, false, T_, hd, T_, ds, T_, Q + qo, qs, GK + b * T_ * ks + kh * hd, ks,
+                                         acc_k || j > 0);  // dS^T q
+        }
+      }
+    });
+  }
+
+  /// y = silu(gate) * up = gate * sigmoid(gate) * up.
+  static void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "swiglu", [&]<class T>() {
+      const T* gs = static_cast<const T*>(gate.raw());
+      const T* us = static_cast<const T*>(up.raw());
+      T* ys = static_cast<T*>(y.raw());
+      detail::parallel_chunks(y.numel(), [&](std::int64_t i0, std::int64_t i1) {
+        detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
+        detail::ArrayMap<T>(ys + i0, i1 - i0) = (a * (T(1) / (T(1) + (-a).exp()))) * u;
+      });
+    });
+  }
+
+  /// The vjp of swiglu: ggate (+)= g up s (1 + gate (1 - s)), gup (+)= g gate s, s = sigmoid(gate).
+  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, Tensor* ggate, bool acc_gate,
+                         Tensor* gup, bool acc_up) {
+    detail::dispatch_float(g.dtype(), "swiglu", [&]<class T>() {
+      const T* as = static_cast<const T*>(gate.raw());
+      const T* us = static_cast<const T*>(up.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* da = ggate ? static_cast<T*>(ggate->raw()) : nullptr;
+      T* du = gup ? static_cast<T*>(gup->raw()) : nullptr;
+      detail::parallel_chunks(g.numel(), [&](std::int64_t i0, std::int64_t i1) {
+        const std::int64_t n = i1 - i0;
+        detail::ConstArrayMap<T> a(as + i0, n), u(us + i0, n), gr(gs + i0, n);
+        alignas(64) T sbuf[detail::kChunk];  // on the stack: a replay allocates nothing
+        detail::ArrayMap<T> s(sbuf, n);
+        s = T(1) / (T(1) + (-a).exp());
+        if (da) {
+          detail::ArrayMap<T> o(da + i0, n);
+          if (acc_gate) o += (gr * u) * (s * (T(1) + a * (T(1) - s)));
+          else o = (gr * u) * (s * (T(1) + a * (T(1) - s)));
+        }
+        if (du) {
+          detail::ArrayMap<T> o(du + i0, n);
+          if (acc_up) o += gr * (a * s);
+          else o = gr * (a * s);
+        }
+      });
     });
   }
 
@@ -2338,13 +2707,19 @@ class GTape {
   /// refresh_keys() refills in recording order: how Dropout gets its key, so that a replayed step
   /// and an eager step draw the same keys (and so the same masks) from the same sequence.
   GVar random_key() {
-    GVar k = input(random::next_key());
-    key_slots_.push_back(k.index);
-    return k;
+    Tensor k = random::next_key();
+    GVar v = input(B::device == Device::cpu ? k : k.to(B::device));  // the key lives where the tape runs
+    key_slots_.push_back(v.index);
+    return v;
   }
-  /// Refills every random_key() slot with the global sequence's next keys (before a replay).
+  /// Refills every random_key() slot with the global sequence's next keys (before a replay), in
+  /// place: a device backend's slot keeps its buffer (a captured graph reads that address).
   void refresh_keys() {
-    for (std::int32_t i : key_slots_) random::next_key_into(nodes_[static_cast<std::size_t>(i)].value);
+    for (std::int32_t i : key_slots_) {
+      Tensor& slot = nodes_[static_cast<std::size_t>(i)].value;
+      if (slot.device() == Device::cpu) random::next_key_into(slot);
+      else B::copy(random::next_key(), slot, false);  // an upload of the host-drawn key
+    }
   }
 
   /// Puts a new value in an input slot; shape and dtype must match what was recorded (a new
@@ -2769,6 +3144,7 @@ GVar stop_gradient(GTape<B>& tp, GVar x) {
 // Reductions: sum and mean over axes (or all), keepdims or not; max over one axis.
 
 #include <algorithm>
+#include <span>
 
 
 namespace nn {
@@ -2805,7 +3181,7 @@ struct MaxPrim {
 };
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
-inline std::vector<int> norm_axes(const Shape& s, std::initializer_list<int> axes, const char* op) {
+inline std::vector<int> norm_axes(const Shape& s, std::span<const int> axes, const char* op) {
   std::vector<int> out;
   if (axes.size() == 0) {
     for (int i = 0; i < s.rank(); ++i) out.push_back(i);
@@ -2822,7 +3198,7 @@ inline std::vector<int> norm_axes(const Shape& s, std::initializer_list<int> axe
 }
 
 template <class B>
-GVar reduce_sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes, bool keepdims, bool mean, const char* op) {
+GVar reduce_sum(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims, bool mean, const char* op) {
   require_float(tp, x, op);
   const Shape& s = tp.shape(x);
   std::vector<int> ax = norm_axes(s, axes, op);
@@ -2846,13 +3222,21 @@ GVar reduce_sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes, bool keep
 
 /// Sum over `axes` (all axes when empty); keepdims keeps reduced axes as size 1.
 template <class B>
-GVar sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+GVar sum(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims = false) {
   return detail::reduce_sum(tp, x, axes, keepdims, false, "sum");
+}
+template <class B>
+GVar sum(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return sum(tp, x, std::span<const int>(axes.begin(), axes.size()), keepdims);
 }
 /// Mean over `axes` (all axes when empty).
 template <class B>
-GVar mean(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+GVar mean(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims = false) {
   return detail::reduce_sum(tp, x, axes, keepdims, true, "mean");
+}
+template <class B>
+GVar mean(GTape<B>& tp, GVar x, std::initializer_list<int> axes = {}, bool keepdims = false) {
+  return mean(tp, x, std::span<const int>(axes.begin(), axes.size()), keepdims);
 }
 
 /// Max over one axis. Ties: the gradient goes to the first index attaining the max (NumPy's
@@ -2971,6 +3355,7 @@ GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = f
 // ---- begin nn/ops/shape.hpp ----
 // Data movement: reshape (a view), permute / transpose, slice, concat, broadcast_to.
 
+#include <span>
 #include <vector>
 
 
@@ -3057,9 +3442,9 @@ struct BroadcastPrim {
 
 /// The same elements in a new shape; one dim may be -1 (inferred). Costs no copy.
 template <class B>
-GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
+GVar reshape(GTape<B>& tp, GVar x, std::span<const std::int64_t> dims) {
   const Shape& s = tp.shape(x);
-  std::vector<std::int64_t> d(dims);
+  std::vector<std::int64_t> d(dims.begin(), dims.end());
   std::int64_t known = 1;
   int infer = -1;
   for (std::size_t i = 0; i < d.size(); ++i) {
@@ -3087,9 +3472,14 @@ GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
   return tp.record(detail::ReshapePrim<B>::def, in, a, out, tp.dtype(x));
 }
 
+template <class B>
+GVar reshape(GTape<B>& tp, GVar x, std::initializer_list<std::int64_t> dims) {
+  return reshape(tp, x, std::span<const std::int64_t>(dims.begin(), dims.size()));
+}
+
 /// Axes reordered: out.shape[i] = x.shape[perm[i]].
 template <class B>
-GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
+GVar permute(GTape<B>& tp, GVar x, std::span<const int> perm) {
   const Shape& s = tp.shape(x);
   if (static_cast<int>(perm.size()) != s.rank())
     detail::fail("permute", "permutation of length ", perm.size(), " for shape ", s.str());
@@ -3107,6 +3497,11 @@ GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
   }
   GVar in[] = {x};
   return tp.record(detail::PermutePrim<B>::def, in, a, out, tp.dtype(x));
+}
+
+template <class B>
+GVar permute(GTape<B>& tp, GVar x, std::initializer_list<int> perm) {
+  return permute(tp, x, std::span<const int>(perm.begin(), perm.size()));
 }
 
 /// Swaps two axes (a copy; to multiply by a transpose use matmul's flags instead).
@@ -3474,6 +3869,257 @@ GVar dropout_mask_mul(GTape<B>& tp, GVar x, double p, GVar key) {
 
 }  // namespace nn
 // ---- end nn/ops/random.hpp ----
+// ---- begin nn/ops/norm.hpp ----
+// fused_rmsnorm: RMSNorm over the last axis as one primitive (mlx.core.fast.rms_norm), for
+// speed and memory: one pass forward, one back, only the per-row 1/rms kept. Its composite
+// reference is nn::reference::rmsnorm (layers/norm.hpp); tests/ops/fused.test.cpp checks that
+// the two agree, values and gradients.
+
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 x (..., C), optionally 1 w (C). attrs.scalar = eps. saved[0] = 1/rms per row.
+template <class B>
+struct RmsNormPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor& x = tp.in(n, 0);
+    Tensor& rstd = tp.scratch(n, 0, Shape{x.numel() / x.dim(-1)}, x.dtype());
+    B::rms_norm(x, n.inputs.size() > 1 ? tp.in(n, 1) : Tensor(), n.attrs.scalar, n.value, rstd);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const bool has_w = n.inputs.size() > 1;
+    Tensor* gx = nullptr;
+    Tensor* gw = nullptr;
+    bool ax = false, aw = false;
+    if (tp.needs_grad(n, 0)) {
+      GradSlot s = tp.grad_slot(n, 0);
+      gx = &s.g;
+      ax = s.acc;
+    }
+    if (has_w && tp.needs_grad(n, 1)) {
+      GradSlot s = tp.grad_slot(n, 1);
+      gw = &s.g;
+      aw = s.acc;
+    }
+    B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, gx, ax, gw, aw);
+  }
+  static constexpr OpDef<B> def{"rmsnorm", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// y = x / sqrt(mean(x^2) + eps) (* w), over the last axis, in one primitive.
+/// x: (..., C), w: (C) or GVar{} for no gain -> (..., C). The reduction runs in x's dtype.
+template <class B>
+GVar fused_rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps) {
+  detail::require_float(tp, x, "rmsnorm");
+  const Shape& xs = tp.shape(x);
+  if (xs.rank() < 1 || xs.dim(-1) == 0) detail::fail("rmsnorm", "x must have a non-empty last axis, got ", xs.str());
+  if (!(eps >= 0)) detail::fail("rmsnorm", "eps must be >= 0, got ", eps);
+  Attrs a;
+  a.scalar = eps;
+  if (!w.valid()) {
+    GVar in[] = {x};
+    return tp.record(detail::RmsNormPrim<B>::def, in, a, xs, tp.dtype(x));
+  }
+  detail::require_same_dtype(tp, x, w, "rmsnorm");
+  const Shape& ws = tp.shape(w);
+  if (ws.rank() != 1 || ws[0] != xs.dim(-1))
+    detail::fail("rmsnorm", "weight ", ws.str(), " does not match x ", xs.str(), ": expected (", xs.dim(-1), ")");
+  GVar in[] = {x, w};
+  return tp.record(detail::RmsNormPrim<B>::def, in, a, xs, tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/norm.hpp ----
+// ---- begin nn/ops/rope.hpp ----
+// fused_rope: the rotary position embedding as one primitive (mlx.core.fast.rope), for speed:
+// one pass over x instead of the composite's slices, products and concat, and a vjp that is the
+// inverse rotation. Its composite reference is nn::reference::rope (layers/rope.hpp);
+// tests/ops/fused.test.cpp checks that the two agree, values and gradients.
+
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 x, 1 cos, 2 sin (tables, no gradient). attrs.flag_a = traditional (interleaved
+/// pairs) rather than NEOX (half split).
+template <class B>
+struct RopePrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.attrs.flag_a, false, n.value, false);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    if (!tp.needs_grad(n, 0)) return;
+    GradSlot s = tp.grad_slot(n, 0);
+    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), n.attrs.flag_a, true, s.g, s.acc);  // rotate back
+  }
+  static constexpr OpDef<B> def{"rope", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// Whether fused_rope takes these shapes: cos/sin (T, dims/2) against x (..., T, D), or
+/// (T, 1, dims/2) against x (..., T, M, D) (M heads sharing each position's angles), with
+/// dims <= D. (Other broadcasts go through the composite.)
+inline bool fused_rope_fits(const Shape& x, const Shape& cs) {
+  if (x.rank() < 2 || cs.rank() < 2 || cs.rank() > 3 || 2 * cs.dim(-1) > x.dim(-1) || cs.dim(-1) == 0) return false;
+  if (cs.rank() == 2) return x.dim(-2) == cs[0];
+  return cs[1] == 1 && x.rank() >= 3 && x.dim(-3) == cs[0];
+}
+
+/// Rotates the first dims = 2 * cos.shape[-1] features of x by the tables' angles (NEOX pairs
+/// (i, i + dims/2), or traditional pairs (2i, 2i + 1)); later features pass through.
+///   x: (..., T, D) with cos/sin (T, dims/2), or x: (..., T, M, D) with cos/sin (T, 1, dims/2).
+/// cos and sin are tables (constants): they get no gradient.
+template <class B>
+GVar fused_rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
+  detail::require_same_dtype(tp, x, cos, "rope");
+  detail::require_same_dtype(tp, x, sin, "rope");
+  const Shape &xs = tp.shape(x), &cs = tp.shape(cos);
+  if (!(cs == tp.shape(sin)) || !fused_rope_fits(xs, cs))
+    detail::fail("rope", "x ", xs.str(), " and cos ", cs.str(), " / sin ", tp.shape(sin).str(),
+                 " do not fit: expected x (..., T, D) with tables (T, dims/2), or x (..., T, M, D) with (T, 1, dims/2)");
+  if (tp.requires_grad(cos) || tp.requires_grad(sin))
+    detail::fail("rope", "the cos/sin tables cannot require a gradient in the fused primitive");
+  Attrs a;
+  a.flag_a = traditional;
+  GVar in[] = {x, cos, sin};
+  return tp.record(detail::RopePrim<B>::def, in, a, xs, tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/rope.hpp ----
+// ---- begin nn/ops/attention.hpp ----
+// fused_attention: scaled dot-product attention with grouped-query sharing as one primitive, for
+// speed and memory: it reads q, k, v in their projection layout (B, T, n * head_dim) (no head
+// permutes), adds the mask and takes the softmax in place, and keeps only the probabilities for
+// the vjp. Its composite reference is nn::reference::gqa_attention (layers/attention.hpp);
+// tests/ops/fused.test.cpp checks that the two agree, values and gradients.
+
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd) (or the same with B and T merged),
+/// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient).
+/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale.
+/// saved[0] = the probabilities (B, H, T, T); saved[1] = the vjp's scratch (B * KV, T, T).
+template <class B>
+struct AttentionPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Shape& d = n.attrs.shape;
+    Tensor& p = tp.scratch(n, 0, Shape{d[0], d[2], d[1], d[1]}, n.value.dtype());
+    B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), d[0], d[1], d[2],
+                 d[3], d[4], n.attrs.scalar, n.value, p);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const Shape& d = n.attrs.shape;
+    Tensor* g[3] = {nullptr, nullptr, nullptr};
+    bool acc[3] = {false, false, false};
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (!tp.needs_grad(n, k)) continue;
+      GradSlot s = tp.grad_slot(n, k);
+      g[k] = &s.g;
+      acc[k] = s.acc;
+    }
+    Tensor& scratch = tp.scratch(n, 1, Shape{d[0] * d[3], d[1], d[1]}, n.value.dtype());
+    B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, d[0], d[1], d[2], d[3], d[4],
+                     n.attrs.scalar, scratch, g[0], acc[0], g[1], acc[1], g[2], acc[2]);
+  }
+  static constexpr OpDef<B> def{"attention", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// softmax(scale * q k^T + mask) v per query head, heads concatenated:
+///   q: (B, T, n_heads * head_dim), k, v: (B, T, n_kv_heads * head_dim) (or rows (B*T, ...))
+///   mask: additive, broadcasting to (B, n_heads, T, T) ((T, T) causal, (B, 1, T, T) causal +
+///         padding); GVar{} for none. It gets no gradient.
+///   -> q's shape. Query head h reads kv head h / (n_heads / n_kv_heads) (HF's repeat_kv).
+/// RoPE, if any, is applied to q and k before (see gqa_attention).
+template <class B>
+GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64_t T, std::int64_t n_heads,
+                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale) {
+  const char* op = "attention";
+  detail::require_same_dtype(tp, q, k, op);
+  detail::require_same_dtype(tp, q, v, op);
+  const Shape &qs = tp.shape(q), &ks = tp.shape(k), &vs = tp.shape(v);
+  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
+    detail::fail(op, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
+                 ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
+  if (!ranks_ok || qs.dim(-1) != n_heads * head_dim || ks.dim(-1) != n_kv_heads * head_dim || !(ks == vs) ||
+      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
+      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1))
+    detail::fail(op, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
+                 ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const std::int64_t Bn = qs.prod(0, qs.rank() - 1) / T;
+  Attrs a;
+  a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
+  a.scalar = scale;
+  if (!mask.valid()) {
+    GVar in[] = {q, k, v};
+    return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));
+  }
+  detail::require_same_dtype(tp, q, mask, op);
+  const Shape& ms = tp.shape(mask);
+  if (ms.rank() < 1 || ms.rank() > 4 || ms.dim(-1) != T || !detail::broadcasts_to(ms, Shape{Bn, n_heads, T, T}))
+    detail::fail(op, "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn, ", ",
+                 n_heads, ", ", T, ", ", T, ")");
+  if (tp.requires_grad(mask)) detail::fail(op, "the mask cannot require a gradient in the fused primitive");
+  GVar in[] = {q, k, v, mask};
+  return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));
+}
+
+}  // namespace nn
+// ---- end nn/ops/attention.hpp ----
+// ---- begin nn/ops/glu.hpp ----
+// fused_swiglu: silu(gate) * up as one primitive, for speed and memory: one pass forward (no
+// silu(gate) buffer kept) and one back. Its composite reference is nn::reference::swiglu
+// (layers/activations.hpp); tests/ops/fused.test.cpp checks that the two agree.
+
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 gate, 1 up, same shape.
+template <class B>
+struct SwigluPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) { B::swiglu(tp.in(n, 0), tp.in(n, 1), n.value); }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    Tensor* g[2] = {nullptr, nullptr};
+    bool acc[2] = {false, false};
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (!tp.needs_grad(n, k)) continue;
+      GradSlot s = tp.grad_slot(n, k);
+      g[k] = &s.g;
+      acc[k] = s.acc;
+    }
+    B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], acc[0], g[1], acc[1]);
+  }
+  static constexpr OpDef<B> def{"swiglu", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// silu(gate) * up = gate * sigmoid(gate) * up, elementwise.  gate, up: same shape.
+template <class B>
+GVar fused_swiglu(GTape<B>& tp, GVar gate, GVar up) {
+  detail::require_same_dtype(tp, gate, up, "swiglu");
+  if (!(tp.shape(gate) == tp.shape(up)))
+    detail::fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
+  GVar in[] = {gate, up};
+  return tp.record(detail::SwigluPrim<B>::def, in, Attrs{}, tp.shape(gate), tp.dtype(gate));
+}
+
+}  // namespace nn
+// ---- end nn/ops/glu.hpp ----
 // ---- begin nn/layers/helpers.hpp ----
 // The seed's helpers for writing a model as a list of layer calls: registering the caller's
 // weights (param / constant / input) and constant fills (ones / zeros / full) on a tape.
@@ -3695,12 +4341,32 @@ void check_norm_input(const GTape<B>& tp, GVar x, double eps, const char* layer)
 
 }  // namespace detail
 
-/// y = x / sqrt(mean(x^2) + eps), over the last axis, without a gain.  x: (..., C) -> (..., C).
+namespace reference {
+
+/// RMSNorm composed from primitives, the reference the fused primitive is tested against
+/// (tests/ops/fused.test.cpp).  x: (..., C) -> (..., C).
 template <class B>
 GVar rmsnorm(GTape<B>& tp, GVar x, double eps = 1e-5) {
   detail::check_norm_input(tp, x, eps, "rmsnorm");
   GVar ms = mean(tp, mul(tp, x, x), {-1}, true);  // (..., 1)
   return mul(tp, x, rsqrt(tp, add_scalar(tp, ms, eps)));
+}
+/// The same with a gain w: (C).
+template <class B>
+GVar rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "rmsnorm");
+  detail::check_norm_weight(tp, x, w, "rmsnorm", "weight");
+  return mul(tp, reference::rmsnorm(tp, x, eps), w);
+}
+
+}  // namespace reference
+
+/// y = x / sqrt(mean(x^2) + eps), over the last axis, without a gain.  x: (..., C) -> (..., C).
+/// One fused primitive (ops/norm.hpp); reference::rmsnorm is the same math composed.
+template <class B>
+GVar rmsnorm(GTape<B>& tp, GVar x, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "rmsnorm");
+  return fused_rmsnorm(tp, x, GVar{}, eps);
 }
 
 /// y = x / sqrt(mean(x^2) + eps) * w.  x: (..., C), w: (C) -> (..., C).
@@ -3709,7 +4375,7 @@ template <class B>
 GVar rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps = 1e-5) {
   detail::check_norm_input(tp, x, eps, "rmsnorm");
   detail::check_norm_weight(tp, x, w, "rmsnorm", "weight");
-  return mul(tp, rmsnorm(tp, x, eps), w);
+  return fused_rmsnorm(tp, x, w, eps);
 }
 
 /// y = (x - mean) / sqrt(var + eps), biased variance over the last axis, no affine.
@@ -3780,14 +4446,30 @@ GVar gelu_fast_approx(GTape<B>& tp, GVar x) {
   return unary(tp, Unary::gelu_fast, x);
 }
 
-/// silu(gate) * up (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama / Qwen2 MLP).
-/// gate, up: (..., I) -> (..., I).
+namespace detail {
+template <class B>
+void check_swiglu(const GTape<B>& tp, GVar gate, GVar up) {
+  layer_same_dtype(tp, gate, up, "swiglu", "gate", "up");
+  if (!(tp.shape(gate) == tp.shape(up)))
+    fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
+}
+}  // namespace detail
+
+namespace reference {
+/// SwiGLU composed from primitives, the reference the fused primitive is tested against.
 template <class B>
 GVar swiglu(GTape<B>& tp, GVar gate, GVar up) {
-  detail::layer_same_dtype(tp, gate, up, "swiglu", "gate", "up");
-  if (!(tp.shape(gate) == tp.shape(up)))
-    detail::fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
+  detail::check_swiglu(tp, gate, up);
   return mul(tp, silu(tp, gate), up);
+}
+}  // namespace reference
+
+/// silu(gate) * up (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama / Qwen2 MLP).
+/// gate, up: (..., I) -> (..., I). One fused primitive (ops/glu.hpp).
+template <class B>
+GVar swiglu(GTape<B>& tp, GVar gate, GVar up) {
+  detail::check_swiglu(tp, gate, up);
+  return fused_swiglu(tp, gate, up);
 }
 
 }  // namespace nn
@@ -3863,12 +4545,11 @@ void check_rope(const GTape<B>& tp, GVar x, GVar cos, GVar sin, const char* laye
 
 }  // namespace detail
 
-/// Rotates pairs of the first dims = 2 * cos.shape[-1] features of x by the table's angles; the
-/// features past dims pass through unchanged.
-///   x: (..., T, D), cos/sin: (T, dims/2) (or anything broadcasting to (..., T, dims/2)).
-/// NEOX form (traditional = false, the default as in mlx.nn.RoPE and HF Llama/Qwen2): the pairs
-/// are (x[i], x[i + dims/2]).  Traditional form: the pairs are (x[2i], x[2i + 1]).
-///   (a, b) -> (a cos - b sin, a sin + b cos)
+namespace reference {
+
+/// RoPE composed from primitives (slices, products, concat): the reference the fused primitive
+/// is tested against, and the path for table shapes the fused one does not take. The contract
+/// is nn::rope's (below).
 template <class B>
 GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
   detail::check_rope(tp, x, cos, sin, "rope");
@@ -3900,6 +4581,24 @@ GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
   }
   if (dims == D) return rotated;
   return concat(tp, {rotated, slice(tp, x, -1, dims, D)}, -1);
+}
+
+}  // namespace reference
+
+/// Rotates pairs of the first dims = 2 * cos.shape[-1] features of x by the table's angles; the
+/// features past dims pass through unchanged.
+///   x: (..., T, D), cos/sin: (T, dims/2) (or anything broadcasting to (..., T, dims/2)).
+/// NEOX form (traditional = false, the default as in mlx.nn.RoPE and HF Llama/Qwen2): the pairs
+/// are (x[i], x[i + dims/2]).  Traditional form: the pairs are (x[2i], x[2i + 1]).
+///   (a, b) -> (a cos - b sin, a sin + b cos)
+/// Tables (T, dims/2) — or (T, 1, dims/2) against x (..., T, M, D) — that need no gradient take
+/// the fused primitive (ops/rope.hpp); other broadcasts take reference::rope, the same math.
+template <class B>
+GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
+  detail::check_rope(tp, x, cos, sin, "rope");
+  if (fused_rope_fits(tp.shape(x), tp.shape(cos)) && !tp.requires_grad(cos) && !tp.requires_grad(sin))
+    return fused_rope(tp, x, cos, sin, traditional);
+  return reference::rope(tp, x, cos, sin, traditional);
 }
 
 }  // namespace nn
@@ -4001,23 +4700,107 @@ GVar head(GTape<B>& tp, GVar x, std::int64_t h, std::int64_t head_dim) {
 
 namespace detail {
 
+/// Checks that a mask broadcasts against the scores (B, n_heads, T, T) (left-padded with 1s as
+/// NumPy broadcasting does; its last dim must be T).
+template <class B>
+void check_gqa_mask(const GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std::int64_t nh) {
+  const Shape& ms = tp.shape(mask);
+  if (ms.rank() < 1 || ms.rank() > 4 || ms.dim(-1) != T || !broadcasts_to(ms, Shape{Bn, nh, T, T}))
+    fail("gqa_attention", "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn,
+         ", ", nh, ", ", T, ", ", T, ")");
+}
+
 /// The mask as a rank-5 view that broadcasts against the grouped scores (B, n_kv, group, T, T):
 /// a mask of (B | 1, n_heads | 1, T | 1, T), left-padded with 1s as NumPy broadcasting does.
 template <class B>
 GVar grouped_mask(GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std::int64_t nh, std::int64_t nkv) {
+  check_gqa_mask(tp, mask, Bn, T, nh);
   const Shape& ms = tp.shape(mask);
   std::int64_t d[4] = {1, 1, 1, 1};
-  bool ok = ms.rank() >= 1 && ms.rank() <= 4;
-  for (int i = 0; ok && i < ms.rank(); ++i) d[4 - ms.rank() + i] = ms[i];
-  ok = ok && (d[0] == 1 || d[0] == Bn) && (d[1] == 1 || d[1] == nh) && (d[2] == 1 || d[2] == T) && d[3] == T;
-  if (!ok)
-    fail("gqa_attention", "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn,
-         ", ", nh, ", ", T, ", ", T, ")");
+  for (int i = 0; i < ms.rank(); ++i) d[4 - ms.rank() + i] = ms[i];
   const bool per_head = d[1] == nh && nh > 1;
   return view(tp, mask, Shape{d[0], per_head ? nkv : 1, per_head ? nh / nkv : 1, d[2], d[3]});
 }
 
+/// gqa_attention's argument checks; returns B (the batch: q's rows / T).
+template <class B>
+std::int64_t check_gqa(const GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
+                       std::int64_t n_kv_heads, std::int64_t head_dim) {
+  const char* L = "gqa_attention";
+  layer_same_dtype(tp, q, k, L, "q", "k");
+  layer_same_dtype(tp, q, v, L, "q", "v");
+  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
+    fail(L, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
+         ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const Shape &qs = tp.shape(q), &ks = tp.shape(k), &vs = tp.shape(v);
+  const std::int64_t qc = n_heads * head_dim, kc = n_kv_heads * head_dim;
+  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
+  if (!ranks_ok || qs.dim(-1) != qc || ks.dim(-1) != kc || vs.dim(-1) != kc ||
+      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
+      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1) || !(ks == vs))
+    fail(L, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
+         ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim, ": expected q (B, T, ", qc,
+         ") and k, v (B, T, ", kc, ") (or rows B*T)");
+  return qs.prod(0, qs.rank() - 1) / T;
+}
+
+/// gqa_attention's RoPE table checks (both tables or neither; (T, dims/2), dims <= head_dim).
+template <class B>
+void check_gqa_rope(const GTape<B>& tp, GVar k, GVar cos, GVar sin, std::int64_t Bn, std::int64_t T,
+                    std::int64_t nkv, std::int64_t hd) {
+  const char* L = "gqa_attention";
+  if (!cos.valid() || !sin.valid()) fail(L, "pass both cos and sin, or neither");
+  layer_same_dtype(tp, k, cos, L, "x", "cos");
+  layer_same_dtype(tp, k, sin, L, "x", "sin");
+  const Shape &cs = tp.shape(cos), &ss = tp.shape(sin);
+  if (!(cs == ss)) fail(L, "cos ", cs.str(), " and sin ", ss.str(), " must have the same shape");
+  if (cs.rank() != 2 || cs[0] != T)
+    fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", cs.str());
+  if (2 * cs[1] > hd)
+    fail(L, "cos/sin ", cs.str(), " rotate ", 2 * cs[1], " features but a head has only ", hd,
+         " (k as heads: (", Bn, ", ", nkv, ", ", T, ", ", hd, "))");
+}
+
 }  // namespace detail
+
+namespace reference {
+
+/// Grouped-query attention composed from primitives (permutes, RoPE, batched matmuls, softmax):
+/// the reference the fused primitive is tested against, and the path when the tables or the mask
+/// need a gradient. The contract is nn::gqa_attention's (below). q is viewed as
+/// (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim), so one batched
+/// matmul per kv head serves its whole group: K and V are never repeated, and their gradients
+/// sum over the group inside that matmul's vjp. `scale` multiplies q after RoPE — the same
+/// product as scaling the scores, on head_dim columns instead of T.
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional = false) {
+  const Shape qs = tp.shape(q);  // a copy: used after recording
+  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
+  const std::int64_t nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
+  GVar qh = permute(tp, detail::view(tp, q, Shape{Bn, T, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, T, hd)
+  GVar kh = permute(tp, detail::view(tp, k, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  GVar vh = permute(tp, detail::view(tp, v, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  if (cos.valid() || sin.valid()) {
+    detail::check_gqa_rope(tp, k, cos, sin, Bn, T, nkv, hd);
+    qh = reference::rope(tp, qh, cos, sin, traditional);
+    kh = reference::rope(tp, kh, cos, sin, traditional);
+  }
+  qh = nn::scale(tp, qh, scale);
+  GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  if (mask.valid()) {
+    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
+    GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
+    scores = add(tp, detail::view(tp, scores, Shape{Bn, nkv, g, T, T}), m);  // (B, nkv, g, T, T)
+  }
+  GVar p = softmax(tp, scores);
+  GVar ctx = matmul(tp, detail::view(tp, p, Shape{Bn, nkv, g * T, T}), vh);  // (B, nkv, g*T, hd)
+  ctx = permute(tp, detail::view(tp, ctx, Shape{Bn, nkv, g, T, hd}), {0, 3, 1, 2, 4});  // (B, T, nkv, g, hd)
+  return detail::view(tp, ctx, qs);
+}
+
+}  // namespace reference
 
 /// Grouped-query attention over packed projections.
 ///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
@@ -4029,54 +4812,33 @@ GVar grouped_mask(GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std:
 /// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
 /// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
 ///
-/// Layout: q is viewed as (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim),
-/// so one batched matmul per kv head serves its whole group: K and V are never repeated, and
-/// their gradients sum over the group inside that matmul's vjp. k, v are (B, n_kv, T, head_dim).
-/// `scale` (usually 1/sqrt(head_dim)) multiplies q after RoPE — the same product as scaling the
-/// scores, on head_dim columns instead of T. `traditional` selects the interleaved RoPE.
+/// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
+/// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
+/// permutes); `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
+/// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
+/// `traditional` selects the interleaved RoPE.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
                    bool traditional = false) {
-  const char* L = "gqa_attention";
-  detail::layer_same_dtype(tp, q, k, L, "q", "k");
-  detail::layer_same_dtype(tp, q, v, L, "q", "v");
-  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
-    detail::fail(L, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
-                 ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
-  const Shape qs = tp.shape(q), ks = tp.shape(k), vs = tp.shape(v);  // copies: used after recording
-  const std::int64_t qc = n_heads * head_dim, kc = n_kv_heads * head_dim;
-  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
-  if (!ranks_ok || qs.dim(-1) != qc || ks.dim(-1) != kc || vs.dim(-1) != kc ||
-      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
-      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1) || !(ks == vs))
-    detail::fail(L, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
-                 ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim, ": expected q (B, T, ", qc,
-                 ") and k, v (B, T, ", kc, ") (or rows B*T)");
-  const std::int64_t Bn = qs.prod(0, qs.rank() - 1) / T, nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
-
-  GVar qh = permute(tp, detail::view(tp, q, Shape{Bn, T, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, T, hd)
-  GVar kh = permute(tp, detail::view(tp, k, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
-  GVar vh = permute(tp, detail::view(tp, v, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
-  if (cos.valid() || sin.valid()) {
-    if (!cos.valid() || !sin.valid()) detail::fail(L, "pass both cos and sin, or neither");
-    detail::check_rope(tp, kh, cos, sin, L);
-    if (tp.shape(cos).rank() > 2 || tp.shape(cos).dim(-2) != T)
-      detail::fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", tp.shape(cos).str());
-    qh = rope(tp, qh, cos, sin, traditional);
-    kh = rope(tp, kh, cos, sin, traditional);
-  }
-  qh = nn::scale(tp, qh, scale);
-  GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
+  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
+  const bool roped = cos.valid() || sin.valid();
+  if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
   if (mask.valid()) {
-    detail::layer_same_dtype(tp, q, mask, L, "q", "mask");
-    GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
-    scores = add(tp, detail::view(tp, scores, Shape{Bn, nkv, g, T, T}), m);  // (B, nkv, g, T, T)
+    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
+    detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
   }
-  GVar p = softmax(tp, scores);
-  GVar ctx = matmul(tp, detail::view(tp, p, Shape{Bn, nkv, g * T, T}), vh);  // (B, nkv, g*T, hd)
-  ctx = permute(tp, detail::view(tp, ctx, Shape{Bn, nkv, g, T, hd}), {0, 3, 1, 2, 4});  // (B, T, nkv, g, hd)
-  return detail::view(tp, ctx, qs);
+  if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask)))
+    return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+  if (roped) {
+    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
+    const std::int64_t half = tp.shape(cos)[1];
+    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
+    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
+    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
+  }
+  return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale);
 }
 
 }  // namespace nn
@@ -5633,6 +6395,16 @@ void tree_to(X& m, DType dt) {
   for_each(m, conv, conv);
 }
 
+/// Moves every Param and Buffer to `dev` (a no-op for those already there). Tensors are
+/// replaced, not written in place: a tape recorded before the move must be recorded again.
+template <class X>
+void tree_to_device(X& m, Device dev) {
+  auto move = [&](const std::string&, auto& x) {
+    if (x.value.defined() && x.value.device() != dev) x.value = x.value.to(dev);
+  };
+  for_each(m, move, move);
+}
+
 /// map_modules: calls f(path, T&) on every submodule of type T whose path satisfies pred. When
 /// the T sits in a std::variant field and f returns a value (say a LoraLinear built from the
 /// Linear), the variant is assigned that value: how a layer is replaced in place.
@@ -5867,6 +6639,7 @@ std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
     return m.count;                                                                                       \
   }                                                                                                       \
   void to(::nn::DType dt) { ::nn::detail::tree_to(*this, dt); }                                          \
+  void to(::nn::Device nn_dev) { ::nn::detail::tree_to_device(*this, nn_dev); }                           \
   /** Every Param and Buffer to a safetensors file MLX loads (model.load_weights). */                    \
   void save_weights(const std::filesystem::path& nn_path) const {                                         \
     ::nn::detail::save_weights_impl(*this, nn_path, false);                                               \
@@ -6275,6 +7048,12 @@ inline Schedule join_schedules(std::vector<Schedule> schedules, std::vector<std:
 namespace nn {
 
 namespace detail {
+/// Zeros on `dev` (optimizer state lives where its parameter lives).
+inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
+  Tensor z = Tensor::zeros(s, t);
+  return dev == Device::cpu ? z : z.to(dev);
+}
+
 /// FNV-1a over the bytes of some doubles / ints (hyperparameter hashes; allocation-free).
 template <class... V>
 std::uint64_t hash_values(const V&... v) {
@@ -6304,6 +7083,18 @@ class Optimizer {
     if (schedule_) lr_.data<double>()[0] = schedule_(0);
   }
   virtual ~Optimizer() = default;
+  /// A copy owns its state: step, learning rate and slots are cloned, so two copies train
+  /// independently (tensors themselves copy shallowly).
+  Optimizer(const Optimizer& o) : schedule_(o.schedule_) { copy_state(o); }
+  Optimizer& operator=(const Optimizer& o) {
+    if (this != &o) {
+      schedule_ = o.schedule_;
+      copy_state(o);
+    }
+    return *this;
+  }
+  Optimizer(Optimizer&&) = default;
+  Optimizer& operator=(Optimizer&&) = default;
 
   /// Creates the slots of every trainable parameter now (else they are made on first use).
   template <class M>
@@ -6342,7 +7133,7 @@ class Optimizer {
   /// The number of updates applied so far.
   std::int64_t step() const { return step_.data<std::int64_t>()[0]; }
   /// The learning rate the next update uses (a schedule overrides it at each update).
-  double learning_rate() const { return lr_.data<double>()[0]; }
+  virtual double learning_rate() const { return lr_.data<double>()[0]; }
   virtual void set_learning_rate(double lr) { lr_.data<double>()[0] = lr; }
 
   /// The state as a flat list of (path, tensor): "step", "learning_rate", "slots.<param>.<slot>"
@@ -6384,7 +7175,7 @@ class Optimizer {
     auto it = slots_.find(path);
     if (it == slots_.end()) {
       Slots& s = slots_[path];
-      for (const char* name : slot_names(p)) s[name] = Tensor::zeros(p.shape(), p.dtype());
+      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(p.shape(), p.dtype(), p.device());
       return;
     }
     for (const char* name : slot_names(p)) {
@@ -6396,6 +7187,11 @@ class Optimizer {
         detail::fail("optimizer", "slot '", name, "' of '", path, "' is ", t->second.shape().str(), " ",
                      dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()));
     }
+    // Slots loaded from a checkpoint are host tensors: they follow their parameter to its device.
+    for (const char* name : slot_names(p)) {
+      Tensor& t = it->second.at(name);
+      if (t.device() != p.device()) t = t.to(p.device());
+    }
   }
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
@@ -6404,6 +7200,14 @@ class Optimizer {
   virtual std::uint64_t hyper_hash() const { return 0; }
 
  protected:
+  void copy_state(const Optimizer& o) {
+    step_ = o.step_.clone();
+    lr_ = o.lr_.clone();
+    slots_.clear();
+    for (const auto& [path, slots] : o.slots_)
+      for (const auto& [name, t] : slots) slots_[path][name] = t.clone();
+  }
+
   struct Parsed {
     std::int64_t step = 0;
     double lr = 0;
@@ -6655,13 +7459,13 @@ class Muon : public Optimizer {
     // Workspace, not state (not saved): the update direction and the Newton-Schulz buffers,
     // kept so an update allocates nothing.
     Slots& w = work_[path];
-    w["u"] = Tensor::zeros(p.shape(), p.dtype());
+    w["u"] = detail::zeros_on(p.shape(), p.dtype(), p.device());
     if (p.rank() >= 2) {
       const std::int64_t rows = p.dim(0), cols = p.numel() / rows, r = std::min(rows, cols);
-      w["x"] = Tensor::zeros(Shape{rows * cols}, p.dtype());
-      w["t"] = Tensor::zeros(Shape{rows * cols}, p.dtype());
-      w["a"] = Tensor::zeros(Shape{r * r}, p.dtype());
-      w["b"] = Tensor::zeros(Shape{r * r}, p.dtype());
+      w["x"] = detail::zeros_on(Shape{rows * cols}, p.dtype(), p.device());
+      w["t"] = detail::zeros_on(Shape{rows * cols}, p.dtype(), p.device());
+      w["a"] = detail::zeros_on(Shape{r * r}, p.dtype(), p.device());
+      w["b"] = detail::zeros_on(Shape{r * r}, p.dtype(), p.device());
     }
   }
   std::vector<const char*> slot_names(const Tensor&) const override { return {"v"}; }
@@ -6708,6 +7512,8 @@ class MultiOptimizer : public Optimizer {
     return std::move(group(std::move(pred), std::move(opt)));
   }
 
+  /// The first member's rate (the first group's, else the default's), as MLX's.
+  double learning_rate() const override { return member(0).learning_rate(); }
   void set_learning_rate(double lr) override {
     for (auto& g : groups_) g.second->set_learning_rate(lr);
     fallback_->set_learning_rate(lr);
@@ -6824,6 +7630,18 @@ std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
 
 namespace nn {
 
+namespace detail {
+/// How a compiled step feeds and replays its recorded tape: tp.set() and tp.replay() here. A
+/// device backend may specialise it (nn/cuda.hpp captures the replay into a CUDA graph once and
+/// relaunches it, copying each batch into buffers the graph owns).
+template <class B>
+struct TapeReplayer {
+  void set(GTape<B>& tp, GVar slot, const Tensor& t) { tp.set(slot, t); }
+  void replay(GTape<B>& tp) { tp.replay(); }
+  void reset() {}  // the tape was recorded again
+};
+}  // namespace detail
+
 /// The step `compile(model, opt, loss_fn)` returns. Calling it with the batch tensors runs one
 /// training step (loss, gradients, optimizer update) and returns the loss (a 0-D tensor owned by
 /// the step: read it before the next call).
@@ -6900,14 +7718,15 @@ class CompiledStep {
         },
         detail::ignore, [&](const std::string&, auto& mod) { modes_.emplace_back(&mod.nn_training_, mod.nn_training_); });
     hyper_ = opt_->hyper_hash();
+    replayer_.reset();
     recorded_ = true;
     ++recordings_;
   }
 
   void replay(const std::array<const Tensor*, N>& in) {
-    for (std::size_t i = 0; i < N; ++i) tp_.set(inputs_[i], *in[i]);
+    for (std::size_t i = 0; i < N; ++i) replayer_.set(tp_, inputs_[i], *in[i]);
     tp_.refresh_keys();
-    tp_.replay();
+    replayer_.replay(tp_);
   }
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
@@ -6920,6 +7739,7 @@ class CompiledStep {
   Optimizer* opt_;
   F fn_;
   GTape<B> tp_;
+  detail::TapeReplayer<B> replayer_;
   std::array<GVar, N> inputs_{};
   GVar loss_{};
   std::vector<Entry> entries_;
@@ -7094,4 +7914,1649 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt) {
 
 }  // namespace nn
 // ---- end nn/io/checkpoint.hpp ----
+// ---- begin nn/lm/config.hpp ----
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / SmolLM decoder, parsed from a Hugging Face
+// config.json (transformers' LlamaConfig / Qwen2Config) with errors that name the file and field.
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace nn::lm {
+
+/// The decoder families this kit runs. SmolLM / SmolLM2 checkpoints are Llama models
+/// (their config.json says "model_type": "llama").
+enum class Arch : std::uint8_t { llama, qwen2 };
+
+inline const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : "qwen2"; }
+
+/// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
+/// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
+/// remap (transformers' _compute_llama3_parameters). Other types (dynamic, yarn, longrope) are
+/// refused when the config is read, since their tables depend on the sequence length.
+struct RopeScaling {
+  std::string type = "default";
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_position_embeddings = 0;
+};
+
+/// Everything the model needs to lay out its weights and run.
+struct ModelConfig {
+  Arch arch = Arch::llama;
+  std::string model_type = "llama";  // as written in the file
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;  // hidden_size / num_attention_heads unless the file says otherwise
+  std::int64_t vocab_size = 0;
+  std::int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;   // Qwen2: always; Llama: attention_bias
+  bool o_bias = false;     // Llama: attention_bias (HF puts it on o_proj too); Qwen2: never
+  bool mlp_bias = false;   // Llama: mlp_bias
+  RopeScaling rope_scaling;
+  /// Per-frequency divisors (head_dim / 2 of them) from a GGUF "rope_freqs" tensor, which is how
+  /// llama.cpp stores Llama 3's frequency remap; empty for none.
+  std::vector<double> rope_freq_factors;
+
+  std::int64_t q_dim() const { return num_attention_heads * head_dim; }
+  std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+
+  /// The RoPE inverse frequencies, head_dim / 2 of them, in double:
+  ///   inv_freq[i] = 1 / theta^(2i / head_dim)        (HF's _compute_default_rope_parameters)
+  /// then remapped by rope_scaling and divided by rope_freq_factors.
+  std::vector<double> inv_freq() const {
+    const std::int64_t half = head_dim / 2;
+    std::vector<double> f(static_cast<std::size_t>(half));
+    for (std::int64_t i = 0; i < half; ++i)
+      f[static_cast<std::size_t>(i)] =
+          1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    const RopeScaling& s = rope_scaling;
+    if (s.type == "linear") {
+      for (double& x : f) x /= s.factor;
+    } else if (s.type == "llama3") {
+      // Long wavelengths are slowed by `factor`, short ones kept, the band between blended
+      // linearly in (original context / wavelength).
+      const double old_ctx = static_cast<double>(s.original_max_position_embeddings);
+      const double low_wavelen = old_ctx / s.low_freq_factor, high_wavelen = old_ctx / s.high_freq_factor;
+      const double pi = 3.14159265358979323846;
+      for (double& x : f) {
+        const double wavelen = 2 * pi / x;
+        const double scaled = wavelen > low_wavelen ? x / s.factor : x;
+        if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+          const double smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+          x = (1 - smooth) * scaled / s.factor + smooth * scaled;
+        } else {
+          x = scaled;
+        }
+      }
+    }
+    for (std::size_t i = 0; i < rope_freq_factors.size() && i < f.size(); ++i) f[i] /= rope_freq_factors[i];
+    return f;
+  }
+
+  /// Raises "[config] <label>: ..." when the numbers cannot describe a model.
+  void validate(const std::string& label) const {
+    auto positive = [&](const char* field, std::int64_t v) {
+      if (v <= 0) nn::detail::fail("config", label, ": field \"", field, "\" must be a positive integer, got ", v);
+    };
+    positive("hidden_size", hidden_size);
+    positive("intermediate_size", intermediate_size);
+    positive("num_hidden_layers", num_hidden_layers);
+    positive("num_attention_heads", num_attention_heads);
+    positive("num_key_value_heads", num_key_value_heads);
+    positive("head_dim", head_dim);
+    positive("vocab_size", vocab_size);
+    if (num_attention_heads % num_key_value_heads != 0)
+      nn::detail::fail("config", label, ": field \"num_key_value_heads\" (", num_key_value_heads,
+                   ") must divide num_attention_heads (", num_attention_heads, ")");
+    if (head_dim % 2 != 0) nn::detail::fail("config", label, ": field \"head_dim\" must be even for RoPE, got ", head_dim);
+    if (!(rms_norm_eps > 0) || !std::isfinite(rms_norm_eps))
+      nn::detail::fail("config", label, ": field \"rms_norm_eps\" must be a positive number, got ", rms_norm_eps);
+    if (!(rope_theta > 0) || !std::isfinite(rope_theta))
+      nn::detail::fail("config", label, ": field \"rope_theta\" must be a positive number, got ", rope_theta);
+    if (!rope_freq_factors.empty() && static_cast<std::int64_t>(rope_freq_factors.size()) != head_dim / 2)
+      nn::detail::fail("config", label, ": ", rope_freq_factors.size(), " rope frequency factors for head_dim ", head_dim,
+                   " (expected ", head_dim / 2, ")");
+  }
+};
+
+namespace detail {
+
+/// Typed reads of config.json fields; every error names the file and the field.
+struct ConfigReader {
+  const nlohmann::json& j;
+  const std::string& label;
+
+  const nlohmann::json* find(const char* field) const {
+    auto it = j.find(field);
+    if (it == j.end() || it->is_null()) return nullptr;  // HF writes null for "not set"
+    return &*it;
+  }
+  [[noreturn]] void bad(const char* field, const char* expected, const nlohmann::json& v) const {
+    std::string got = v.dump();
+    if (got.size() > 80) got = got.substr(0, 77) + "...";
+    nn::detail::fail("config", label, ": field \"", field, "\": expected ", expected, ", got ", got);
+  }
+  std::int64_t integer(const nlohmann::json& v, const char* field) const {
+    if (v.is_number_unsigned()) {
+      if (v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        bad(field, "an integer below 2^63", v);
+      return static_cast<std::int64_t>(v.get<std::uint64_t>());
+    }
+    if (v.is_number_integer()) return v.get<std::int64_t>();
+    bad(field, "an integer", v);
+  }
+  std::int64_t req_int(const char* field) const {
+    const nlohmann::json* v = find(field);
+    if (!v) nn::detail::fail("config", label, ": missing field \"", field, "\" (an integer)");
+    return integer(*v, field);
+  }
+  std::int64_t opt_int(const char* field, std::int64_t dflt) const {
+    const nlohmann::json* v = find(field);
+    return v ? integer(*v, field) : dflt;
+  }
+  double number(const nlohmann::json& v, const char* field) const {
+    if (!v.is_number()) bad(field, "a number", v);
+    return v.get<double>();
+  }
+  double opt_num(const char* field, double dflt) const {
+    const nlohmann::json* v = find(field);
+    return v ? number(*v, field) : dflt;
+  }
+  bool opt_bool(const char* field, bool dflt) const {
+    const nlohmann::json* v = find(field);
+    if (!v) return dflt;
+    if (!v->is_boolean()) bad(field, "true or false", *v);
+    return v->get<bool>();
+  }
+  std::string opt_str(const char* field, const std::string& dflt) const {
+    const nlohmann::json* v = find(field);
+    if (!v) return dflt;
+    if (!v->is_string()) bad(field, "a string", *v);
+    return v->get<std::string>();
+  }
+};
+
+}  // namespace detail
+
+/// Parses a config.json document (already read); `label` (the file name) leads every error.
+inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& label = "config.json") {
+  if (!j.is_object()) nn::detail::fail("config", label, ": expected a JSON object at the top level");
+  detail::ConfigReader r{j, label};
+  ModelConfig c;
+  const nlohmann::json* mt = r.find("model_type");
+  if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (\"llama\" or \"qwen2\")");
+  if (!mt->is_string()) r.bad("model_type", "a string", *mt);
+  c.model_type = mt->get<std::string>();
+  if (c.model_type == "llama" || c.model_type == "smollm") c.arch = Arch::llama;
+  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
+  else
+    nn::detail::fail("config", label, ": field \"model_type\": \"", c.model_type,
+                 "\" is not supported (supported: llama — which covers SmolLM / SmolLM2 — and qwen2)");
+
+  const std::string act = r.opt_str("hidden_act", "silu");
+  if (act != "silu")
+    nn::detail::fail("config", label, ": field \"hidden_act\": \"", act, "\" is not supported (the SwiGLU MLP uses silu)");
+  c.hidden_size = r.req_int("hidden_size");
+  c.intermediate_size = r.req_int("intermediate_size");
+  c.num_hidden_layers = r.req_int("num_hidden_layers");
+  c.num_attention_heads = r.req_int("num_attention_heads");
+  c.num_key_value_heads = r.opt_int("num_key_value_heads", c.num_attention_heads);
+  c.vocab_size = r.req_int("vocab_size");
+  if (c.num_attention_heads > 0 && !r.find("head_dim") && c.hidden_size % c.num_attention_heads != 0)
+    nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
+                 ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
+  c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::qwen2 ? 32768 : 2048);
+  c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
+  c.rope_theta = r.opt_num("rope_theta", 10000.0);
+  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
+  if (c.arch == Arch::qwen2) {
+    // Qwen2Attention hard-codes bias=True on q/k/v and bias=False on o_proj; the MLP has none.
+    c.qkv_bias = true;
+    if (r.opt_bool("use_sliding_window", false))
+      nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
+  } else {
+    c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
+    c.mlp_bias = r.opt_bool("mlp_bias", false);
+  }
+
+  if (const nlohmann::json* rs = r.find("rope_scaling")) {
+    if (!rs->is_object()) r.bad("rope_scaling", "null or an object", *rs);
+    detail::ConfigReader s{*rs, label};
+    auto sub = [&](const char* k) { return std::string("rope_scaling.") + k; };
+    // transformers reads "rope_type", falling back to the older "type".
+    std::string type = s.opt_str("rope_type", s.opt_str("type", "default"));
+    c.rope_scaling.type = type;
+    if (type == "default") {
+    } else if (type == "linear" || type == "llama3") {
+      const nlohmann::json* f = s.find("factor");
+      if (!f) nn::detail::fail("config", label, ": field \"", sub("factor"), "\" is required for rope type \"", type, "\"");
+      const std::string fk = sub("factor");
+      c.rope_scaling.factor = s.number(*f, fk.c_str());
+      if (!(c.rope_scaling.factor > 0))
+        nn::detail::fail("config", label, ": field \"", fk, "\" must be positive, got ", c.rope_scaling.factor);
+      if (type == "llama3") {
+        auto need = [&](const char* k) -> const nlohmann::json& {
+          const nlohmann::json* v = s.find(k);
+          if (!v) nn::detail::fail("config", label, ": field \"", sub(k), "\" is required for rope type \"llama3\"");
+          return *v;
+        };
+        const std::string lk = sub("low_freq_factor"), hk = sub("high_freq_factor"),
+                          ok = sub("original_max_position_embeddings");
+        c.rope_scaling.low_freq_factor = s.number(need("low_freq_factor"), lk.c_str());
+        c.rope_scaling.high_freq_factor = s.number(need("high_freq_factor"), hk.c_str());
+        c.rope_scaling.original_max_position_embeddings = s.integer(need("original_max_position_embeddings"), ok.c_str());
+        if (!(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor) ||
+            !(c.rope_scaling.low_freq_factor > 0) || c.rope_scaling.original_max_position_embeddings <= 0)
+          nn::detail::fail("config", label, ": field \"rope_scaling\": llama3 needs high_freq_factor > low_freq_factor > 0 "
+                       "and original_max_position_embeddings > 0");
+      }
+    } else {
+      nn::detail::fail("config", label, ": field \"rope_scaling\": rope type \"", type,
+                   "\" is not supported (supported: default, linear, llama3)");
+    }
+  }
+  c.validate(label);
+  return c;
+}
+
+/// Reads `path`: a config.json file, or a folder holding one.
+inline ModelConfig load_config(const std::filesystem::path& path) {
+  std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) nn::detail::fail("config", file.string(), ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded()) nn::detail::fail("config", file.string(), ": not valid JSON");
+  return config_from_json(j, file.string());
+}
+
+}  // namespace nn::lm
+// ---- end nn/lm/config.hpp ----
+// ---- begin nn/lm/model.hpp ----
+// CausalLM: the Llama / Qwen2 / SmolLM decoder-only transformer as Hugging Face's LlamaForCausalLM
+// and Qwen2ForCausalLM compute it, as a module tree whose parameter paths are HF's own
+// ("model.layers.0.self_attn.q_proj.weight"), with a batched forward on the tape and a KV-cached
+// forward for generation.
+//
+// One decoder layer (HF LlamaDecoderLayer):
+//   h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = RMSNorm(x)
+//   y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                         n2 = RMSNorm(h)
+// then a final RMSNorm and the LM head (the embedding table itself when tie_word_embeddings).
+// RoPE is the NEOX half-split form (HF rotate_half) with the config's inverse frequencies.
+
+#include <cmath>
+#include <optional>
+#include <variant>
+#include <vector>
+
+
+namespace nn::lm {
+
+/// A projection LoRA may replace in place: model.map_modules<nn::Linear>(pred, f) with f
+/// returning nn::LoraLinear::from_base(l, r) swaps the alternative and keeps the path
+/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them).
+using Projection = std::variant<Linear, LoraLinear>;
+
+namespace detail {
+
+template <class B>
+GVar project(GTape<B>& tp, const Projection& p, GVar x) {
+  return std::visit([&](const auto& m) { return m(tp, x); }, p);
+}
+
+inline Tensor zeros_or_empty(const Shape& s, DType dt, bool zero) {
+  return zero ? Tensor::zeros(s, dt) : Tensor::empty(s, dt);
+}
+
+inline Linear make_linear(std::int64_t in, std::int64_t out, bool bias, DType dt, bool zero) {
+  Linear l;  // default-constructed: draws nothing from nn::random
+  l.weight = Param(zeros_or_empty(Shape{out, in}, dt, zero));
+  if (bias) l.bias = Param(zeros_or_empty(Shape{out}, dt, zero));
+  return l;
+}
+
+inline RmsNorm make_norm(std::int64_t dims, double eps, DType dt, bool zero) {
+  RmsNorm n;
+  n.weight = Param(zero ? Tensor::ones(Shape{dims}, dt) : Tensor::empty(Shape{dims}, dt));
+  n.eps(eps);
+  return n;
+}
+
+/// cos and sin (T, head_dim/2) for positions offset .. offset+T-1, angles t * inv_freq[i] in
+/// double, rounded once to dt. (nn::rope_fill takes a base and a scale; Llama 3's remapped
+/// frequencies need the table per frequency, so it is built here from ModelConfig::inv_freq.)
+inline RopeTable rope_table(const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
+  const std::vector<double> f = c.inv_freq();
+  const std::int64_t half = static_cast<std::int64_t>(f.size());
+  std::vector<double> cs(static_cast<std::size_t>(T * half)), sn(cs.size());
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double a = static_cast<double>(t + offset) * f[static_cast<std::size_t>(i)];
+      cs[static_cast<std::size_t>(t * half + i)] = std::cos(a);
+      sn[static_cast<std::size_t>(t * half + i)] = std::sin(a);
+    }
+  return {Tensor::from_doubles(Shape{T, half}, cs, dt), Tensor::from_doubles(Shape{T, half}, sn, dt)};
+}
+
+template <class B>
+RopeVars rope_vars(GTape<B>& tp, const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
+  RopeTable t = rope_table(c, T, offset, dt);
+  return {tp.constant(nn::detail::on_backend<B>(t.cos)), tp.constant(nn::detail::on_backend<B>(t.sin))};
+}
+
+}  // namespace detail
+
+/// HF's LlamaAttention / Qwen2Attention weights: q (n_heads*hd, C), k and v (n_kv*hd, C),
+/// o (C, n_heads*hd); biases on q/k/v for Qwen2 (and Llama with attention_bias).
+struct Attention {
+  Projection q_proj, k_proj, v_proj, o_proj;
+  NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj)
+};
+
+/// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I).
+struct Mlp {
+  Projection gate_proj, up_proj, down_proj;
+
+  // x: (..., C) -> (..., C)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    return detail::project(tp, down_proj, swiglu(tp, detail::project(tp, gate_proj, x), detail::project(tp, up_proj, x)));
+  }
+  NN_MODULE(Mlp, gate_proj, up_proj, down_proj)
+};
+
+/// One pre-norm decoder layer, fields in HF's order.
+struct DecoderLayer {
+  Attention self_attn;
+  Mlp mlp;
+  RmsNorm input_layernorm, post_attention_layernorm;
+  NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm)
+};
+
+/// HF's LlamaModel / Qwen2Model (the "model." prefix of every path): embedding, layers, norm.
+struct Backbone {
+  Embedding embed_tokens;  // (vocab, C)
+  std::vector<DecoderLayer> layers;
+  RmsNorm norm;
+  NN_MODULE(Backbone, embed_tokens, layers, norm)
+};
+
+/// The per-layer keys and values seen so far, for incremental decoding with CausalLM::decode.
+/// k[l], v[l]: (B, n_kv_heads, S, head_dim), keys after RoPE; keep: (B, S) float, 1 for a real
+/// token and 0 for padding. Empty until the first decode() call.
+struct KVCache {
+  std::vector<Tensor> k, v;
+  Tensor keep;
+  /// S: how many positions are cached (the next token's position).
+  std::int64_t length() const { return k.empty() || !k[0].defined() ? 0 : k[0].dim(2); }
+  void clear() {
+    k.clear();
+    v.clear();
+    keep = Tensor();
+  }
+};
+
+/// LlamaForCausalLM / Qwen2ForCausalLM. Parameter paths: model.embed_tokens.weight,
+/// model.layers.N.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}.{weight,bias},
+/// model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight
+/// (absent when tied). Build one with nn::lm::load_hf / load_gguf, or CausalLM(config, dtype) for
+/// zero weights of the right shapes.
+struct CausalLM {
+  Backbone model;
+  std::optional<Linear> lm_head;  // (vocab, C); empty when tied to model.embed_tokens
+
+  CausalLM() = default;
+  /// Every weight of the config's shapes in `dtype` (f32 or f64): zeros, norms ones.
+  explicit CausalLM(const ModelConfig& cfg, DType dtype = DType::f32) : CausalLM(cfg, dtype, true) {}
+  /// The same with uninitialised storage (a loader about to fill every tensor).
+  static CausalLM uninitialised(const ModelConfig& cfg, DType dtype = DType::f32) { return CausalLM(cfg, dtype, false); }
+
+  const ModelConfig& config() const { return config_; }
+  DType dtype() const { return model.embed_tokens.weight.value.dtype(); }
+
+  /// The final hidden states (after the last RMSNorm).
+  ///   ids: (B, T) int32/int64 token ids (usually an input slot, so a replay can swap batches)
+  ///   mask: additive attention mask broadcasting against (B, n_heads, T, T) that already holds
+  ///         causality — nn::attention_mask_fill(keep) for a padded batch; GVar{} for causal only
+  ///   -> (B, T, C)
+  /// Positions are 0..T-1 in every row, as HF's forward without position_ids: pad on the right.
+  template <class B>
+  GVar hidden(GTape<B>& tp, GVar ids, GVar mask = GVar{}) const {
+    const char* L = "CausalLM";
+    const Shape ids_shape = tp.shape(ids);
+    if (ids_shape.rank() != 2 || (tp.dtype(ids) != DType::i32 && tp.dtype(ids) != DType::i64))
+      nn::detail::fail(L, "ids must be (B, T) int32 or int64, got ", ids_shape.str(), " ", dtype_name(tp.dtype(ids)));
+    const std::int64_t T = ids_shape[1];
+    const ModelConfig& c = config_;
+    const DType dt = dtype();
+    if (!mask.valid()) mask = causal_mask_fill(tp, T, dt);
+    RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+
+    GVar x = model.embed_tokens(tp, ids);  // (B, T, C)
+    for (const DecoderLayer& l : model.layers) {
+      GVar n1 = l.input_layernorm(tp, x);
+      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
+      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
+      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+      GVar ctx = gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads, c.num_key_value_heads,
+                               c.head_dim, scale);  // (B, T, n_heads * hd)
+      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+    }
+    return model.norm(tp, x);
+  }
+
+  /// The LM head on hidden states: (..., C) -> (..., vocab).
+  template <class B>
+  GVar head(GTape<B>& tp, GVar h) const {
+    return lm_head ? (*lm_head)(tp, h) : model.embed_tokens.as_linear(tp, h);
+  }
+
+  /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids) const {
+    return head(tp, hidden(tp, ids));
+  }
+  /// The same with an additive mask (see hidden()).
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids, GVar mask) const {
+    return head(tp, hidden(tp, ids, mask));
+  }
+  /// The same with a padding mask keep (B, T) (nonzero = real token), turned into the causal +
+  /// key-padding mask as a constant. (A compiled step that swaps batches should register the
+  /// mask itself as an input slot — nn::input(tp, nn::attention_mask_fill(keep, dtype())) — and
+  /// use the overload above.)
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids, const Tensor& keep) const {
+    return head(tp, hidden(tp, ids, attention_mask_fill(tp, keep, dtype())));
+  }
+
+  /// Incremental forward for generation: runs ids (B, Tq) at positions S .. S+Tq-1, where S =
+  /// cache.length(), attending to the cached keys/values and to each other causally; appends
+  /// this step's keys/values to `cache` and returns the logits (B, Tq, vocab) as a host tensor.
+  /// keep (B, Tq), optional: 0 marks padding among the new tokens (never attended to later).
+  /// Prefill with the prompt (Tq = its length), then one token at a time: the logits equal
+  /// logits() on the whole sequence. Each call records a fresh tape (no gradient is wanted).
+  template <class B = cpu>
+  Tensor decode(const Tensor& ids, KVCache& cache, const Tensor& keep = Tensor()) const {
+    const char* L = "CausalLM.decode";
+    if (!ids.defined() || ids.rank() != 2 || (ids.dtype() != DType::i32 && ids.dtype() != DType::i64))
+      nn::detail::fail(L, "ids must be a (B, Tq) int32 or int64 tensor, got ",
+                       ids.defined() ? ids.shape().str() + " " + dtype_name(ids.dtype()) : std::string("an empty tensor"));
+    const ModelConfig& c = config_;
+    const DType dt = dtype();
+    const std::int64_t Bn = ids.dim(0), Tq = ids.dim(1), S0 = cache.length(), S = S0 + Tq;
+    if (Tq == 0) nn::detail::fail(L, "ids ", ids.shape().str(), " holds no token");
+    const std::size_t nl = model.layers.size();
+    if (S0 > 0 && (cache.k.size() != nl || cache.v.size() != nl || cache.k[0].dim(0) != Bn))
+      nn::detail::fail(L, "the cache holds ", cache.k.size(), " layers of batch ", cache.k.empty() ? 0 : cache.k[0].dim(0),
+                       "; this model has ", nl, " layers and ids ", ids.shape().str(), " (clear() it for a new batch)");
+    if (keep.defined() && !(keep.shape() == ids.shape()))
+      nn::detail::fail(L, "keep ", keep.shape().str(), " must have the shape of ids ", ids.shape().str());
+
+    // keep for every position so far (B, S), and the additive mask (B, 1, Tq, S): query i (at
+    // position S0 + i) sees key j when j <= S0 + i and key j is a real token.
+    std::vector<double> kp(static_cast<std::size_t>(Bn * S), 1.0);
+    for (std::int64_t b = 0; b < Bn; ++b)
+      for (std::int64_t j = 0; j < S; ++j) {
+        double v = 1.0;
+        if (j < S0 && cache.keep.defined()) v = cache.keep.item(b * S0 + j);
+        if (j >= S0 && keep.defined()) v = keep.item(b * Tq + (j - S0)) != 0 ? 1.0 : 0.0;
+        kp[static_cast<std::size_t>(b * S + j)] = v;
+      }
+    std::vector<double> m(static_cast<std::size_t>(Bn * Tq * S));
+    for (std::int64_t b = 0; b < Bn; ++b)
+      for (std::int64_t i = 0; i < Tq; ++i)
+        for (std::int64_t j = 0; j < S; ++j)
+          m[static_cast<std::size_t>((b * Tq + i) * S + j)] =
+              (j <= S0 + i && kp[static_cast<std::size_t>(b * S + j)] != 0) ? 0.0 : kMaskedValue;
+
+    GTape<B> tp;
+    GVar mask = tp.constant(nn::detail::on_backend<B>(Tensor::from_doubles(Shape{Bn, 1, 1, Tq, S}, m, dt)));
+    RopeVars rp = detail::rope_vars(tp, c, Tq, S0, dt);
+    const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+
+    std::vector<Tensor> new_k(nl), new_v(nl);
+    GVar x = model.embed_tokens(tp, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
+    for (std::size_t li = 0; li < nl; ++li) {
+      const DecoderLayer& l = model.layers[li];
+      GVar n1 = l.input_layernorm(tp, x);
+      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, Tq, n_heads * hd)
+      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, Tq, n_kv * hd)
+      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+      // The layout of gqa_attention, with Tq queries against S keys.
+      GVar qh = permute(tp, nn::detail::view(tp, q, Shape{Bn, Tq, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, Tq, hd)
+      GVar kh = permute(tp, nn::detail::view(tp, k, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
+      GVar vh = permute(tp, nn::detail::view(tp, v, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
+      qh = rope(tp, qh, rp.cos, rp.sin);
+      kh = rope(tp, kh, rp.cos, rp.sin);
+      if (S0 > 0) {
+        kh = concat(tp, {tp.constant(cache.k[li]), kh}, 2);  // (B, nkv, S, hd)
+        vh = concat(tp, {tp.constant(cache.v[li]), vh}, 2);
+      }
+      new_k[li] = tp.value(kh);
+      new_v[li] = tp.value(vh);
+      qh = nn::scale(tp, qh, scale);
+      GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
+      scores = add(tp, nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S}), mask);               // (B, nkv, g, Tq, S)
+      GVar p = softmax(tp, scores);
+      GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
+      ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
+      ctx = nn::detail::view(tp, ctx, Shape{Bn, Tq, nkv * g * hd});
+      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+    }
+    Tensor out = tp.value(head(tp, model.norm(tp, x)));
+    // Commit only once the whole step has run, so a failed call leaves the cache as it was.
+    cache.k = std::move(new_k);
+    cache.v = std::move(new_v);
+    cache.keep = Tensor::from_doubles(Shape{Bn, S}, kp, DType::f32);
+    return out.device() == Device::cpu ? out : out.to(Device::cpu);
+  }
+
+  NN_MODULE(CausalLM, model, lm_head)
+
+ private:
+  CausalLM(const ModelConfig& cfg, DType dt, bool zero) : config_(cfg) {
+    cfg.validate("CausalLM");
+    if (dt != DType::f32 && dt != DType::f64)
+      nn::detail::fail("CausalLM", "the model computes in float32 or float64, not ", dtype_name(dt));
+    const std::int64_t C = cfg.hidden_size, I = cfg.intermediate_size;
+    model.embed_tokens.weight = Param(detail::zeros_or_empty(Shape{cfg.vocab_size, C}, dt, zero));
+    model.layers.resize(static_cast<std::size_t>(cfg.num_hidden_layers));
+    for (DecoderLayer& l : model.layers) {
+      l.self_attn.q_proj = detail::make_linear(C, cfg.q_dim(), cfg.qkv_bias, dt, zero);
+      l.self_attn.k_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
+      l.self_attn.v_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
+      l.self_attn.o_proj = detail::make_linear(cfg.q_dim(), C, cfg.o_bias, dt, zero);
+      l.mlp.gate_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
+      l.mlp.up_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
+      l.mlp.down_proj = detail::make_linear(I, C, cfg.mlp_bias, dt, zero);
+      l.input_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+      l.post_attention_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+    }
+    model.norm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+    if (!cfg.tie_word_embeddings) lm_head = detail::make_linear(C, cfg.vocab_size, false, dt, zero);
+  }
+
+  ModelConfig config_;
+};
+
+}  // namespace nn::lm
+// ---- end nn/lm/model.hpp ----
+// ---- begin nn/lm/gguf.hpp ----
+// GGUF: a validating, memory-mapped reader of llama.cpp's model files (versions 2 and 3), with
+// dequantisation of F32, F16, BF16, F64, Q8_0, Q4_0 and Q4_1 tensors to float32 / float64.
+//
+// Layout (ggml docs/gguf.md; gguf-py gguf_reader.py), all little-endian:
+//   "GGUF" · u32 version · u64 tensor_count · u64 kv_count
+//   kv_count × { string key · u32 value_type · value }
+//   tensor_count × { string name · u32 n_dims · u64 ne[n_dims] · u32 ggml_type · u64 offset }
+//   padding to `general.alignment` (default 32) · the data section (offsets are relative to it)
+// A string is u64 length + bytes (no terminator); an array is u32 element type + u64 count +
+// elements. ne[0] is the fastest-varying dimension, so a row-major shape is ne reversed: a
+// Linear weight (out, in) is stored with ne = [in, out], and quantisation blocks run along in.
+//
+// Everything is checked before a value is handed out: the magic and version, every length and
+// count against the bytes that remain (so an absurd count fails at once instead of allocating),
+// value and tensor types, duplicate keys and names, the alignment (a power of two), each
+// tensor's byte size, its offset's alignment, that it lies inside the file, and that no two
+// tensors overlap. A bad file raises nn::Error "[gguf] <file>: <what> (at byte N)".
+//
+// Block layouts (ggml-common.h; gguf-py quants.py), 32 weights per block:
+//   Q8_0: f16 d · 32 × int8 q                 w = q · d
+//   Q4_0: f16 d · 16 bytes                    w = (q − 8) · d
+//   Q4_1: f16 d · f16 m · 16 bytes            w = q · d + m
+// In the 16 bytes, byte j holds element j in its low nibble and element j + 16 in its high one.
+// Each product is exact in float32 (an 11-bit mantissa times at most 8 bits), so float32 and
+// float64 dequantisation give the same values as gguf-py's dequantize.
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+#if defined(_WIN32)
+#include <fstream>
+#else
+#include <cerrno>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+namespace nn::lm {
+
+/// GGUF metadata value types, numbered as in the file.
+enum class GgufType : std::uint32_t {
+  u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7,
+  string = 8, array = 9, u64 = 10, i64 = 11, f64 = 12
+};
+
+inline const char* gguf_type_name(GgufType t) {
+  switch (t) {
+    case GgufType::u8: return "uint8";
+    case GgufType::i8: return "int8";
+    case GgufType::u16: return "uint16";
+    case GgufType::i16: return "int16";
+    case GgufType::u32: return "uint32";
+    case GgufType::i32: return "int32";
+    case GgufType::f32: return "float32";
+    case GgufType::boolean: return "bool";
+    case GgufType::string: return "string";
+    case GgufType::array: return "array";
+    case GgufType::u64: return "uint64";
+    case GgufType::i64: return "int64";
+    case GgufType::f64: return "float64";
+  }
+  return "?";
+}
+
+/// ggml tensor types (ggml.h's ggml_type), the ones a reader must at least size.
+enum class GgmlType : std::uint32_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9, Q2_K = 10, Q3_K = 11,
+  Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
+  IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28,
+  IQ1_M = 29, BF16 = 30, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39
+};
+
+/// A type's name, its block (elements per block) and the bytes of one block (gguf-py's
+/// GGML_QUANT_SIZES); null for a number ggml does not define.
+struct GgmlTypeInfo {
+  const char* name;
+  std::uint32_t block;
+  std::uint32_t bytes;
+  bool dequantises;  // this reader turns it into floats
+};
+
+inline const GgmlTypeInfo* ggml_type_info(std::uint32_t t) {
+  static constexpr std::uint32_t K = 256;
+  switch (t) {
+    case 0: { static constexpr GgmlTypeInfo i{"F32", 1, 4, true}; return &i; }
+    case 1: { static constexpr GgmlTypeInfo i{"F16", 1, 2, true}; return &i; }
+    case 2: { static constexpr GgmlTypeInfo i{"Q4_0", 32, 2 + 16, true}; return &i; }
+    case 3: { static constexpr GgmlTypeInfo i{"Q4_1", 32, 2 + 2 + 16, true}; return &i; }
+    case 6: { static constexpr GgmlTypeInfo i{"Q5_0", 32, 2 + 4 + 16, false}; return &i; }
+    case 7: { static constexpr GgmlTypeInfo i{"Q5_1", 32, 2 + 2 + 4 + 16, false}; return &i; }
+    case 8: { static constexpr GgmlTypeInfo i{"Q8_0", 32, 2 + 32, true}; return &i; }
+    case 9: { static constexpr GgmlTypeInfo i{"Q8_1", 32, 4 + 4 + 32, false}; return &i; }
+    case 10: { static constexpr GgmlTypeInfo i{"Q2_K", K, 2 + 2 + K / 16 + K / 4, false}; return &i; }
+    case 11: { static constexpr GgmlTypeInfo i{"Q3_K", K, 2 + K / 4 + K / 8 + 12, false}; return &i; }
+    case 12: { static constexpr GgmlTypeInfo i{"Q4_K", K, 2 + 2 + K / 2 + 12, false}; return &i; }
+    case 13: { static constexpr GgmlTypeInfo i{"Q5_K", K, 2 + 2 + K / 2 + K / 8 + 12, false}; return &i; }
+    case 14: { static constexpr GgmlTypeInfo i{"Q6_K", K, 2 + K / 2 + K / 4 + K / 16, false}; return &i; }
+    case 15: { static constexpr GgmlTypeInfo i{"Q8_K", K, 4 + K + K / 8, false}; return &i; }
+    case 16: { static constexpr GgmlTypeInfo i{"IQ2_XXS", K, 2 + K / 4, false}; return &i; }
+    case 17: { static constexpr GgmlTypeInfo i{"IQ2_XS", K, 2 + K / 4 + K / 32, false}; return &i; }
+    case 18: { static constexpr GgmlTypeInfo i{"IQ3_XXS", K, 2 + K / 4 + K / 8, false}; return &i; }
+    case 19: { static constexpr GgmlTypeInfo i{"IQ1_S", K, 2 + K / 8 + K / 16, false}; return &i; }
+    case 20: { static constexpr GgmlTypeInfo i{"IQ4_NL", 32, 2 + 16, false}; return &i; }
+    case 21: { static constexpr GgmlTypeInfo i{"IQ3_S", K, 2 + K / 4 + K / 8 + K / 32 + 4, false}; return &i; }
+    case 22: { static constexpr GgmlTypeInfo i{"IQ2_S", K, 2 + K / 4 + K / 16, false}; return &i; }
+    case 23: { static constexpr GgmlTypeInfo i{"IQ4_XS", K, 2 + 2 + K / 2 + K / 64, false}; return &i; }
+    case 24: { static constexpr GgmlTypeInfo i{"I8", 1, 1, false}; return &i; }
+    case 25: { static constexpr GgmlTypeInfo i{"I16", 1, 2, false}; return &i; }
+    case 26: { static constexpr GgmlTypeInfo i{"I32", 1, 4, false}; return &i; }
+    case 27: { static constexpr GgmlTypeInfo i{"I64", 1, 8, false}; return &i; }
+    case 28: { static constexpr GgmlTypeInfo i{"F64", 1, 8, true}; return &i; }
+    case 29: { static constexpr GgmlTypeInfo i{"IQ1_M", K, K / 8 + K / 16 + K / 32, false}; return &i; }
+    case 30: { static constexpr GgmlTypeInfo i{"BF16", 1, 2, true}; return &i; }
+    case 34: { static constexpr GgmlTypeInfo i{"TQ1_0", K, 2 + 4 * 13, false}; return &i; }
+    case 35: { static constexpr GgmlTypeInfo i{"TQ2_0", K, 2 + 64, false}; return &i; }
+    case 39: { static constexpr GgmlTypeInfo i{"MXFP4", 32, 1 + 16, false}; return &i; }
+    default: return nullptr;
+  }
+}
+
+class GgufFile;
+namespace detail {
+class GgufParser;
+}
+
+/// One metadata value: a scalar, a string, or an array (of scalars, strings or arrays). Typed
+/// reads raise naming the key and the type held.
+class GgufValue {
+ public:
+  GgufType type() const { return type_; }
+  /// The element type of an array.
+  GgufType array_type() const { return elem_; }
+  bool is_array() const { return type_ == GgufType::array; }
+  bool is_string() const { return type_ == GgufType::string; }
+  bool is_integer() const { return is_int_type(type_); }
+  bool is_float() const { return type_ == GgufType::f32 || type_ == GgufType::f64; }
+  /// The key it was stored under ("key[3]" inside an array).
+  const std::string& key() const { return key_; }
+
+  /// Any integer type, as int64 (a uint64 above 2^63 - 1 raises).
+  std::int64_t as_int() const {
+    if (!is_integer()) wrong("an integer");
+    if (type_ == GgufType::u64 && u_ > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      nn::detail::fail("gguf", "key \"", key_, "\": ", u_, " does not fit int64");
+    return type_ == GgufType::u64 ? static_cast<std::int64_t>(u_) : i_;
+  }
+  /// A non-negative integer of any integer type.
+  std::uint64_t as_uint() const {
+    if (!is_integer()) wrong("an integer");
+    if (type_ != GgufType::u64 && i_ < 0) nn::detail::fail("gguf", "key \"", key_, "\": ", i_, " is negative");
+    return type_ == GgufType::u64 ? u_ : static_cast<std::uint64_t>(i_);
+  }
+  /// float32 / float64 (and integers, converted).
+  double as_float() const {
+    if (is_float()) return f_;
+    if (is_integer()) return type_ == GgufType::u64 ? static_cast<double>(u_) : static_cast<double>(i_);
+    wrong("a number");
+  }
+  bool as_bool() const {
+    if (type_ != GgufType::boolean) wrong("a bool");
+    return i_ != 0;
+  }
+  const std::string& as_string() const {
+    if (type_ != GgufType::string) wrong("a string");
+    return s_;
+  }
+
+  /// Array length.
+  std::size_t size() const {
+    if (!is_array()) wrong("an array");
+    switch (elem_) {
+      case GgufType::string: return strings_.size();
+      case GgufType::array: return arrays_.size();
+      case GgufType::f32: case GgufType::f64: return floats_.size();
+      default: return ints_.size();
+    }
+  }
+  /// An array of any integer type (or bool) as int64 (uint64 elements above 2^63 - 1 raise).
+  std::vector<std::int64_t> ints() const {
+    if (!is_array() || !(is_int_type(elem_) || elem_ == GgufType::boolean)) wrong("an array of integers");
+    if (elem_ == GgufType::u64)
+      for (std::int64_t v : ints_)
+        if (v < 0) nn::detail::fail("gguf", "key \"", key_, "\": a uint64 element does not fit int64");
+    return ints_;
+  }
+  /// An array of float32 / float64.
+  const std::vector<double>& floats() const {
+    if (!is_array() || !(elem_ == GgufType::f32 || elem_ == GgufType::f64)) wrong("an array of floats");
+    return floats_;
+  }
+  const std::vector<std::string>& strings() const {
+    if (!is_array() || elem_ != GgufType::string) wrong("an array of strings");
+    return strings_;
+  }
+  /// An array of arrays.
+  const std::vector<GgufValue>& arrays() const {
+    if (!is_array() || elem_ != GgufType::array) wrong("an array of arrays");
+    return arrays_;
+  }
+
+ private:
+  friend class detail::GgufParser;
+  static bool is_int_type(GgufType t) {
+    return t == GgufType::u8 || t == GgufType::i8 || t == GgufType::u16 || t == GgufType::i16 || t == GgufType::u32 ||
+           t == GgufType::i32 || t == GgufType::u64 || t == GgufType::i64;
+  }
+  [[noreturn]] void wrong(const char* expected) const {
+    std::string held = gguf_type_name(type_);
+    if (is_array()) held = std::string("an array of ") + gguf_type_name(elem_);
+    nn::detail::fail("gguf", "key \"", key_, "\": expected ", expected, ", the file holds ", held);
+  }
+
+  std::string key_;
+  GgufType type_ = GgufType::u8, elem_ = GgufType::u8;
+  std::int64_t i_ = 0;   // signed integers and bool
+  std::uint64_t u_ = 0;  // uint64
+  double f_ = 0;
+  std::string s_;
+  std::vector<std::int64_t> ints_;  // integer / bool arrays (uint64 bit-cast)
+  std::vector<double> floats_;
+  std::vector<std::string> strings_;
+  std::vector<GgufValue> arrays_;
+};
+
+/// One tensor's header entry.
+struct GgufTensorInfo {
+  std::string name;
+  std::vector<std::int64_t> ne;  // ggml order: ne[0] fastest
+  std::uint32_t type = 0;        // a GgmlType number
+  std::uint64_t offset = 0;      // relative to the data section
+  std::uint64_t nbytes = 0;
+
+  /// The row-major shape (ne reversed): a Linear weight reads (out, in).
+  std::vector<std::int64_t> shape() const { return {ne.rbegin(), ne.rend()}; }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (auto d : ne) n *= d;
+    return n;
+  }
+  const char* type_name() const { return ggml_type_info(type)->name; }
+};
+
+/// The tokenizer's raw metadata (llama.cpp's tokenizer.ggml.* keys), for building a tokenizer
+/// without a tokenizer.json. Absent keys stay empty / nullopt.
+struct GgufTokenizerMetadata {
+  std::string model;                  // tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), ...
+  std::string pre;                    // tokenizer.ggml.pre: the pre-tokenizer ("qwen2", "smollm", "llama-bpe", ...)
+  std::vector<std::string> tokens;    // tokenizer.ggml.tokens: id -> token text
+  std::vector<std::string> merges;    // tokenizer.ggml.merges: "a b", in rank order
+  std::vector<std::int32_t> token_types;  // tokenizer.ggml.token_type: 1 normal, 2 unknown, 3 control, 4 user, 5 unused, 6 byte
+  std::vector<float> scores;          // tokenizer.ggml.scores (SentencePiece)
+  std::optional<std::int64_t> bos_id, eos_id, eot_id, unk_id, pad_id;
+  std::optional<bool> add_bos, add_eos;
+  std::string chat_template;          // tokenizer.chat_template
+};
+
+namespace detail {
+
+/// The file's bytes: mapped read-only (POSIX), or owned (from_bytes, and Windows).
+struct GgufBytes {
+  const std::byte* data = nullptr;
+  std::size_t size = 0;
+  std::vector<std::byte> owned;
+  void* map_base = nullptr;
+  std::size_t map_len = 0;
+  GgufBytes() = default;
+  GgufBytes(const GgufBytes&) = delete;
+  GgufBytes& operator=(const GgufBytes&) = delete;
+  ~GgufBytes() {
+#if !defined(_WIN32)
+    if (map_base) ::munmap(map_base, map_len);
+#endif
+  }
+};
+
+inline std::shared_ptr<GgufBytes> gguf_map(const std::filesystem::path& path) {
+  auto b = std::make_shared<GgufBytes>();
+  const std::string label = path.string();
+#if defined(_WIN32)
+  std::ifstream in(path, std::ios::binary);
+  if (!in) nn::detail::fail("gguf", label, ": cannot open");
+  in.seekg(0, std::ios::end);
+  b->owned.resize(static_cast<std::size_t>(in.tellg()));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(b->owned.data()), static_cast<std::streamsize>(b->owned.size()));
+  b->data = b->owned.data();
+  b->size = b->owned.size();
+#else
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // O_NONBLOCK: a FIFO never blocks
+  if (fd < 0) nn::detail::fail("gguf", label, ": cannot open: ", std::strerror(errno));
+  struct stat sb {};
+  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    nn::detail::fail("gguf", label, ": not a regular file");
+  }
+  const auto len = static_cast<std::size_t>(sb.st_size);
+  if (len > 0) {
+    void* base = ::mmap(nullptr, len, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    if (base == MAP_FAILED) {
+      ::close(fd);
+      nn::detail::fail("gguf", label, ": cannot mmap: ", std::strerror(err));
+    }
+    b->map_base = base;
+    b->map_len = len;
+    b->data = static_cast<const std::byte*>(base);
+    b->size = len;
+  }
+  ::close(fd);  // the mapping keeps the file
+#endif
+  return b;
+}
+
+/// Reverses the bytes of an integer (std::byteswap is C++23); only big-endian hosts need it.
+template <class T>
+T gguf_bswap(T v) {
+  unsigned char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));
+  std::reverse(b, b + sizeof(T));
+  std::memcpy(&v, b, sizeof(T));
+  return v;
+}
+
+/// The parsed file shared by GgufFile copies.
+struct GgufState {
+  std::string label;
+  std::shared_ptr<GgufBytes> bytes;
+  std::uint32_t version = 0;
+  std::uint64_t alignment = 32;
+  std::uint64_t data_offset = 0;
+  std::vector<std::pair<std::string, GgufValue>> kv;  // file order
+  std::map<std::string, std::size_t, std::less<>> kv_index;
+  std::vector<GgufTensorInfo> tensors;  // file order
+  std::map<std::string, std::size_t, std::less<>> tensor_index;
+};
+
+/// A bounds-checked cursor over the header: every read names what it was reading and where.
+class GgufParser {
+ public:
+  GgufParser(GgufState& st) : st_(st), p_(st.bytes->data), n_(st.bytes->size) {}
+
+  void parse() {
+    if (n_ < 4) fail("the file has ", n_, " bytes; a GGUF file starts with the 4-byte magic \"GGUF\"");
+    if (std::memcmp(p_, "GGUF", 4) != 0) {
+      if (std::memcmp(p_, "FUGG", 4) == 0) fail("this is a big-endian GGUF file; only little-endian files are read");
+      fail("bad magic: the file does not start with \"GGUF\" (a GGUF model file)");
+    }
+    pos_ = 4;
+    st_.version = u32("the version");
+    if (st_.version == 1) fail("GGUF version 1 (32-bit counts) is not supported; versions 2 and 3 are");
+    if (st_.version != 2 && st_.version != 3) {
+      // A byte-swapped small number means a big-endian writer.
+      if (st_.version == 0x02000000u || st_.version == 0x03000000u)
+        fail("GGUF version ", st_.version, " reads as a big-endian file; only little-endian files are read");
+      fail("unsupported GGUF version ", st_.version, " (versions 2 and 3 are)");
+    }
+    const std::uint64_t n_tensors = u64("the tensor count");
+    const std::uint64_t n_kv = u64("the metadata count");
+    // The smallest key-value is 13 bytes (empty key, type, one byte) and the smallest tensor
+    // info 24 (empty name, n_dims, type, offset); larger counts cannot fit in the file.
+    if (n_kv > remaining() / 13) fail("absurd metadata count ", n_kv, " for a file of ", n_, " bytes");
+    if (n_tensors > remaining() / 24) fail("absurd tensor count ", n_tensors, " for a file of ", n_, " bytes");
+
+    st_.kv.reserve(static_cast<std::size_t>(n_kv));
+    for (std::uint64_t i = 0; i < n_kv; ++i) {
+      const std::size_t at = pos_;
+      std::string key = str("a metadata key");
+      if (st_.kv_index.count(key)) fail_at(at, "duplicate metadata key \"", key, "\"");
+      const auto t = static_cast<GgufType>(u32("the type of key \"" + key + "\""));
+      GgufValue v = value(t, key, 0);
+      st_.kv_index.emplace(key, st_.kv.size());
+      st_.kv.emplace_back(std::move(key), std::move(v));
+    }
+    if (auto it = st_.kv_index.find("general.alignment"); it != st_.kv_index.end()) {
+      const GgufValue& a = st_.kv[it->second].second;
+      if (a.type() != GgufType::u32) fail("general.alignment must be a uint32, the file holds ", gguf_type_name(a.type()));
+      const std::uint64_t al = a.as_uint();
+      if (al == 0 || (al & (al - 1)) != 0) fail("general.alignment must be a power of two, got ", al);
+      st_.alignment = al;
+    }
+
+    st_.tensors.reserve(static_cast<std::size_t>(n_tensors));
+    for (std::uint64_t i = 0; i < n_tensors; ++i) tensor_info();
+    const std::uint64_t end_of_infos = pos_;
+    st_.data_offset = (end_of_infos + st_.alignment - 1) / st_.alignment * st_.alignment;
+    const std::uint64_t data_bytes = st_.data_offset <= n_ ? n_ - st_.data_offset : 0;
+
+    std::vector<std::size_t> order(st_.tensors.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    for (const GgufTensorInfo& t : st_.tensors) {
+      if (t.offset % st_.alignment != 0)
+        fail("tensor \"", t.name, "\": offset ", t.offset, " is not a multiple of the alignment ", st_.alignment);
+      if (t.offset > data_bytes || t.nbytes > data_bytes - t.offset)
+        fail("tensor \"", t.name, "\": bytes [", t.offset, ", ", t.offset + t.nbytes,
+             ") of the data section run past the end of the file (the data section holds ", data_bytes,
+             " bytes from byte ", st_.data_offset, ")");
+    }
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return st_.tensors[a].offset < st_.tensors[b].offset; });
+    for (std::size_t i = 1; i < order.size(); ++i) {
+      const GgufTensorInfo &a = st_.tensors[order[i - 1]], &b = st_.tensors[order[i]];
+      if (a.offset + a.nbytes > b.offset && a.nbytes > 0 && b.nbytes > 0)
+        fail("tensors \"", a.name, "\" and \"", b.name, "\" overlap in the data section");
+    }
+  }
+
+ private:
+  template <class... P>
+  [[noreturn]] void fail(const P&... parts) const {
+    nn::detail::fail("gguf", st_.label, ": ", parts..., " (at byte ", pos_, ")");
+  }
+  template <class... P>
+  [[noreturn]] void fail_at(std::size_t at, const P&... parts) const {
+    nn::detail::fail("gguf", st_.label, ": ", parts..., " (at byte ", at, ")");
+  }
+  std::size_t remaining() const { return n_ - pos_; }
+  void need(std::uint64_t k, const std::string& what) const {
+    if (k > remaining())
+      fail("the file ends while reading ", what, " (", k, " bytes needed, ", remaining(), " left)");
+  }
+  template <class T>
+  T le(const std::string& what) {
+    need(sizeof(T), what);
+    T v;
+    std::memcpy(&v, p_ + pos_, sizeof(T));
+    if constexpr (std::endian::native == std::endian::big && sizeof(T) > 1) v = gguf_bswap(v);
+    pos_ += sizeof(T);
+    return v;
+  }
+  std::uint32_t u32(const std::string& what) { return le<std::uint32_t>(what); }
+  std::uint64_t u64(const std::string& what) { return le<std::uint64_t>(what); }
+  std::string str(const std::string& what) {
+    const std::uint64_t len = u64("the length of " + what);
+    need(len, what + " (a string of " + std::to_string(len) + " bytes)");
+    std::string s(reinterpret_cast<const char*>(p_ + pos_), static_cast<std::size_t>(len));
+    pos_ += static_cast<std::size_t>(len);
+    return s;
+  }
+  static std::size_t scalar_size(GgufType t) {
+    switch (t) {
+      case GgufType::u8: case GgufType::i8: case GgufType::boolean: return 1;
+      case GgufType::u16: case GgufType::i16: return 2;
+      case GgufType::u32: case GgufType::i32: case GgufType::f32: return 4;
+      case GgufType::u64: case GgufType::i64: case GgufType::f64: return 8;
+      default: return 0;
+    }
+  }
+  /// One scalar into v (its type already set).
+  void scalar(GgufValue& v, GgufType t, const std::string& what) {
+    switch (t) {
+      case GgufType::u8: v.i_ = le<std::uint8_t>(what); break;
+      case GgufType::i8: v.i_ = le<std::int8_t>(what); break;
+      case GgufType::u16: v.i_ = le<std::uint16_t>(what); break;
+      case GgufType::i16: v.i_ = le<std::int16_t>(what); break;
+      case GgufType::u32: v.i_ = le<std::uint32_t>(what); break;
+      case GgufType::i32: v.i_ = le<std::int32_t>(what); break;
+      case GgufType::i64: v.i_ = le<std::int64_t>(what); break;
+      case GgufType::u64: v.u_ = le<std::uint64_t>(what); break;
+      case GgufType::boolean: v.i_ = le<std::uint8_t>(what); break;  // nonzero is true, as ggml reads it
+      case GgufType::f32: v.f_ = std::bit_cast<float>(le<std::uint32_t>(what)); break;
+      case GgufType::f64: v.f_ = std::bit_cast<double>(le<std::uint64_t>(what)); break;
+      default: break;
+    }
+  }
+  GgufValue value(GgufType t, const std::string& key, int depth) {
+    GgufValue v;
+    v.key_ = key;
+    v.type_ = t;
+    const std::string what = "the value of \"" + key + "\"";
+    if (scalar_size(t) > 0) {
+      scalar(v, t, what);
+    } else if (t == GgufType::string) {
+      v.s_ = str(what);
+    } else if (t == GgufType::array) {
+      if (depth >= 8) fail("key \"", key, "\": arrays nested deeper than 8 levels");
+      const auto et = static_cast<GgufType>(u32("the element type of \"" + key + "\""));
+      v.elem_ = et;
+      const std::uint64_t count = u64("the length of \"" + key + "\"");
+      const std::size_t es = scalar_size(et);
+      // The least each element can take: its size, a string's length field, an array's header.
+      const std::uint64_t least = es > 0 ? es : et == GgufType::string ? 8 : et == GgufType::array ? 12 : 0;
+      if (least == 0) fail("key \"", key, "\": unknown array element type ", static_cast<std::uint32_t>(et));
+      if (count > remaining() / least)
+        fail("key \"", key, "\": absurd array length ", count, " (", remaining(), " bytes left in the file)");
+      const auto n = static_cast<std::size_t>(count);
+      if (es > 0) {
+        if (et == GgufType::f32 || et == GgufType::f64) {
+          v.floats_.resize(n);
+          GgufValue tmp;
+          for (std::size_t i = 0; i < n; ++i) {
+            scalar(tmp, et, what);
+            v.floats_[i] = tmp.f_;
+          }
+        } else {
+          v.ints_.resize(n);
+          GgufValue tmp;
+          for (std::size_t i = 0; i < n; ++i) {
+            scalar(tmp, et, what);
+            v.ints_[i] = et == GgufType::u64 ? static_cast<std::int64_t>(tmp.u_) : tmp.i_;
+          }
+        }
+      } else if (et == GgufType::string) {
+        v.strings_.resize(n);
+        for (std::size_t i = 0; i < n; ++i) v.strings_[i] = str(what);
+      } else {
+        v.arrays_.reserve(n);
+        for (std::size_t i = 0; i < n; ++i)
+          v.arrays_.push_back(value(GgufType::array, key + "[" + std::to_string(i) + "]", depth + 1));
+      }
+    } else {
+      fail("key \"", key, "\": unknown value type ", static_cast<std::uint32_t>(t));
+    }
+    return v;
+  }
+  void tensor_info() {
+    const std::size_t at = pos_;
+    GgufTensorInfo t;
+    t.name = str("a tensor name");
+    if (st_.tensor_index.count(t.name)) fail_at(at, "duplicate tensor name \"", t.name, "\"");
+    const std::uint32_t nd = u32("the rank of tensor \"" + t.name + "\"");
+    if (nd == 0 || nd > 4) fail("tensor \"", t.name, "\": rank ", nd, " (ggml tensors have 1 to 4 dimensions)");
+    std::uint64_t numel = 1;
+    for (std::uint32_t d = 0; d < nd; ++d) {
+      const std::uint64_t e = u64("a dimension of tensor \"" + t.name + "\"");
+      if (e > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
+          (e != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / e))
+        fail("tensor \"", t.name, "\": dimension ", e, " makes the element count overflow");
+      numel *= e;
+      t.ne.push_back(static_cast<std::int64_t>(e));
+    }
+    t.type = u32("the type of tensor \"" + t.name + "\"");
+    const GgmlTypeInfo* info = ggml_type_info(t.type);
+    if (!info) fail("tensor \"", t.name, "\": unknown ggml type ", t.type);
+    if (t.ne[0] % info->block != 0)
+      fail("tensor \"", t.name, "\": its first dimension ", t.ne[0], " is not a multiple of ", info->name, "'s block of ",
+           info->block);
+    const std::uint64_t blocks = numel / info->block;
+    if (blocks > std::numeric_limits<std::uint64_t>::max() / info->bytes)
+      fail("tensor \"", t.name, "\": its byte size overflows");
+    t.nbytes = blocks * info->bytes;
+    t.offset = u64("the offset of tensor \"" + t.name + "\"");
+    st_.tensor_index.emplace(t.name, st_.tensors.size());
+    st_.tensors.push_back(std::move(t));
+  }
+
+  GgufState& st_;
+  const std::byte* p_;
+  std::size_t n_;
+  std::size_t pos_ = 0;
+};
+
+inline std::uint16_t gguf_u16(const std::byte* p) {
+  std::uint16_t v;
+  std::memcpy(&v, p, 2);
+  if constexpr (std::endian::native == std::endian::big) v = gguf_bswap(v);
+  return v;
+}
+
+/// Dequantises n elements of type `type` from `src` into out[0..n), as T (float or double).
+template <class T>
+void gguf_dequantize_into(const std::byte* src, std::uint32_t type, std::int64_t n, T* out) {
+  const auto N = static_cast<std::size_t>(n);
+  switch (type) {
+    case 0:  // F32
+      for (std::size_t i = 0; i < N; ++i) {
+        std::uint32_t u;
+        std::memcpy(&u, src + 4 * i, 4);
+        if constexpr (std::endian::native == std::endian::big) u = gguf_bswap(u);
+        out[i] = static_cast<T>(std::bit_cast<float>(u));
+      }
+      break;
+    case 28:  // F64
+      for (std::size_t i = 0; i < N; ++i) {
+        std::uint64_t u;
+        std::memcpy(&u, src + 8 * i, 8);
+        if constexpr (std::endian::native == std::endian::big) u = gguf_bswap(u);
+        out[i] = static_cast<T>(std::bit_cast<double>(u));
+      }
+      break;
+    case 1:  // F16
+      for (std::size_t i = 0; i < N; ++i) out[i] = static_cast<T>(half::f16_to_f32(gguf_u16(src + 2 * i)));
+      break;
+    case 30:  // BF16
+      for (std::size_t i = 0; i < N; ++i) out[i] = static_cast<T>(half::bf16_to_f32(gguf_u16(src + 2 * i)));
+      break;
+    case 8:  // Q8_0: d, 32 x int8
+      for (std::size_t b = 0; b < N / 32; ++b) {
+        const std::byte* blk = src + 34 * b;
+        const float d = half::f16_to_f32(gguf_u16(blk));
+        for (std::size_t j = 0; j < 32; ++j)
+          out[32 * b + j] = static_cast<T>(d * static_cast<float>(static_cast<std::int8_t>(blk[2 + j])));
+      }
+      break;
+    case 2:  // Q4_0: d, 16 bytes of nibbles; low nibbles are elements 0..15, high ones 16..31
+      for (std::size_t b = 0; b < N / 32; ++b) {
+        const std::byte* blk = src + 18 * b;
+        const float d = half::f16_to_f32(gguf_u16(blk));
+        for (std::size_t j = 0; j < 16; ++j) {
+          const auto q = static_cast<unsigned>(blk[2 + j]);
+          out[32 * b + j] = static_cast<T>(static_cast<float>(static_cast<int>(q & 0xF) - 8) * d);
+          out[32 * b + j + 16] = static_cast<T>(static_cast<float>(static_cast<int>(q >> 4) - 8) * d);
+        }
+      }
+      break;
+    case 3:  // Q4_1: d, m, 16 bytes of nibbles
+      for (std::size_t b = 0; b < N / 32; ++b) {
+        const std::byte* blk = src + 20 * b;
+        const float d = half::f16_to_f32(gguf_u16(blk)), m = half::f16_to_f32(gguf_u16(blk + 2));
+        for (std::size_t j = 0; j < 16; ++j) {
+          const auto q = static_cast<unsigned>(blk[4 + j]);
+          // q * d is exact in float32, so the sum rounds once (with or without an FMA).
+          out[32 * b + j] = static_cast<T>(static_cast<float>(q & 0xF) * d + m);
+          out[32 * b + j + 16] = static_cast<T>(static_cast<float>(q >> 4) * d + m);
+        }
+      }
+      break;
+    default: break;
+  }
+}
+
+}  // namespace detail
+
+/// A GGUF file, memory-mapped and validated on open. Cheap to copy (shared).
+class GgufFile {
+ public:
+  explicit GgufFile(const std::filesystem::path& path) {
+    auto st = std::make_shared<detail::GgufState>();
+    st->label = path.string();
+    st->bytes = detail::gguf_map(path);
+    detail::GgufParser(*st).parse();
+    st_ = std::move(st);
+  }
+  /// Validates a file image held in memory; `label` leads errors.
+  static GgufFile from_bytes(std::vector<std::byte> bytes, std::string label = "<memory>") {
+    auto st = std::make_shared<detail::GgufState>();
+    st->label = std::move(label);
+    st->bytes = std::make_shared<detail::GgufBytes>();
+    st->bytes->owned = std::move(bytes);
+    st->bytes->data = st->bytes->owned.data();
+    st->bytes->size = st->bytes->owned.size();
+    detail::GgufParser(*st).parse();
+    return GgufFile(std::move(st));
+  }
+
+  const std::string& path() const { return st_->label; }
+  std::uint32_t version() const { return st_->version; }
+  std::uint64_t alignment() const { return st_->alignment; }
+  /// Where the data section starts in the file.
+  std::uint64_t data_offset() const { return st_->data_offset; }
+
+  /// Every key-value in file order.
+  const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return st_->kv; }
+  bool contains(std::string_view key) const { return st_->kv_index.find(key) != st_->kv_index.end(); }
+  const GgufValue* find(std::string_view key) const {
+    auto it = st_->kv_index.find(key);
+    return it == st_->kv_index.end() ? nullptr : &st_->kv[it->second].second;
+  }
+  /// The value of `key`; raises naming the file and the key when absent.
+  const GgufValue& at(std::string_view key) const {
+    const GgufValue* v = find(key);
+    if (!v) nn::detail::fail("gguf", path(), ": missing metadata key \"", key, "\"");
+    return *v;
+  }
+
+  const std::vector<GgufTensorInfo>& tensors() const { return st_->tensors; }
+  const GgufTensorInfo* find_tensor(std::string_view name) const {
+    auto it = st_->tensor_index.find(name);
+    return it == st_->tensor_index.end() ? nullptr : &st_->tensors[it->second];
+  }
+  const GgufTensorInfo& tensor_info(std::string_view name) const {
+    const GgufTensorInfo* t = find_tensor(name);
+    if (!t) nn::detail::fail("gguf", path(), ": no tensor named \"", name, "\" (", st_->tensors.size(), " tensors)");
+    return *t;
+  }
+  /// A tensor's raw (possibly quantised) bytes inside the mapping.
+  std::span<const std::byte> tensor_bytes(const GgufTensorInfo& t) const {
+    return {st_->bytes->data + st_->data_offset + t.offset, static_cast<std::size_t>(t.nbytes)};
+  }
+
+  /// Tensor `name` dequantised to a host tensor of `dtype` (f32 or f64), row-major shape
+  /// (ne reversed). F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 are read; other types raise naming it.
+  Tensor tensor(std::string_view name, DType dtype = DType::f32) const { return tensor(tensor_info(name), dtype); }
+  Tensor tensor(const GgufTensorInfo& t, DType dtype = DType::f32) const {
+    if (dtype != DType::f32 && dtype != DType::f64)
+      nn::detail::fail("gguf", path(), ": tensors dequantise to float32 or float64, not ", dtype_name(dtype));
+    const GgmlTypeInfo* info = ggml_type_info(t.type);
+    if (!info->dequantises)
+      nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" has type ", info->name,
+                       ", which this reader does not dequantise (F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 are)");
+    Tensor out = Tensor::empty(Shape(t.shape()), dtype);
+    const std::byte* src = tensor_bytes(t).data();
+    if (dtype == DType::f32) detail::gguf_dequantize_into(src, t.type, t.numel(), out.data<float>());
+    else detail::gguf_dequantize_into(src, t.type, t.numel(), out.data<double>());
+    return out;
+  }
+
+  /// tokenizer.ggml.* and tokenizer.chat_template, raw.
+  GgufTokenizerMetadata tokenizer() const {
+    GgufTokenizerMetadata m;
+    auto str = [&](const char* k, std::string& dst) {
+      if (const GgufValue* v = find(k)) dst = v->as_string();
+    };
+    auto id = [&](const char* k, std::optional<std::int64_t>& dst) {
+      if (const GgufValue* v = find(k)) dst = v->as_int();
+    };
+    auto flag = [&](const char* k, std::optional<bool>& dst) {
+      if (const GgufValue* v = find(k)) dst = v->as_bool();
+    };
+    str("tokenizer.ggml.model", m.model);
+    str("tokenizer.ggml.pre", m.pre);
+    str("tokenizer.chat_template", m.chat_template);
+    if (const GgufValue* v = find("tokenizer.ggml.tokens")) m.tokens = v->strings();
+    if (const GgufValue* v = find("tokenizer.ggml.merges")) m.merges = v->strings();
+    if (const GgufValue* v = find("tokenizer.ggml.token_type"))
+      for (std::int64_t x : v->ints()) m.token_types.push_back(static_cast<std::int32_t>(x));
+    if (const GgufValue* v = find("tokenizer.ggml.scores"))
+      for (double x : v->floats()) m.scores.push_back(static_cast<float>(x));
+    id("tokenizer.ggml.bos_token_id", m.bos_id);
+    id("tokenizer.ggml.eos_token_id", m.eos_id);
+    id("tokenizer.ggml.eot_token_id", m.eot_id);
+    id("tokenizer.ggml.unknown_token_id", m.unk_id);
+    id("tokenizer.ggml.padding_token_id", m.pad_id);
+    flag("tokenizer.ggml.add_bos_token", m.add_bos);
+    flag("tokenizer.ggml.add_eos_token", m.add_eos);
+    return m;
+  }
+
+ private:
+  explicit GgufFile(std::shared_ptr<detail::GgufState> st) : st_(std::move(st)) {}
+  std::shared_ptr<detail::GgufState> st_;
+};
+
+}  // namespace nn::lm
+// ---- end nn/lm/gguf.hpp ----
+// ---- begin nn/lm/load.hpp ----
+// Loading a CausalLM: from a Hugging Face folder (config.json + model.safetensors, or a sharded
+// model.safetensors.index.json) and from a GGUF file (llama.cpp's names, dequantised, Q/K rows
+// un-permuted), strictly: every missing, unknown and mismatched name is reported at once.
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace nn::lm {
+
+namespace detail {
+
+/// Checks `named` against the model with load_weights' strict plan (missing, unknown,
+/// mismatched and duplicated names all in one error, nothing written on failure), then hands
+/// each converted tensor's storage to the model instead of copying it: a loader's tensors are
+/// fresh, and the model was built uninitialised, so the peak is one copy of the weights.
+inline void load_named(CausalLM& m, const nn::detail::NamedTensorList& named, const std::string& source) {
+  auto plan = nn::detail::plan_load(m, named, true, source);
+  for (auto& [target, t] : plan) *target = *t;
+}
+
+/// One safetensors tensor as a host tensor of the model's dtype. bf16 and f16 widen exactly;
+/// f64 -> f32 rounds once.
+inline Tensor float_tensor(const SafetensorsView& v, DType dt) {
+  const SafetensorsDtype s = v.dtype();
+  if (s != SafetensorsDtype::F32 && s != SafetensorsDtype::F16 && s != SafetensorsDtype::BF16 &&
+      s != SafetensorsDtype::F64)
+    nn::detail::fail("load_hf", v.file(), ": tensor \"", v.name(), "\" has dtype ", safetensors_dtype_name(s),
+                     "; model weights must be F32, F16, BF16 or F64");
+  Tensor t = v.to_tensor();
+  return t.dtype() == dt ? t : t.to(dt);
+}
+
+/// The safetensors files of a Hugging Face folder: model.safetensors, or the shards a
+/// model.safetensors.index.json names (each once, in the index's order), with the index's
+/// weight_map (name -> shard file; empty for a single file).
+struct HfWeightFiles {
+  std::vector<std::filesystem::path> files;
+  std::map<std::string, std::string> weight_map;
+};
+
+inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
+  HfWeightFiles out;
+  const std::filesystem::path single = folder / "model.safetensors", index = folder / "model.safetensors.index.json";
+  if (std::filesystem::is_regular_file(single)) {
+    out.files.push_back(single);
+    return out;
+  }
+  if (!std::filesystem::is_regular_file(index))
+    nn::detail::fail("load_hf", folder.string(), ": no model.safetensors and no model.safetensors.index.json");
+  std::ifstream in(index, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string label = index.string();
+  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) nn::detail::fail("load_hf", label, ": not a JSON object");
+  auto wm = j.find("weight_map");
+  if (wm == j.end() || !wm->is_object() || wm->empty())
+    nn::detail::fail("load_hf", label, ": field \"weight_map\" must be a non-empty object of tensor name -> shard file");
+  std::set<std::string> seen;
+  for (auto it = wm->begin(); it != wm->end(); ++it) {
+    if (!it.value().is_string())
+      nn::detail::fail("load_hf", label, ": field \"weight_map\": \"", it.key(), "\" must map to a file name");
+    const std::string shard = it.value().get<std::string>();
+    const std::filesystem::path rel(shard);
+    bool safe = !shard.empty() && rel.is_relative() && !rel.has_root_name();
+    for (const auto& part : rel) safe = safe && part != "..";
+    if (!safe)
+      nn::detail::fail("load_hf", label, ": field \"weight_map\": shard \"", shard, "\" (for \"", it.key(),
+                       "\") must be a file name inside the folder");
+    out.weight_map[it.key()] = shard;
+    if (seen.insert(shard).second) {
+      if (!std::filesystem::is_regular_file(folder / rel))
+        nn::detail::fail("load_hf", label, ": shard \"", shard, "\" (listed for \"", it.key(), "\") is not in the folder");
+      out.files.push_back(folder / rel);
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// Loads a Hugging Face checkpoint folder (config.json plus model.safetensors or a sharded
+/// model.safetensors.index.json) into a model computing in `dtype` (f32, or f64 for oracle
+/// tests); bf16 / f16 / f32 / f64 weights are converted on load. Strict: a name the model lacks,
+/// a weight it needs that is absent, or a shape that differs raises nn::Error listing every
+/// such name, and no model is returned. As transformers does, rotary_emb.inv_freq buffers and a
+/// stored lm_head.weight of a tied model are skipped.
+inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType::f32) {
+  const ModelConfig cfg = load_config(folder / "config.json");
+  CausalLM m = CausalLM::uninitialised(cfg, dtype);
+  detail::HfWeightFiles wf = detail::hf_weight_files(folder);
+  nn::detail::NamedTensorList named;
+  for (const auto& file : wf.files) {
+    SafetensorsFile f(file);
+    const std::string shard = file.filename().string();
+    for (const SafetensorsView& v : f.views()) {
+      if (!wf.weight_map.empty()) {
+        auto it = wf.weight_map.find(v.name());
+        if (it == wf.weight_map.end() || std::filesystem::path(it->second).filename() != file.filename())
+          nn::detail::fail("load_hf", file.string(), ": holds \"", v.name(), "\", which the index ",
+                           it == wf.weight_map.end() ? std::string("does not list")
+                                                     : "places in \"" + it->second + "\"");
+      }
+      if (v.name().ends_with(".rotary_emb.inv_freq")) continue;  // a derived buffer
+      if (cfg.tie_word_embeddings && v.name() == "lm_head.weight") continue;  // the embedding is the head
+      named.emplace_back(v.name(), detail::float_tensor(v, dtype));
+    }
+  }
+  if (!wf.weight_map.empty()) {
+    std::set<std::string> got;
+    for (const auto& [n, t] : named) got.insert(n);
+    for (const auto& [n, shard] : wf.weight_map) {
+      const bool skipped = n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == "lm_head.weight");
+      if (!skipped && !got.count(n))
+        nn::detail::fail("load_hf", (folder / "model.safetensors.index.json").string(), ": lists \"", n, "\" in \"",
+                         shard, "\", which does not hold it");
+    }
+  }
+  detail::load_named(m, named, folder.string());
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GGUF
+
+namespace detail {
+
+/// llama.cpp's tensor name -> Hugging Face's (llama.cpp src/llama-arch.cpp, gguf-py
+/// tensor_mapping.py). A name with no mapping is returned unchanged, so the strict load reports
+/// it as unknown.
+inline std::string gguf_to_hf_name(const std::string& g) {
+  if (g == "token_embd.weight") return "model.embed_tokens.weight";
+  if (g == "output_norm.weight") return "model.norm.weight";
+  if (g == "output.weight") return "lm_head.weight";
+  static const std::pair<std::string_view, std::string_view> parts[] = {
+      {"attn_norm", "input_layernorm"}, {"ffn_norm", "post_attention_layernorm"},
+      {"attn_q", "self_attn.q_proj"},   {"attn_k", "self_attn.k_proj"},
+      {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
+      {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
+      {"ffn_down", "mlp.down_proj"}};
+  if (g.rfind("blk.", 0) != 0) return g;
+  const std::size_t dot1 = g.find('.', 4);
+  if (dot1 == std::string::npos || dot1 == 4) return g;
+  const std::string layer = g.substr(4, dot1 - 4);
+  if (layer.find_first_not_of("0123456789") != std::string::npos) return g;
+  const std::size_t dot2 = g.rfind('.');
+  if (dot2 <= dot1) return g;
+  const std::string part = g.substr(dot1 + 1, dot2 - dot1 - 1), leaf = g.substr(dot2 + 1);
+  if (leaf != "weight" && leaf != "bias") return g;
+  for (const auto& [from, to] : parts)
+    if (part == from) return "model.layers." + layer + "." + std::string(to) + "." + leaf;
+  return g;
+}
+
+/// Undoes convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or
+/// bias (out). The converter regroups each head's rows from HF's half-split RoPE pairs
+/// (x[i], x[i + hd/2]) to llama.cpp's interleaved ones (x[2i], x[2i + 1]):
+///   stored row h*hd + 2i + s  <-  HF row h*hd + s*hd/2 + i      (s in {0, 1}, i < hd/2)
+/// n_head is the tensor's own head count (n_kv_heads for k).
+inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::string& name) {
+  const std::int64_t rows = t.dim(0), cols = rows ? t.numel() / rows : 0;
+  if (n_head <= 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0)
+    nn::detail::fail("load_gguf", "tensor \"", name, "\" ", t.shape().str(), " does not split into ", n_head,
+                     " heads of even size");
+  const std::int64_t hd = rows / n_head, half = hd / 2;
+  Tensor out = Tensor::empty(t.shape(), t.dtype());
+  const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(t.dtype());
+  const auto* src = static_cast<const std::byte*>(t.raw());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  for (std::int64_t h = 0; h < n_head; ++h)
+    for (std::int64_t s = 0; s < 2; ++s)
+      for (std::int64_t i = 0; i < half; ++i)
+        std::memcpy(dst + static_cast<std::size_t>(h * hd + s * half + i) * row_bytes,
+                    src + static_cast<std::size_t>(h * hd + 2 * i + s) * row_bytes, row_bytes);
+  return out;
+}
+
+/// Typed metadata reads whose errors name the file and the key.
+struct GgufMeta {
+  const GgufFile& f;
+  template <class Fn>
+  auto read(const std::string& key, Fn fn) const -> decltype(fn(std::declval<const GgufValue&>())) {
+    try {
+      return fn(f.at(key));
+    } catch (const nn::Error& e) {
+      std::string msg = e.what();
+      if (msg.find(f.path()) != std::string::npos) throw;
+      if (msg.rfind("[gguf] ", 0) == 0) msg = msg.substr(7);
+      nn::detail::fail("gguf", f.path(), ": ", msg);
+    }
+  }
+  std::int64_t req_int(const std::string& key) const {
+    return read(key, [](const GgufValue& v) { return v.as_int(); });
+  }
+  std::int64_t opt_int(const std::string& key, std::int64_t dflt) const { return f.contains(key) ? req_int(key) : dflt; }
+  double opt_num(const std::string& key, double dflt) const {
+    return f.contains(key) ? read(key, [](const GgufValue& v) { return v.as_float(); }) : dflt;
+  }
+  std::string opt_str(const std::string& key, const std::string& dflt) const {
+    return f.contains(key) ? read(key, [](const GgufValue& v) { return v.as_string(); }) : dflt;
+  }
+};
+
+}  // namespace detail
+
+/// The model's hyperparameters from GGUF metadata: general.architecture ("llama" or "qwen2")
+/// and <arch>.embedding_length, .block_count, .feed_forward_length, .attention.head_count,
+/// .attention.head_count_kv, .attention.key_length, .attention.layer_norm_rms_epsilon,
+/// .rope.freq_base, .rope.scaling.*, .context_length; the vocabulary size from <arch>.vocab_size,
+/// else the tokenizer's token list, else token_embd's rows. Tied embeddings when there is no
+/// output.weight; biases when the tensors are there; a rope_freqs tensor becomes
+/// rope_freq_factors (llama.cpp's form of Llama 3's frequency remap).
+inline ModelConfig gguf_config(const GgufFile& f) {
+  detail::GgufMeta m{f};
+  const std::string label = f.path();
+  ModelConfig c;
+  c.model_type = m.read("general.architecture", [](const GgufValue& v) { return v.as_string(); });
+  if (c.model_type == "llama") c.arch = Arch::llama;
+  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
+  else
+    nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not supported (llama, qwen2)");
+  const std::string a = c.model_type + ".";
+  c.hidden_size = m.req_int(a + "embedding_length");
+  c.num_hidden_layers = m.req_int(a + "block_count");
+  c.intermediate_size = m.req_int(a + "feed_forward_length");
+  c.num_attention_heads = m.req_int(a + "attention.head_count");
+  c.num_key_value_heads = m.opt_int(a + "attention.head_count_kv", c.num_attention_heads);
+  c.head_dim = m.opt_int(a + "attention.key_length", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  if (const std::int64_t vl = m.opt_int(a + "attention.value_length", c.head_dim); vl != c.head_dim)
+    nn::detail::fail("gguf", label, ": ", a, "attention.value_length ", vl, " differs from the key length ", c.head_dim);
+  if (const std::int64_t rd = m.opt_int(a + "rope.dimension_count", c.head_dim); rd != c.head_dim)
+    nn::detail::fail("gguf", label, ": ", a, "rope.dimension_count ", rd, " differs from head_dim ", c.head_dim,
+                     " (partial rotary embeddings are not supported)");
+  c.rms_norm_eps = m.opt_num(a + "attention.layer_norm_rms_epsilon", 1e-6);
+  c.rope_theta = m.opt_num(a + "rope.freq_base", 10000.0);
+  c.max_position_embeddings = m.opt_int(a + "context_length", c.max_position_embeddings);
+  const std::string scaling = m.opt_str(a + "rope.scaling.type", "none");
+  if (scaling == "linear") {
+    c.rope_scaling.type = "linear";
+    c.rope_scaling.factor = m.opt_num(a + "rope.scaling.factor", 1.0);
+    if (!(c.rope_scaling.factor > 0)) nn::detail::fail("gguf", label, ": ", a, "rope.scaling.factor must be positive");
+  } else if (scaling != "none") {
+    nn::detail::fail("gguf", label, ": ", a, "rope.scaling.type \"", scaling, "\" is not supported (none, linear)");
+  }
+  if (f.contains(a + "vocab_size")) {
+    c.vocab_size = m.req_int(a + "vocab_size");
+  } else if (f.contains("tokenizer.ggml.tokens")) {
+    c.vocab_size = static_cast<std::int64_t>(m.read("tokenizer.ggml.tokens", [](const GgufValue& v) { return v.size(); }));
+  } else if (const GgufTensorInfo* t = f.find_tensor("token_embd.weight"); t && t->ne.size() == 2) {
+    c.vocab_size = t->ne[1];
+  }
+  c.tie_word_embeddings = f.find_tensor("output.weight") == nullptr;
+  c.qkv_bias = c.arch == Arch::qwen2 || f.find_tensor("blk.0.attn_q.bias") != nullptr;
+  c.o_bias = f.find_tensor("blk.0.attn_output.bias") != nullptr;
+  c.mlp_bias = f.find_tensor("blk.0.ffn_gate.bias") != nullptr;
+  if (const GgufTensorInfo* t = f.find_tensor("rope_freqs.weight")) {
+    Tensor ff = f.tensor(*t, DType::f64);
+    c.rope_freq_factors = ff.to_doubles();
+  }
+  c.validate(label);
+  return c;
+}
+
+/// Builds a CausalLM from an open GGUF file, dequantising every tensor to `dtype` (f32, or f64
+/// for oracle tests), renaming llama.cpp's tensors to HF's and, for the llama architecture,
+/// undoing the converter's q/k row permutation (qwen2 files are stored unpermuted, as llama.cpp
+/// runs qwen2 with NEOX RoPE). Strict, as load_hf.
+inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32) {
+  const ModelConfig cfg = gguf_config(f);
+  CausalLM m = CausalLM::uninitialised(cfg, dtype);
+  nn::detail::NamedTensorList named;
+  named.reserve(f.tensors().size());
+  for (const GgufTensorInfo& t : f.tensors()) {
+    if (t.name == "rope_freqs.weight") continue;  // read into the config
+    std::string hf = detail::gguf_to_hf_name(t.name);
+    Tensor w = f.tensor(t, dtype);
+    if (cfg.arch == Arch::llama) {
+      if (hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias"))
+        w = detail::unpermute_rows(w, cfg.num_attention_heads, t.name);
+      else if (hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias"))
+        w = detail::unpermute_rows(w, cfg.num_key_value_heads, t.name);
+    }
+    named.emplace_back(std::move(hf), std::move(w));
+  }
+  detail::load_named(m, named, f.path());
+  return m;
+}
+
+/// Opens, validates and loads a GGUF file (see load_gguf(const GgufFile&, DType)).
+inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType::f32) {
+  return load_gguf(GgufFile(path), dtype);
+}
+
+}  // namespace nn::lm
+// ---- end nn/lm/load.hpp ----
 // ---- end nn/nn.hpp ----

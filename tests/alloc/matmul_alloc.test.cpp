@@ -2,7 +2,8 @@
 // "No per-call heap allocation in the matmul path": after one warm-up, replaying a recorded tape
 // of matmuls (forward and backward; 2-D, batched, shared-operand, transposed, vector, tiny) makes
 // zero operator-new and zero malloc calls on every thread, on the GEMM path this build uses (build
-// it with and without NN_USE_BLAS), at 1 and 2 threads.
+// it with and without NN_USE_BLAS), at 1 and 2 threads. The only exception, reported rather than
+// failed, is what OpenBLAS mallocs inside itself.
 #include <doctest/doctest.h>
 
 #include <set>
@@ -222,4 +223,25 @@ TEST_CASE("a replayed matmul with a swapped input allocates nothing") {
   alloc::Counts n = scope.stop();
   check_none(n, "4 steps with set()");
   report_tolerated();
+}
+
+// The design's wider claim: a whole recorded step (Linear, bias, relu, loss) replays without
+// allocating. Today it does not, and not because of matmul: the elementwise kernels use
+// `#pragma omp parallel for if (n > grain)`, and with a false condition libgomp still builds a
+// one-thread team, a malloc and a free on every call (about 1.5 KiB; most of a small op's cost).
+// Marked may_fail until those kernels branch in C++ before entering OpenMP; the output still
+// lists what allocated.
+TEST_CASE("replaying a small training step allocates nothing" * doctest::may_fail()) {
+  GTape<cpu> tp;
+  Tensor W = test::random_tensor({64, 32}, DType::f32, 1), Bias = test::random_tensor({64}, DType::f32, 2);
+  Tensor X = test::random_tensor({8, 32}, DType::f32, 3);
+  GVar w = tp.param(W), bias = tp.param(Bias), x = tp.input(X);
+  GVar loss = sum(tp, relu(tp, add(tp, matmul(tp, x, w, false, true), bias)));
+  tp.backward(loss);
+  tp.replay();
+  alloc::CountScope scope;
+  tp.replay();
+  tp.replay();
+  alloc::Counts n = scope.stop();
+  check_none(n, "2 replays of a Linear + relu + sum step");
 }

@@ -44,7 +44,7 @@ TEST_CASE("the README tour runs and says what it claims") {
     float* p = W.data<float>();
     const float* g = tp.grad(w).data<float>();
     for (int i = 0; i < 6; ++i) p[i] -= 0.5f * g[i];
-    tp.set(x, X);
+    tp.set(x, X);                            // the next batch goes here
     tp.replay();                             // forward and backward into the same buffers
   }
   std::cout << "loss after 50 steps: " << tp.value(loss).item() << '\n';
@@ -53,7 +53,7 @@ TEST_CASE("the README tour runs and says what it claims") {
   try {
     matmul(tp, x, w);                        // (4, 3) @ (2, 3): inner dims differ
   } catch (const nn::Error& e) {
-    std::cout << e.what() << '\n';                // [matmul] inner dimensions differ: (4, 3) @ (2, 3) (3 vs 2)
+    std::cout << e.what() << '\n';           // [matmul] inner dimensions differ: (4, 3) @ (2, 3) (3 vs 2)
   }
   // README tour end
 

@@ -236,7 +236,9 @@ inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer,
 // path allocates the shared packed A on every call. A replay must not allocate, so nn runs Eigen's
 // blocked kernel (internal::general_matrix_matrix_product, stable since 3.3.90) itself, packing
 // into a per-thread buffer that only grows, and splits the product over threads itself.
-#if !defined(NN_USE_BLAS) && EIGEN_VERSION_AT_LEAST(3, 3, 90)
+// The serial kernel also serves CBLAS builds where a fused kernel runs many small products at once
+// inside its own parallel loop (see gemm_serial).
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
 
 /// This thread's GEMM packing space: at least `bytes`, 64-byte aligned. It grows only when a
 /// larger product comes, so replaying products already seen allocates nothing.
@@ -334,7 +336,117 @@ void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K
   block(0, M, 0, N);
 }
 
-#endif  // !NN_USE_BLAS && Eigen >= 3.3.90
+#endif  // Eigen >= 3.3.90
+
+/// While alive, OpenBLAS runs each call on the calling thread (its thread count set to 1, then
+/// restored): a kernel that splits its own work over OpenMP threads and calls GEMM from each
+/// would otherwise have OpenBLAS's pthreads pool contend with them. A no-op for other builds.
+struct BlasSerial {
+#if defined(NN_USE_BLAS) && defined(OPENBLAS_VERSION)
+  int prev = openblas_get_num_threads();
+  BlasSerial() {
+    if (prev != 1) openblas_set_num_threads(1);
+  }
+  ~BlasSerial() {
+    if (prev != 1) openblas_set_num_threads(prev);
+  }
+#else
+  BlasSerial() = default;
+#endif
+  BlasSerial(const BlasSerial&) = delete;
+  BlasSerial& operator=(const BlasSerial&) = delete;
+};
+
+/// Row-major C[M,N] with row stride ldc (+)= op(A) @ op(B) on the calling thread, for products
+/// that a kernel runs many of at once from its own parallel loop (attention's per-head
+/// products: strided views into (B, T, n * head_dim), no copies). With CBLAS, hold a
+/// BlasSerial around the loop.
+template <class T>
+void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                 const T* B, std::int64_t ldb, T* C, std::int64_t ldc, bool acc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!acc)
+      for (std::int64_t i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
+    return;
+  }
+#if defined(NN_USE_BLAS)
+  const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
+                static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0f : 0.0f, C, static_cast<int>(ldc));
+  else
+    cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
+                static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0 : 0.0, C, static_cast<int>(ldc));
+#else
+  if (!acc)
+    for (std::int64_t i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
+  constexpr int R = Eigen::RowMajor, Cm = Eigen::ColMajor;
+  if (ta && tb) eigen_gemm_serial<T, Cm, Cm>(M, N, K, A, lda, B, ldb, C, ldc);
+  else if (ta) eigen_gemm_serial<T, Cm, R>(M, N, K, A, lda, B, ldb, C, ldc);
+  else if (tb) eigen_gemm_serial<T, R, Cm>(M, N, K, A, lda, B, ldb, C, ldc);
+  else eigen_gemm_serial<T, R, R>(M, N, K, A, lda, B, ldb, C, ldc);
+#else
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
+  Eigen::Map<Mat, Eigen::Unaligned, Eigen::OuterStride<>> Cm(C, M, N, Eigen::OuterStride<>(ldc));
+  CMap Am(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda)), Bm(B, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
+  if (ta && tb) Cm.noalias() += Am.transpose() * Bm.transpose();
+  else if (ta) Cm.noalias() += Am.transpose() * Bm;
+  else if (tb) Cm.noalias() += Am * Bm.transpose();
+  else Cm.noalias() += Am * Bm;
+#endif
+#endif
+}
+
+/// A contiguous run of n values as an Eigen array, for the vectorised math (exp above all) of
+/// the row kernels: softmax, cross-entropy, SwiGLU.
+template <class T>
+using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
+/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
+/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
+/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
+template <class T>
+inline void exp_inplace(T* x, std::int64_t n) {
+  constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
+  constexpr std::int64_t blk = 256;
+  T in[blk];
+  for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
+    const std::int64_t len = std::min(blk, n - i0);
+    std::copy_n(x + i0, len, in);
+    ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
+    for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
+  }
+}
+
+/// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
+/// every entry is -inf kept finite in its max, as cpu::softmax.
+template <class T>
+inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
+  ArrayMap<T> r(row, n);
+  if (add) r = r * scale + ConstArrayMap<T>(add, n);
+  else if (scale != T(1)) r *= scale;
+  T m = r.maxCoeff();
+  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+  r -= m;
+  exp_inplace(row, n);
+  r *= T(1) / r.sum();
+}
+
+/// Elementwise work over n values in chunks: f(i0, i1) per chunk, the chunks in parallel once n
+/// passes kParallelGrain.
+inline constexpr std::int64_t kChunk = 4096;
+template <class F>
+inline void parallel_chunks(std::int64_t n, F&& f) {
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for if (n > kParallelGrain)
+  for (std::int64_t c = 0; c < chunks; ++c) f(c * kChunk, std::min(n, (c + 1) * kChunk));
+}
 
 }  // namespace detail
 
@@ -726,21 +838,22 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
 #pragma omp parallel for if (x.numel() > detail::kParallelGrain)
       for (std::int64_t r = 0; r < R; ++r) {
-        const T* in = xs + r * V;
-        T* out = ys + r * V;
+        // Eigen's array exp is vectorised (std::exp is not, and takes a slow path on underflow,
+        // which every masked score hits).
+        detail::ConstArrayMap<T> in(xs + r * V, V);
+        detail::ArrayMap<T> out(ys + r * V, V);
         T m = -std::numeric_limits<T>::infinity();
         for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
         if (m == -std::numeric_limits<T>::infinity()) m = 0;  // a fully masked row stays finite in its max
-        T s = 0;
-        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
         if (log) {
           // (x - m) - log(s), not x - (m + log(s)): m + log(s) would round to m's ulp, an
           // absolute error of 1e-4 for float32 logits in the thousands.
-          const T ls = std::log(s);
-          for (std::int64_t j = 0; j < V; ++j) out[j] = (in[j] - m) - ls;
+          const T ls = std::log((in - m).exp().sum());
+          out = (in - m) - ls;
         } else {
-          T inv = T(1) / s;
-          for (std::int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m) * inv;
+          out = in - m;
+          detail::exp_inplace(ys + r * V, V);
+          out *= T(1) / out.sum();
         }
       }
     });
@@ -761,7 +874,10 @@ struct cpu {
         T s = 0;
         if (log) {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j];
-          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr[j] - std::exp(yr[j]) * s, acc);
+          detail::ConstArrayMap<T> ya(yr, V), ga(gr, V);
+          detail::ArrayMap<T> oa(o, V);
+          if (acc) oa += ga - ya.exp() * s;
+          else oa = ga - ya.exp() * s;
         } else {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
           for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
@@ -797,8 +913,7 @@ struct cpu {
         const T* in = xs + ((r / N) * G + r % N) * V;
         T m = -std::numeric_limits<T>::infinity();
         for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
-        T s = 0;
-        for (std::int64_t j = 0; j < V; ++j) s += std::exp(in[j] - m);
+        const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
         ls[r] = m + std::log(s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
@@ -850,9 +965,253 @@ struct cpu {
         }
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
-        for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, gr * std::exp(in[j] - l), acc);
+        detail::ArrayMap<T> oa(o, V);
+        if (acc) oa += gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
+        else oa = gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
         o[k] -= gr;
       }
+    });
+  }
+
+  // ---- fused primitives (ops/norm.hpp, rope.hpp, attention.hpp, glu.hpp), each the same math as
+  // its composite reference in layers/, in one pass; tests/ops/fused.test.cpp holds them together.
+
+  /// y = x * rstd (* w) with rstd = 1 / sqrt(mean(x^2) + eps) per row of the last axis (kept in
+  /// `rstd` for the vjp). w may be undefined (no gain).
+  static void rms_norm(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
+    detail::dispatch_float(x.dtype(), "rmsnorm", [&]<class T>() {
+      const std::int64_t C = x.dim(-1), R = x.numel() / C;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ws = w.defined() ? static_cast<const T*>(w.raw()) : nullptr;
+      T* ys = static_cast<T*>(y.raw());
+      T* rs = static_cast<T*>(rstd.raw());
+      const T inv_c = static_cast<T>(1.0 / static_cast<double>(C)), e = static_cast<T>(eps);
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+      for (std::int64_t r = 0; r < R; ++r) {
+        detail::ConstArrayMap<T> xr(xs + r * C, C);
+        detail::ArrayMap<T> yr(ys + r * C, C);
+        const T k = T(1) / std::sqrt(inv_c * xr.square().sum() + e);
+        rs[r] = k;
+        if (ws) yr = (xr * k) * detail::ConstArrayMap<T>(ws, C);
+        else yr = xr * k;
+      }
+    });
+  }
+
+  /// The vjp of rms_norm: with u = g * w (or g), gx (+)= rstd u - rstd^3 x sum(u x) / C per row,
+  /// gw (+)= sum over rows of g x rstd (serial over rows: deterministic). Either may be null.
+  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, Tensor* gx,
+                           bool acc_x, Tensor* gw, bool acc_w) {
+    detail::dispatch_float(x.dtype(), "rmsnorm", [&]<class T>() {
+      const std::int64_t C = x.dim(-1), R = x.numel() / C;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ws = w.defined() ? static_cast<const T*>(w.raw()) : nullptr;
+      const T* rs = static_cast<const T*>(rstd.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      const T inv_c = static_cast<T>(1.0 / static_cast<double>(C));
+      if (gx) {
+        T* out = static_cast<T*>(gx->raw());
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+        for (std::int64_t r = 0; r < R; ++r) {
+          detail::ConstArrayMap<T> xr(xs + r * C, C), gr(gs + r * C, C);
+          detail::ArrayMap<T> o(out + r * C, C);
+          const T k = rs[r];
+          if (ws) {
+            detail::ConstArrayMap<T> wr(ws, C);
+            const T c = k * k * k * inv_c * (gr * wr * xr).sum();
+            if (acc_x) o += k * (gr * wr) - c * xr;
+            else o = k * (gr * wr) - c * xr;
+          } else {
+            const T c = k * k * k * inv_c * (gr * xr).sum();
+            if (acc_x) o += k * gr - c * xr;
+            else o = k * gr - c * xr;
+          }
+        }
+      }
+      if (gw) {
+        detail::ArrayMap<T> o(static_cast<T*>(gw->raw()), C);
+        if (!acc_w) o.setZero();
+        for (std::int64_t r = 0; r < R; ++r)
+          o += detail::ConstArrayMap<T>(gs + r * C, C) * detail::ConstArrayMap<T>(xs + r * C, C) * rs[r];
+      }
+    });
+  }
+
+  /// y (+)= x with the first dims = 2 * cos.shape[-1] features of each row rotated by its
+  /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
+  /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
+  /// cos/sin (T, dims/2) against x (..., T, D), or (T, 1, dims/2) against x (..., T, M, D).
+  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool traditional, bool inverse, Tensor& y,
+                   bool acc) {
+    detail::dispatch_float(x.dtype(), "rope", [&]<class T>() {
+      const std::int64_t D = x.dim(-1), half = cos.dim(-1), T_ = cos.dim(0);
+      const std::int64_t M = cos.rank() == 3 ? x.dim(-2) : 1, rows = x.numel() / D;
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* cs = static_cast<const T*>(cos.raw());
+      const T* ss = static_cast<const T*>(sin.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sg = inverse ? T(-1) : T(1);
+      auto rows_of = [&]<bool Acc, bool Trad>() {
+#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t t = (r / M) % T_;
+          const T* c = cs + t * half;
+          const T* s = ss + t * half;
+          const T* a = xs + r * D;
+          T* o = ys + r * D;
+          for (std::int64_t i = 0; i < half; ++i) {
+            const std::int64_t i1 = Trad ? 2 * i : i, i2 = Trad ? 2 * i + 1 : i + half;
+            const T si = sg * s[i], o1 = a[i1] * c[i] - a[i2] * si, o2 = a[i1] * si + a[i2] * c[i];
+            if constexpr (Acc) {
+              o[i1] += o1;
+              o[i2] += o2;
+            } else {
+              o[i1] = o1;
+              o[i2] = o2;
+            }
+          }
+          for (std::int64_t j = 2 * half; j < D; ++j) {
+            if constexpr (Acc) o[j] += a[j];
+            else o[j] = a[j];
+          }
+        }
+      };
+      if (acc) traditional ? rows_of.template operator()<true, true>() : rows_of.template operator()<true, false>();
+      else traditional ? rows_of.template operator()<false, true>() : rows_of.template operator()<false, false>();
+    });
+  }
+
+  /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
+  /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
+  /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). The heads run in parallel,
+  /// each product a strided GEMM on its thread (no permuted copies).
+  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
+                        std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
+                        Tensor& p) {
+    detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
+      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* Mk = mask.defined() ? static_cast<const T*>(mask.raw()) : nullptr;
+      T* O = static_cast<T*>(out.raw());
+      T* P = static_cast<T*>(p.raw());
+      std::array<std::int64_t, kMaxRank> ms{};
+      if (Mk) ms = detail::broadcast_strides(mask.shape(), Shape{Bn, H, T_, T_});
+      const T sc = static_cast<T>(scale);
+      detail::BlasSerial serial;
+#pragma omp parallel for schedule(dynamic) if (Bn * H > 1 && p.numel() * hd > detail::kParallelGrain)
+      for (std::int64_t t = 0; t < Bn * H; ++t) {
+        const std::int64_t b = t / H, h = t % H, kh = h / g;
+        T* pt = P + t * T_ * T_;
+        detail::gemm_serial<T>(false, true, T_, T_, hd, Q + b * T_ * qs + h * hd, qs, K + b * T_ * ks + kh * hd, ks, pt,
+                               T_, false);  // q k^T: (T, T)
+        for (std::int64_t i = 0; i < T_; ++i)
+          detail::softmax_row(pt + i * T_, T_, sc, Mk ? Mk + b * ms[0] + h * ms[1] + i * ms[2] : nullptr);
+        detail::gemm_serial<T>(false, false, T_, hd, T_, pt, T_, V + b * T_ * ks + kh * hd, ks, O + b * T_ * qs + h * hd,
+                               qs, false);  // P v: (T, hd)
+      }
+    });
+  }
+
+  /// The vjp of attention, per (batch, kv head) so each kv head's gradient sums its query heads
+  /// without races: dv += P^T g; dS = P * (g v^T - rowsum(P * g v^T)) * scale (in `scratch`,
+  /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null.
+  static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
+                            std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
+                            double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
+                            bool acc_v) {
+    detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
+      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* P = static_cast<const T*>(p.raw());
+      const T* G = static_cast<const T*>(g.raw());
+      T* S = static_cast<T*>(scratch.raw());
+      T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
+      T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
+      T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
+      // One tensor passed as two inputs (k = v, self-attention's q = k = v) has one gradient
+      // buffer: the tape hands its first slot acc = false and the later ones acc = true, but
+      // the loop below interleaves the writes, so such a buffer is zeroed once and every write
+      // to it accumulates.
+      auto share = [](T* a, bool& acc_a, T* b, bool& acc_b, const Tensor* t) {
+        if (!a || a != b || (acc_a && acc_b)) return;
+        std::memset(a, 0, t->nbytes());
+        acc_a = acc_b = true;
+      };
+      share(GQ, acc_q, GK, acc_k, gq);
+      share(GQ, acc_q, GV, acc_v, gq);
+      share(GK, acc_k, GV, acc_v, gk);
+      const T sc = static_cast<T>(scale);
+      detail::BlasSerial serial;
+#pragma omp parallel for schedule(dynamic) if (Bn * KV > 1 && p.numel() * hd > detail::kParallelGrain)
+      for (std::int64_t t = 0; t < Bn * KV; ++t) {
+        const std::int64_t b = t / KV, kh = t % KV;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ds = S + t * T_ * T_;
+        for (std::int64_t j = 0; j < grp; ++j) {
+          const std::int64_t h = kh * grp + j, qo = b * T_ * qs + h * hd;
+          const T* pt = P + (b * H + h) * T_ * T_;
+          if (GV) detail::gemm_serial<T>(true, false, T_, hd, T_, pt, T_, G + qo, qs, GV + b * T_ * ks + kh * hd, ks,
+                                         acc_v || j > 0);  // P^T g
+          if (!GQ && !GK) continue;
+          detail::gemm_serial<T>(false, true, T_, T_, hd, G + qo, qs, vt, ks, ds, T_, false);  // g v^T
+          for (std::int64_t i = 0; i < T_; ++i) {
+            detail::ArrayMap<T> d(ds + i * T_, T_);
+            detail::ConstArrayMap<T> pr(pt + i * T_, T_);
+            const T dot = (d * pr).sum();
+            d = pr * (d - dot) * sc;
+          }
+          if (GQ) detail::gemm_serial<T>(false, false, T_, hd, T_, ds, T_, kt, ks, GQ + qo, qs, acc_q);  // dS k
+          if (GK) detail::gemm_serial<T>(true, false, T_, hd, T_, ds, T_, Q + qo, qs, GK + b * T_ * ks + kh * hd, ks,
+                                         acc_k || j > 0);  // dS^T q
+        }
+      }
+    });
+  }
+
+  /// y = silu(gate) * up = gate * sigmoid(gate) * up.
+  static void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "swiglu", [&]<class T>() {
+      const T* gs = static_cast<const T*>(gate.raw());
+      const T* us = static_cast<const T*>(up.raw());
+      T* ys = static_cast<T*>(y.raw());
+      detail::parallel_chunks(y.numel(), [&](std::int64_t i0, std::int64_t i1) {
+        detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
+        detail::ArrayMap<T>(ys + i0, i1 - i0) = (a * (T(1) / (T(1) + (-a).exp()))) * u;
+      });
+    });
+  }
+
+  /// The vjp of swiglu: ggate (+)= g up s (1 + gate (1 - s)), gup (+)= g gate s, s = sigmoid(gate).
+  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, Tensor* ggate, bool acc_gate,
+                         Tensor* gup, bool acc_up) {
+    detail::dispatch_float(g.dtype(), "swiglu", [&]<class T>() {
+      const T* as = static_cast<const T*>(gate.raw());
+      const T* us = static_cast<const T*>(up.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* da = ggate ? static_cast<T*>(ggate->raw()) : nullptr;
+      T* du = gup ? static_cast<T*>(gup->raw()) : nullptr;
+      detail::parallel_chunks(g.numel(), [&](std::int64_t i0, std::int64_t i1) {
+        const std::int64_t n = i1 - i0;
+        detail::ConstArrayMap<T> a(as + i0, n), u(us + i0, n), gr(gs + i0, n);
+        alignas(64) T sbuf[detail::kChunk];  // on the stack: a replay allocates nothing
+        detail::ArrayMap<T> s(sbuf, n);
+        s = T(1) / (T(1) + (-a).exp());
+        if (da) {
+          detail::ArrayMap<T> o(da + i0, n);
+          if (acc_gate) o += (gr * u) * (s * (T(1) + a * (T(1) - s)));
+          else o = (gr * u) * (s * (T(1) + a * (T(1) - s)));
+        }
+        if (du) {
+          detail::ArrayMap<T> o(du + i0, n);
+          if (acc_up) o += gr * (a * s);
+          else o = gr * (a * s);
+        }
+      });
     });
   }
 

@@ -102,6 +102,15 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
   B::cross_entropy(x, x, i64, axis, y, y);     // (logits, targets, ignore, reduction, y, lse)
   B::cross_entropy_vjp(x, x, i64, axis, x, x, y, acc);  // (logits, targets, ignore, reduction, lse, g, gx, acc)
+  // fused primitives, each beside its composite reference (ops/norm, rope, attention, glu.hpp);
+  // a null gradient pointer means that input needs none
+  B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
+  B::rms_norm_vjp(x, x, x, x, &y, acc, &y, acc); // (x, w, rstd, g, gx, acc_x, gw, acc_w)
+  B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
+  B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p)
+  B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc)
+  B::swiglu(x, x, y);                            // (gate, up, y)
+  B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
   B::sgd_update(y, x, y, x, v, v, v, acc);
   B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);

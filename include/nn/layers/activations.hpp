@@ -5,6 +5,7 @@
 #pragma once
 
 #include "../ops/elementwise.hpp"
+#include "../ops/glu.hpp"
 #include "../ops/softmax.hpp"
 #include "helpers.hpp"
 
@@ -40,14 +41,30 @@ GVar gelu_fast_approx(GTape<B>& tp, GVar x) {
   return unary(tp, Unary::gelu_fast, x);
 }
 
-/// silu(gate) * up (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama / Qwen2 MLP).
-/// gate, up: (..., I) -> (..., I).
+namespace detail {
+template <class B>
+void check_swiglu(const GTape<B>& tp, GVar gate, GVar up) {
+  layer_same_dtype(tp, gate, up, "swiglu", "gate", "up");
+  if (!(tp.shape(gate) == tp.shape(up)))
+    fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
+}
+}  // namespace detail
+
+namespace reference {
+/// SwiGLU composed from primitives, the reference the fused primitive is tested against.
 template <class B>
 GVar swiglu(GTape<B>& tp, GVar gate, GVar up) {
-  detail::layer_same_dtype(tp, gate, up, "swiglu", "gate", "up");
-  if (!(tp.shape(gate) == tp.shape(up)))
-    detail::fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
+  detail::check_swiglu(tp, gate, up);
   return mul(tp, silu(tp, gate), up);
+}
+}  // namespace reference
+
+/// silu(gate) * up (Shazeer 2020, "GLU Variants Improve Transformer"; the Llama / Qwen2 MLP).
+/// gate, up: (..., I) -> (..., I). One fused primitive (ops/glu.hpp).
+template <class B>
+GVar swiglu(GTape<B>& tp, GVar gate, GVar up) {
+  detail::check_swiglu(tp, gate, up);
+  return fused_swiglu(tp, gate, up);
 }
 
 }  // namespace nn

@@ -4,6 +4,7 @@
 // additive mask, softmax, weighted sum of values, heads concatenated.
 #pragma once
 
+#include "../ops/attention.hpp"
 #include "../ops/matmul.hpp"
 #include "../ops/softmax.hpp"
 #include "rope.hpp"
@@ -23,23 +24,107 @@ GVar head(GTape<B>& tp, GVar x, std::int64_t h, std::int64_t head_dim) {
 
 namespace detail {
 
+/// Checks that a mask broadcasts against the scores (B, n_heads, T, T) (left-padded with 1s as
+/// NumPy broadcasting does; its last dim must be T).
+template <class B>
+void check_gqa_mask(const GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std::int64_t nh) {
+  const Shape& ms = tp.shape(mask);
+  if (ms.rank() < 1 || ms.rank() > 4 || ms.dim(-1) != T || !broadcasts_to(ms, Shape{Bn, nh, T, T}))
+    fail("gqa_attention", "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn,
+         ", ", nh, ", ", T, ", ", T, ")");
+}
+
 /// The mask as a rank-5 view that broadcasts against the grouped scores (B, n_kv, group, T, T):
 /// a mask of (B | 1, n_heads | 1, T | 1, T), left-padded with 1s as NumPy broadcasting does.
 template <class B>
 GVar grouped_mask(GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std::int64_t nh, std::int64_t nkv) {
+  check_gqa_mask(tp, mask, Bn, T, nh);
   const Shape& ms = tp.shape(mask);
   std::int64_t d[4] = {1, 1, 1, 1};
-  bool ok = ms.rank() >= 1 && ms.rank() <= 4;
-  for (int i = 0; ok && i < ms.rank(); ++i) d[4 - ms.rank() + i] = ms[i];
-  ok = ok && (d[0] == 1 || d[0] == Bn) && (d[1] == 1 || d[1] == nh) && (d[2] == 1 || d[2] == T) && d[3] == T;
-  if (!ok)
-    fail("gqa_attention", "mask ", ms.str(), " does not broadcast against the scores (B, n_heads, T, T) = (", Bn,
-         ", ", nh, ", ", T, ", ", T, ")");
+  for (int i = 0; i < ms.rank(); ++i) d[4 - ms.rank() + i] = ms[i];
   const bool per_head = d[1] == nh && nh > 1;
   return view(tp, mask, Shape{d[0], per_head ? nkv : 1, per_head ? nh / nkv : 1, d[2], d[3]});
 }
 
+/// gqa_attention's argument checks; returns B (the batch: q's rows / T).
+template <class B>
+std::int64_t check_gqa(const GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
+                       std::int64_t n_kv_heads, std::int64_t head_dim) {
+  const char* L = "gqa_attention";
+  layer_same_dtype(tp, q, k, L, "q", "k");
+  layer_same_dtype(tp, q, v, L, "q", "v");
+  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
+    fail(L, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
+         ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const Shape &qs = tp.shape(q), &ks = tp.shape(k), &vs = tp.shape(v);
+  const std::int64_t qc = n_heads * head_dim, kc = n_kv_heads * head_dim;
+  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
+  if (!ranks_ok || qs.dim(-1) != qc || ks.dim(-1) != kc || vs.dim(-1) != kc ||
+      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
+      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1) || !(ks == vs))
+    fail(L, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
+         ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim, ": expected q (B, T, ", qc,
+         ") and k, v (B, T, ", kc, ") (or rows B*T)");
+  return qs.prod(0, qs.rank() - 1) / T;
+}
+
+/// gqa_attention's RoPE table checks (both tables or neither; (T, dims/2), dims <= head_dim).
+template <class B>
+void check_gqa_rope(const GTape<B>& tp, GVar k, GVar cos, GVar sin, std::int64_t Bn, std::int64_t T,
+                    std::int64_t nkv, std::int64_t hd) {
+  const char* L = "gqa_attention";
+  if (!cos.valid() || !sin.valid()) fail(L, "pass both cos and sin, or neither");
+  layer_same_dtype(tp, k, cos, L, "x", "cos");
+  layer_same_dtype(tp, k, sin, L, "x", "sin");
+  const Shape &cs = tp.shape(cos), &ss = tp.shape(sin);
+  if (!(cs == ss)) fail(L, "cos ", cs.str(), " and sin ", ss.str(), " must have the same shape");
+  if (cs.rank() != 2 || cs[0] != T)
+    fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", cs.str());
+  if (2 * cs[1] > hd)
+    fail(L, "cos/sin ", cs.str(), " rotate ", 2 * cs[1], " features but a head has only ", hd,
+         " (k as heads: (", Bn, ", ", nkv, ", ", T, ", ", hd, "))");
+}
+
 }  // namespace detail
+
+namespace reference {
+
+/// Grouped-query attention composed from primitives (permutes, RoPE, batched matmuls, softmax):
+/// the reference the fused primitive is tested against, and the path when the tables or the mask
+/// need a gradient. The contract is nn::gqa_attention's (below). q is viewed as
+/// (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim), so one batched
+/// matmul per kv head serves its whole group: K and V are never repeated, and their gradients
+/// sum over the group inside that matmul's vjp. `scale` multiplies q after RoPE — the same
+/// product as scaling the scores, on head_dim columns instead of T.
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional = false) {
+  const Shape qs = tp.shape(q);  // a copy: used after recording
+  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
+  const std::int64_t nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
+  GVar qh = permute(tp, detail::view(tp, q, Shape{Bn, T, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, T, hd)
+  GVar kh = permute(tp, detail::view(tp, k, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  GVar vh = permute(tp, detail::view(tp, v, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
+  if (cos.valid() || sin.valid()) {
+    detail::check_gqa_rope(tp, k, cos, sin, Bn, T, nkv, hd);
+    qh = reference::rope(tp, qh, cos, sin, traditional);
+    kh = reference::rope(tp, kh, cos, sin, traditional);
+  }
+  qh = nn::scale(tp, qh, scale);
+  GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  if (mask.valid()) {
+    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
+    GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
+    scores = add(tp, detail::view(tp, scores, Shape{Bn, nkv, g, T, T}), m);  // (B, nkv, g, T, T)
+  }
+  GVar p = softmax(tp, scores);
+  GVar ctx = matmul(tp, detail::view(tp, p, Shape{Bn, nkv, g * T, T}), vh);  // (B, nkv, g*T, hd)
+  ctx = permute(tp, detail::view(tp, ctx, Shape{Bn, nkv, g, T, hd}), {0, 3, 1, 2, 4});  // (B, T, nkv, g, hd)
+  return detail::view(tp, ctx, qs);
+}
+
+}  // namespace reference
 
 /// Grouped-query attention over packed projections.
 ///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
@@ -51,54 +136,33 @@ GVar grouped_mask(GTape<B>& tp, GVar mask, std::int64_t Bn, std::int64_t T, std:
 /// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
 /// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
 ///
-/// Layout: q is viewed as (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim),
-/// so one batched matmul per kv head serves its whole group: K and V are never repeated, and
-/// their gradients sum over the group inside that matmul's vjp. k, v are (B, n_kv, T, head_dim).
-/// `scale` (usually 1/sqrt(head_dim)) multiplies q after RoPE — the same product as scaling the
-/// scores, on head_dim columns instead of T. `traditional` selects the interleaved RoPE.
+/// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
+/// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
+/// permutes); `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
+/// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
+/// `traditional` selects the interleaved RoPE.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
                    bool traditional = false) {
-  const char* L = "gqa_attention";
-  detail::layer_same_dtype(tp, q, k, L, "q", "k");
-  detail::layer_same_dtype(tp, q, v, L, "q", "v");
-  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
-    detail::fail(L, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
-                 ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
-  const Shape qs = tp.shape(q), ks = tp.shape(k), vs = tp.shape(v);  // copies: used after recording
-  const std::int64_t qc = n_heads * head_dim, kc = n_kv_heads * head_dim;
-  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
-  if (!ranks_ok || qs.dim(-1) != qc || ks.dim(-1) != kc || vs.dim(-1) != kc ||
-      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
-      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1) || !(ks == vs))
-    detail::fail(L, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
-                 ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim, ": expected q (B, T, ", qc,
-                 ") and k, v (B, T, ", kc, ") (or rows B*T)");
-  const std::int64_t Bn = qs.prod(0, qs.rank() - 1) / T, nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
-
-  GVar qh = permute(tp, detail::view(tp, q, Shape{Bn, T, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, T, hd)
-  GVar kh = permute(tp, detail::view(tp, k, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
-  GVar vh = permute(tp, detail::view(tp, v, Shape{Bn, T, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, T, hd)
-  if (cos.valid() || sin.valid()) {
-    if (!cos.valid() || !sin.valid()) detail::fail(L, "pass both cos and sin, or neither");
-    detail::check_rope(tp, kh, cos, sin, L);
-    if (tp.shape(cos).rank() > 2 || tp.shape(cos).dim(-2) != T)
-      detail::fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", tp.shape(cos).str());
-    qh = rope(tp, qh, cos, sin, traditional);
-    kh = rope(tp, kh, cos, sin, traditional);
-  }
-  qh = nn::scale(tp, qh, scale);
-  GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
+  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
+  const bool roped = cos.valid() || sin.valid();
+  if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
   if (mask.valid()) {
-    detail::layer_same_dtype(tp, q, mask, L, "q", "mask");
-    GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
-    scores = add(tp, detail::view(tp, scores, Shape{Bn, nkv, g, T, T}), m);  // (B, nkv, g, T, T)
+    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
+    detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
   }
-  GVar p = softmax(tp, scores);
-  GVar ctx = matmul(tp, detail::view(tp, p, Shape{Bn, nkv, g * T, T}), vh);  // (B, nkv, g*T, hd)
-  ctx = permute(tp, detail::view(tp, ctx, Shape{Bn, nkv, g, T, hd}), {0, 3, 1, 2, 4});  // (B, T, nkv, g, hd)
-  return detail::view(tp, ctx, qs);
+  if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask)))
+    return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+  if (roped) {
+    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
+    const std::int64_t half = tp.shape(cos)[1];
+    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
+    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
+    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
+  }
+  return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale);
 }
 
 }  // namespace nn

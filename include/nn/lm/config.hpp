@@ -1,0 +1,277 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / SmolLM decoder, parsed from a Hugging Face
+// config.json (transformers' LlamaConfig / Qwen2Config) with errors that name the file and field.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../config.hpp"
+
+namespace nn::lm {
+
+/// The decoder families this kit runs. SmolLM / SmolLM2 checkpoints are Llama models
+/// (their config.json says "model_type": "llama").
+enum class Arch : std::uint8_t { llama, qwen2 };
+
+inline const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : "qwen2"; }
+
+/// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
+/// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
+/// remap (transformers' _compute_llama3_parameters). Other types (dynamic, yarn, longrope) are
+/// refused when the config is read, since their tables depend on the sequence length.
+struct RopeScaling {
+  std::string type = "default";
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_position_embeddings = 0;
+};
+
+/// Everything the model needs to lay out its weights and run.
+struct ModelConfig {
+  Arch arch = Arch::llama;
+  std::string model_type = "llama";  // as written in the file
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;  // hidden_size / num_attention_heads unless the file says otherwise
+  std::int64_t vocab_size = 0;
+  std::int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;   // Qwen2: always; Llama: attention_bias
+  bool o_bias = false;     // Llama: attention_bias (HF puts it on o_proj too); Qwen2: never
+  bool mlp_bias = false;   // Llama: mlp_bias
+  RopeScaling rope_scaling;
+  /// Per-frequency divisors (head_dim / 2 of them) from a GGUF "rope_freqs" tensor, which is how
+  /// llama.cpp stores Llama 3's frequency remap; empty for none.
+  std::vector<double> rope_freq_factors;
+
+  std::int64_t q_dim() const { return num_attention_heads * head_dim; }
+  std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+
+  /// The RoPE inverse frequencies, head_dim / 2 of them, in double:
+  ///   inv_freq[i] = 1 / theta^(2i / head_dim)        (HF's _compute_default_rope_parameters)
+  /// then remapped by rope_scaling and divided by rope_freq_factors.
+  std::vector<double> inv_freq() const {
+    const std::int64_t half = head_dim / 2;
+    std::vector<double> f(static_cast<std::size_t>(half));
+    for (std::int64_t i = 0; i < half; ++i)
+      f[static_cast<std::size_t>(i)] =
+          1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    const RopeScaling& s = rope_scaling;
+    if (s.type == "linear") {
+      for (double& x : f) x /= s.factor;
+    } else if (s.type == "llama3") {
+      // Long wavelengths are slowed by `factor`, short ones kept, the band between blended
+      // linearly in (original context / wavelength).
+      const double old_ctx = static_cast<double>(s.original_max_position_embeddings);
+      const double low_wavelen = old_ctx / s.low_freq_factor, high_wavelen = old_ctx / s.high_freq_factor;
+      const double pi = 3.14159265358979323846;
+      for (double& x : f) {
+        const double wavelen = 2 * pi / x;
+        const double scaled = wavelen > low_wavelen ? x / s.factor : x;
+        if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+          const double smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+          x = (1 - smooth) * scaled / s.factor + smooth * scaled;
+        } else {
+          x = scaled;
+        }
+      }
+    }
+    for (std::size_t i = 0; i < rope_freq_factors.size() && i < f.size(); ++i) f[i] /= rope_freq_factors[i];
+    return f;
+  }
+
+  /// Raises "[config] <label>: ..." when the numbers cannot describe a model.
+  void validate(const std::string& label) const {
+    auto positive = [&](const char* field, std::int64_t v) {
+      if (v <= 0) nn::detail::fail("config", label, ": field \"", field, "\" must be a positive integer, got ", v);
+    };
+    positive("hidden_size", hidden_size);
+    positive("intermediate_size", intermediate_size);
+    positive("num_hidden_layers", num_hidden_layers);
+    positive("num_attention_heads", num_attention_heads);
+    positive("num_key_value_heads", num_key_value_heads);
+    positive("head_dim", head_dim);
+    positive("vocab_size", vocab_size);
+    if (num_attention_heads % num_key_value_heads != 0)
+      nn::detail::fail("config", label, ": field \"num_key_value_heads\" (", num_key_value_heads,
+                   ") must divide num_attention_heads (", num_attention_heads, ")");
+    if (head_dim % 2 != 0) nn::detail::fail("config", label, ": field \"head_dim\" must be even for RoPE, got ", head_dim);
+    if (!(rms_norm_eps > 0) || !std::isfinite(rms_norm_eps))
+      nn::detail::fail("config", label, ": field \"rms_norm_eps\" must be a positive number, got ", rms_norm_eps);
+    if (!(rope_theta > 0) || !std::isfinite(rope_theta))
+      nn::detail::fail("config", label, ": field \"rope_theta\" must be a positive number, got ", rope_theta);
+    if (!rope_freq_factors.empty() && static_cast<std::int64_t>(rope_freq_factors.size()) != head_dim / 2)
+      nn::detail::fail("config", label, ": ", rope_freq_factors.size(), " rope frequency factors for head_dim ", head_dim,
+                   " (expected ", head_dim / 2, ")");
+  }
+};
+
+namespace detail {
+
+/// Typed reads of config.json fields; every error names the file and the field.
+struct ConfigReader {
+  const nlohmann::json& j;
+  const std::string& label;
+
+  const nlohmann::json* find(const char* field) const {
+    auto it = j.find(field);
+    if (it == j.end() || it->is_null()) return nullptr;  // HF writes null for "not set"
+    return &*it;
+  }
+  [[noreturn]] void bad(const char* field, const char* expected, const nlohmann::json& v) const {
+    std::string got = v.dump();
+    if (got.size() > 80) got = got.substr(0, 77) + "...";
+    nn::detail::fail("config", label, ": field \"", field, "\": expected ", expected, ", got ", got);
+  }
+  std::int64_t integer(const nlohmann::json& v, const char* field) const {
+    if (v.is_number_unsigned()) {
+      if (v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        bad(field, "an integer below 2^63", v);
+      return static_cast<std::int64_t>(v.get<std::uint64_t>());
+    }
+    if (v.is_number_integer()) return v.get<std::int64_t>();
+    bad(field, "an integer", v);
+  }
+  std::int64_t req_int(const char* field) const {
+    const nlohmann::json* v = find(field);
+    if (!v) nn::detail::fail("config", label, ": missing field \"", field, "\" (an integer)");
+    return integer(*v, field);
+  }
+  std::int64_t opt_int(const char* field, std::int64_t dflt) const {
+    const nlohmann::json* v = find(field);
+    return v ? integer(*v, field) : dflt;
+  }
+  double number(const nlohmann::json& v, const char* field) const {
+    if (!v.is_number()) bad(field, "a number", v);
+    return v.get<double>();
+  }
+  double opt_num(const char* field, double dflt) const {
+    const nlohmann::json* v = find(field);
+    return v ? number(*v, field) : dflt;
+  }
+  bool opt_bool(const char* field, bool dflt) const {
+    const nlohmann::json* v = find(field);
+    if (!v) return dflt;
+    if (!v->is_boolean()) bad(field, "true or false", *v);
+    return v->get<bool>();
+  }
+  std::string opt_str(const char* field, const std::string& dflt) const {
+    const nlohmann::json* v = find(field);
+    if (!v) return dflt;
+    if (!v->is_string()) bad(field, "a string", *v);
+    return v->get<std::string>();
+  }
+};
+
+}  // namespace detail
+
+/// Parses a config.json document (already read); `label` (the file name) leads every error.
+inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& label = "config.json") {
+  if (!j.is_object()) nn::detail::fail("config", label, ": expected a JSON object at the top level");
+  detail::ConfigReader r{j, label};
+  ModelConfig c;
+  const nlohmann::json* mt = r.find("model_type");
+  if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (\"llama\" or \"qwen2\")");
+  if (!mt->is_string()) r.bad("model_type", "a string", *mt);
+  c.model_type = mt->get<std::string>();
+  if (c.model_type == "llama" || c.model_type == "smollm") c.arch = Arch::llama;
+  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
+  else
+    nn::detail::fail("config", label, ": field \"model_type\": \"", c.model_type,
+                 "\" is not supported (supported: llama — which covers SmolLM / SmolLM2 — and qwen2)");
+
+  const std::string act = r.opt_str("hidden_act", "silu");
+  if (act != "silu")
+    nn::detail::fail("config", label, ": field \"hidden_act\": \"", act, "\" is not supported (the SwiGLU MLP uses silu)");
+  c.hidden_size = r.req_int("hidden_size");
+  c.intermediate_size = r.req_int("intermediate_size");
+  c.num_hidden_layers = r.req_int("num_hidden_layers");
+  c.num_attention_heads = r.req_int("num_attention_heads");
+  c.num_key_value_heads = r.opt_int("num_key_value_heads", c.num_attention_heads);
+  c.vocab_size = r.req_int("vocab_size");
+  if (c.num_attention_heads > 0 && !r.find("head_dim") && c.hidden_size % c.num_attention_heads != 0)
+    nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
+                 ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
+  c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::qwen2 ? 32768 : 2048);
+  c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
+  c.rope_theta = r.opt_num("rope_theta", 10000.0);
+  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
+  if (c.arch == Arch::qwen2) {
+    // Qwen2Attention hard-codes bias=True on q/k/v and bias=False on o_proj; the MLP has none.
+    c.qkv_bias = true;
+    if (r.opt_bool("use_sliding_window", false))
+      nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
+  } else {
+    c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
+    c.mlp_bias = r.opt_bool("mlp_bias", false);
+  }
+
+  if (const nlohmann::json* rs = r.find("rope_scaling")) {
+    if (!rs->is_object()) r.bad("rope_scaling", "null or an object", *rs);
+    detail::ConfigReader s{*rs, label};
+    auto sub = [&](const char* k) { return std::string("rope_scaling.") + k; };
+    // transformers reads "rope_type", falling back to the older "type".
+    std::string type = s.opt_str("rope_type", s.opt_str("type", "default"));
+    c.rope_scaling.type = type;
+    if (type == "default") {
+    } else if (type == "linear" || type == "llama3") {
+      const nlohmann::json* f = s.find("factor");
+      if (!f) nn::detail::fail("config", label, ": field \"", sub("factor"), "\" is required for rope type \"", type, "\"");
+      const std::string fk = sub("factor");
+      c.rope_scaling.factor = s.number(*f, fk.c_str());
+      if (!(c.rope_scaling.factor > 0))
+        nn::detail::fail("config", label, ": field \"", fk, "\" must be positive, got ", c.rope_scaling.factor);
+      if (type == "llama3") {
+        auto need = [&](const char* k) -> const nlohmann::json& {
+          const nlohmann::json* v = s.find(k);
+          if (!v) nn::detail::fail("config", label, ": field \"", sub(k), "\" is required for rope type \"llama3\"");
+          return *v;
+        };
+        const std::string lk = sub("low_freq_factor"), hk = sub("high_freq_factor"),
+                          ok = sub("original_max_position_embeddings");
+        c.rope_scaling.low_freq_factor = s.number(need("low_freq_factor"), lk.c_str());
+        c.rope_scaling.high_freq_factor = s.number(need("high_freq_factor"), hk.c_str());
+        c.rope_scaling.original_max_position_embeddings = s.integer(need("original_max_position_embeddings"), ok.c_str());
+        if (!(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor) ||
+            !(c.rope_scaling.low_freq_factor > 0) || c.rope_scaling.original_max_position_embeddings <= 0)
+          nn::detail::fail("config", label, ": field \"rope_scaling\": llama3 needs high_freq_factor > low_freq_factor > 0 "
+                       "and original_max_position_embeddings > 0");
+      }
+    } else {
+      nn::detail::fail("config", label, ": field \"rope_scaling\": rope type \"", type,
+                   "\" is not supported (supported: default, linear, llama3)");
+    }
+  }
+  c.validate(label);
+  return c;
+}
+
+/// Reads `path`: a config.json file, or a folder holding one.
+inline ModelConfig load_config(const std::filesystem::path& path) {
+  std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) nn::detail::fail("config", file.string(), ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded()) nn::detail::fail("config", file.string(), ": not valid JSON");
+  return config_from_json(j, file.string());
+}
+
+}  // namespace nn::lm

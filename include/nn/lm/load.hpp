@@ -1,0 +1,309 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Loading a CausalLM: from a Hugging Face folder (config.json + model.safetensors, or a sharded
+// model.safetensors.index.json) and from a GGUF file (llama.cpp's names, dequantised, Q/K rows
+// un-permuted), strictly: every missing, unknown and mismatched name is reported at once.
+#pragma once
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../io/safetensors.hpp"
+#include "../io/weights.hpp"
+#include "config.hpp"
+#include "gguf.hpp"
+#include "model.hpp"
+
+namespace nn::lm {
+
+namespace detail {
+
+/// Checks `named` against the model with load_weights' strict plan (missing, unknown,
+/// mismatched and duplicated names all in one error, nothing written on failure), then hands
+/// each converted tensor's storage to the model instead of copying it: a loader's tensors are
+/// fresh, and the model was built uninitialised, so the peak is one copy of the weights.
+inline void load_named(CausalLM& m, const nn::detail::NamedTensorList& named, const std::string& source) {
+  auto plan = nn::detail::plan_load(m, named, true, source);
+  for (auto& [target, t] : plan) *target = *t;
+}
+
+/// One safetensors tensor as a host tensor of the model's dtype. bf16 and f16 widen exactly;
+/// f64 -> f32 rounds once.
+inline Tensor float_tensor(const SafetensorsView& v, DType dt) {
+  const SafetensorsDtype s = v.dtype();
+  if (s != SafetensorsDtype::F32 && s != SafetensorsDtype::F16 && s != SafetensorsDtype::BF16 &&
+      s != SafetensorsDtype::F64)
+    nn::detail::fail("load_hf", v.file(), ": tensor \"", v.name(), "\" has dtype ", safetensors_dtype_name(s),
+                     "; model weights must be F32, F16, BF16 or F64");
+  Tensor t = v.to_tensor();
+  return t.dtype() == dt ? t : t.to(dt);
+}
+
+/// The safetensors files of a Hugging Face folder: model.safetensors, or the shards a
+/// model.safetensors.index.json names (each once, in the index's order), with the index's
+/// weight_map (name -> shard file; empty for a single file).
+struct HfWeightFiles {
+  std::vector<std::filesystem::path> files;
+  std::map<std::string, std::string> weight_map;
+};
+
+inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
+  HfWeightFiles out;
+  const std::filesystem::path single = folder / "model.safetensors", index = folder / "model.safetensors.index.json";
+  if (std::filesystem::is_regular_file(single)) {
+    out.files.push_back(single);
+    return out;
+  }
+  if (!std::filesystem::is_regular_file(index))
+    nn::detail::fail("load_hf", folder.string(), ": no model.safetensors and no model.safetensors.index.json");
+  std::ifstream in(index, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string label = index.string();
+  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) nn::detail::fail("load_hf", label, ": not a JSON object");
+  auto wm = j.find("weight_map");
+  if (wm == j.end() || !wm->is_object() || wm->empty())
+    nn::detail::fail("load_hf", label, ": field \"weight_map\" must be a non-empty object of tensor name -> shard file");
+  std::set<std::string> seen;
+  for (auto it = wm->begin(); it != wm->end(); ++it) {
+    if (!it.value().is_string())
+      nn::detail::fail("load_hf", label, ": field \"weight_map\": \"", it.key(), "\" must map to a file name");
+    const std::string shard = it.value().get<std::string>();
+    const std::filesystem::path rel(shard);
+    bool safe = !shard.empty() && rel.is_relative() && !rel.has_root_name();
+    for (const auto& part : rel) safe = safe && part != "..";
+    if (!safe)
+      nn::detail::fail("load_hf", label, ": field \"weight_map\": shard \"", shard, "\" (for \"", it.key(),
+                       "\") must be a file name inside the folder");
+    out.weight_map[it.key()] = shard;
+    if (seen.insert(shard).second) {
+      if (!std::filesystem::is_regular_file(folder / rel))
+        nn::detail::fail("load_hf", label, ": shard \"", shard, "\" (listed for \"", it.key(), "\") is not in the folder");
+      out.files.push_back(folder / rel);
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// Loads a Hugging Face checkpoint folder (config.json plus model.safetensors or a sharded
+/// model.safetensors.index.json) into a model computing in `dtype` (f32, or f64 for oracle
+/// tests); bf16 / f16 / f32 / f64 weights are converted on load. Strict: a name the model lacks,
+/// a weight it needs that is absent, or a shape that differs raises nn::Error listing every
+/// such name, and no model is returned. As transformers does, rotary_emb.inv_freq buffers and a
+/// stored lm_head.weight of a tied model are skipped.
+inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType::f32) {
+  const ModelConfig cfg = load_config(folder / "config.json");
+  CausalLM m = CausalLM::uninitialised(cfg, dtype);
+  detail::HfWeightFiles wf = detail::hf_weight_files(folder);
+  nn::detail::NamedTensorList named;
+  for (const auto& file : wf.files) {
+    SafetensorsFile f(file);
+    const std::string shard = file.filename().string();
+    for (const SafetensorsView& v : f.views()) {
+      if (!wf.weight_map.empty()) {
+        auto it = wf.weight_map.find(v.name());
+        if (it == wf.weight_map.end() || std::filesystem::path(it->second).filename() != file.filename())
+          nn::detail::fail("load_hf", file.string(), ": holds \"", v.name(), "\", which the index ",
+                           it == wf.weight_map.end() ? std::string("does not list")
+                                                     : "places in \"" + it->second + "\"");
+      }
+      if (v.name().ends_with(".rotary_emb.inv_freq")) continue;  // a derived buffer
+      if (cfg.tie_word_embeddings && v.name() == "lm_head.weight") continue;  // the embedding is the head
+      named.emplace_back(v.name(), detail::float_tensor(v, dtype));
+    }
+  }
+  if (!wf.weight_map.empty()) {
+    std::set<std::string> got;
+    for (const auto& [n, t] : named) got.insert(n);
+    for (const auto& [n, shard] : wf.weight_map) {
+      const bool skipped = n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == "lm_head.weight");
+      if (!skipped && !got.count(n))
+        nn::detail::fail("load_hf", (folder / "model.safetensors.index.json").string(), ": lists \"", n, "\" in \"",
+                         shard, "\", which does not hold it");
+    }
+  }
+  detail::load_named(m, named, folder.string());
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GGUF
+
+namespace detail {
+
+/// llama.cpp's tensor name -> Hugging Face's (llama.cpp src/llama-arch.cpp, gguf-py
+/// tensor_mapping.py). A name with no mapping is returned unchanged, so the strict load reports
+/// it as unknown.
+inline std::string gguf_to_hf_name(const std::string& g) {
+  if (g == "token_embd.weight") return "model.embed_tokens.weight";
+  if (g == "output_norm.weight") return "model.norm.weight";
+  if (g == "output.weight") return "lm_head.weight";
+  static const std::pair<std::string_view, std::string_view> parts[] = {
+      {"attn_norm", "input_layernorm"}, {"ffn_norm", "post_attention_layernorm"},
+      {"attn_q", "self_attn.q_proj"},   {"attn_k", "self_attn.k_proj"},
+      {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
+      {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
+      {"ffn_down", "mlp.down_proj"}};
+  if (g.rfind("blk.", 0) != 0) return g;
+  const std::size_t dot1 = g.find('.', 4);
+  if (dot1 == std::string::npos || dot1 == 4) return g;
+  const std::string layer = g.substr(4, dot1 - 4);
+  if (layer.find_first_not_of("0123456789") != std::string::npos) return g;
+  const std::size_t dot2 = g.rfind('.');
+  if (dot2 <= dot1) return g;
+  const std::string part = g.substr(dot1 + 1, dot2 - dot1 - 1), leaf = g.substr(dot2 + 1);
+  if (leaf != "weight" && leaf != "bias") return g;
+  for (const auto& [from, to] : parts)
+    if (part == from) return "model.layers." + layer + "." + std::string(to) + "." + leaf;
+  return g;
+}
+
+/// Undoes convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or
+/// bias (out). The converter regroups each head's rows from HF's half-split RoPE pairs
+/// (x[i], x[i + hd/2]) to llama.cpp's interleaved ones (x[2i], x[2i + 1]):
+///   stored row h*hd + 2i + s  <-  HF row h*hd + s*hd/2 + i      (s in {0, 1}, i < hd/2)
+/// n_head is the tensor's own head count (n_kv_heads for k).
+inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::string& name) {
+  const std::int64_t rows = t.dim(0), cols = rows ? t.numel() / rows : 0;
+  if (n_head <= 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0)
+    nn::detail::fail("load_gguf", "tensor \"", name, "\" ", t.shape().str(), " does not split into ", n_head,
+                     " heads of even size");
+  const std::int64_t hd = rows / n_head, half = hd / 2;
+  Tensor out = Tensor::empty(t.shape(), t.dtype());
+  const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(t.dtype());
+  const auto* src = static_cast<const std::byte*>(t.raw());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  for (std::int64_t h = 0; h < n_head; ++h)
+    for (std::int64_t s = 0; s < 2; ++s)
+      for (std::int64_t i = 0; i < half; ++i)
+        std::memcpy(dst + static_cast<std::size_t>(h * hd + s * half + i) * row_bytes,
+                    src + static_cast<std::size_t>(h * hd + 2 * i + s) * row_bytes, row_bytes);
+  return out;
+}
+
+/// Typed metadata reads whose errors name the file and the key.
+struct GgufMeta {
+  const GgufFile& f;
+  template <class Fn>
+  auto read(const std::string& key, Fn fn) const -> decltype(fn(std::declval<const GgufValue&>())) {
+    try {
+      return fn(f.at(key));
+    } catch (const nn::Error& e) {
+      std::string msg = e.what();
+      if (msg.find(f.path()) != std::string::npos) throw;
+      if (msg.rfind("[gguf] ", 0) == 0) msg = msg.substr(7);
+      nn::detail::fail("gguf", f.path(), ": ", msg);
+    }
+  }
+  std::int64_t req_int(const std::string& key) const {
+    return read(key, [](const GgufValue& v) { return v.as_int(); });
+  }
+  std::int64_t opt_int(const std::string& key, std::int64_t dflt) const { return f.contains(key) ? req_int(key) : dflt; }
+  double opt_num(const std::string& key, double dflt) const {
+    return f.contains(key) ? read(key, [](const GgufValue& v) { return v.as_float(); }) : dflt;
+  }
+  std::string opt_str(const std::string& key, const std::string& dflt) const {
+    return f.contains(key) ? read(key, [](const GgufValue& v) { return v.as_string(); }) : dflt;
+  }
+};
+
+}  // namespace detail
+
+/// The model's hyperparameters from GGUF metadata: general.architecture ("llama" or "qwen2")
+/// and <arch>.embedding_length, .block_count, .feed_forward_length, .attention.head_count,
+/// .attention.head_count_kv, .attention.key_length, .attention.layer_norm_rms_epsilon,
+/// .rope.freq_base, .rope.scaling.*, .context_length; the vocabulary size from <arch>.vocab_size,
+/// else the tokenizer's token list, else token_embd's rows. Tied embeddings when there is no
+/// output.weight; biases when the tensors are there; a rope_freqs tensor becomes
+/// rope_freq_factors (llama.cpp's form of Llama 3's frequency remap).
+inline ModelConfig gguf_config(const GgufFile& f) {
+  detail::GgufMeta m{f};
+  const std::string label = f.path();
+  ModelConfig c;
+  c.model_type = m.read("general.architecture", [](const GgufValue& v) { return v.as_string(); });
+  if (c.model_type == "llama") c.arch = Arch::llama;
+  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
+  else
+    nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not supported (llama, qwen2)");
+  const std::string a = c.model_type + ".";
+  c.hidden_size = m.req_int(a + "embedding_length");
+  c.num_hidden_layers = m.req_int(a + "block_count");
+  c.intermediate_size = m.req_int(a + "feed_forward_length");
+  c.num_attention_heads = m.req_int(a + "attention.head_count");
+  c.num_key_value_heads = m.opt_int(a + "attention.head_count_kv", c.num_attention_heads);
+  c.head_dim = m.opt_int(a + "attention.key_length", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  if (const std::int64_t vl = m.opt_int(a + "attention.value_length", c.head_dim); vl != c.head_dim)
+    nn::detail::fail("gguf", label, ": ", a, "attention.value_length ", vl, " differs from the key length ", c.head_dim);
+  if (const std::int64_t rd = m.opt_int(a + "rope.dimension_count", c.head_dim); rd != c.head_dim)
+    nn::detail::fail("gguf", label, ": ", a, "rope.dimension_count ", rd, " differs from head_dim ", c.head_dim,
+                     " (partial rotary embeddings are not supported)");
+  c.rms_norm_eps = m.opt_num(a + "attention.layer_norm_rms_epsilon", 1e-6);
+  c.rope_theta = m.opt_num(a + "rope.freq_base", 10000.0);
+  c.max_position_embeddings = m.opt_int(a + "context_length", c.max_position_embeddings);
+  const std::string scaling = m.opt_str(a + "rope.scaling.type", "none");
+  if (scaling == "linear") {
+    c.rope_scaling.type = "linear";
+    c.rope_scaling.factor = m.opt_num(a + "rope.scaling.factor", 1.0);
+    if (!(c.rope_scaling.factor > 0)) nn::detail::fail("gguf", label, ": ", a, "rope.scaling.factor must be positive");
+  } else if (scaling != "none") {
+    nn::detail::fail("gguf", label, ": ", a, "rope.scaling.type \"", scaling, "\" is not supported (none, linear)");
+  }
+  if (f.contains(a + "vocab_size")) {
+    c.vocab_size = m.req_int(a + "vocab_size");
+  } else if (f.contains("tokenizer.ggml.tokens")) {
+    c.vocab_size = static_cast<std::int64_t>(m.read("tokenizer.ggml.tokens", [](const GgufValue& v) { return v.size(); }));
+  } else if (const GgufTensorInfo* t = f.find_tensor("token_embd.weight"); t && t->ne.size() == 2) {
+    c.vocab_size = t->ne[1];
+  }
+  c.tie_word_embeddings = f.find_tensor("output.weight") == nullptr;
+  c.qkv_bias = c.arch == Arch::qwen2 || f.find_tensor("blk.0.attn_q.bias") != nullptr;
+  c.o_bias = f.find_tensor("blk.0.attn_output.bias") != nullptr;
+  c.mlp_bias = f.find_tensor("blk.0.ffn_gate.bias") != nullptr;
+  if (const GgufTensorInfo* t = f.find_tensor("rope_freqs.weight")) {
+    Tensor ff = f.tensor(*t, DType::f64);
+    c.rope_freq_factors = ff.to_doubles();
+  }
+  c.validate(label);
+  return c;
+}
+
+/// Builds a CausalLM from an open GGUF file, dequantising every tensor to `dtype` (f32, or f64
+/// for oracle tests), renaming llama.cpp's tensors to HF's and, for the llama architecture,
+/// undoing the converter's q/k row permutation (qwen2 files are stored unpermuted, as llama.cpp
+/// runs qwen2 with NEOX RoPE). Strict, as load_hf.
+inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32) {
+  const ModelConfig cfg = gguf_config(f);
+  CausalLM m = CausalLM::uninitialised(cfg, dtype);
+  nn::detail::NamedTensorList named;
+  named.reserve(f.tensors().size());
+  for (const GgufTensorInfo& t : f.tensors()) {
+    if (t.name == "rope_freqs.weight") continue;  // read into the config
+    std::string hf = detail::gguf_to_hf_name(t.name);
+    Tensor w = f.tensor(t, dtype);
+    if (cfg.arch == Arch::llama) {
+      if (hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias"))
+        w = detail::unpermute_rows(w, cfg.num_attention_heads, t.name);
+      else if (hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias"))
+        w = detail::unpermute_rows(w, cfg.num_key_value_heads, t.name);
+    }
+    named.emplace_back(std::move(hf), std::move(w));
+  }
+  detail::load_named(m, named, f.path());
+  return m;
+}
+
+/// Opens, validates and loads a GGUF file (see load_gguf(const GgufFile&, DType)).
+inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType::f32) {
+  return load_gguf(GgufFile(path), dtype);
+}
+
+}  // namespace nn::lm

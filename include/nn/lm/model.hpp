@@ -1,0 +1,321 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// CausalLM: the Llama / Qwen2 / SmolLM decoder-only transformer as Hugging Face's LlamaForCausalLM
+// and Qwen2ForCausalLM compute it, as a module tree whose parameter paths are HF's own
+// ("model.layers.0.self_attn.q_proj.weight"), with a batched forward on the tape and a KV-cached
+// forward for generation.
+//
+// One decoder layer (HF LlamaDecoderLayer):
+//   h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = RMSNorm(x)
+//   y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                         n2 = RMSNorm(h)
+// then a final RMSNorm and the LM head (the embedding table itself when tie_word_embeddings).
+// RoPE is the NEOX half-split form (HF rotate_half) with the config's inverse frequencies.
+#pragma once
+
+#include <cmath>
+#include <optional>
+#include <variant>
+#include <vector>
+
+#include "../layers/activations.hpp"
+#include "../layers/attention.hpp"
+#include "../layers/mask.hpp"
+#include "../layers/rope.hpp"
+#include "../module.hpp"
+#include "../modules.hpp"
+#include "config.hpp"
+
+namespace nn::lm {
+
+/// A projection LoRA may replace in place: model.map_modules<nn::Linear>(pred, f) with f
+/// returning nn::LoraLinear::from_base(l, r) swaps the alternative and keeps the path
+/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them).
+using Projection = std::variant<Linear, LoraLinear>;
+
+namespace detail {
+
+template <class B>
+GVar project(GTape<B>& tp, const Projection& p, GVar x) {
+  return std::visit([&](const auto& m) { return m(tp, x); }, p);
+}
+
+inline Tensor zeros_or_empty(const Shape& s, DType dt, bool zero) {
+  return zero ? Tensor::zeros(s, dt) : Tensor::empty(s, dt);
+}
+
+inline Linear make_linear(std::int64_t in, std::int64_t out, bool bias, DType dt, bool zero) {
+  Linear l;  // default-constructed: draws nothing from nn::random
+  l.weight = Param(zeros_or_empty(Shape{out, in}, dt, zero));
+  if (bias) l.bias = Param(zeros_or_empty(Shape{out}, dt, zero));
+  return l;
+}
+
+inline RmsNorm make_norm(std::int64_t dims, double eps, DType dt, bool zero) {
+  RmsNorm n;
+  n.weight = Param(zero ? Tensor::ones(Shape{dims}, dt) : Tensor::empty(Shape{dims}, dt));
+  n.eps(eps);
+  return n;
+}
+
+/// cos and sin (T, head_dim/2) for positions offset .. offset+T-1, angles t * inv_freq[i] in
+/// double, rounded once to dt. (nn::rope_fill takes a base and a scale; Llama 3's remapped
+/// frequencies need the table per frequency, so it is built here from ModelConfig::inv_freq.)
+inline RopeTable rope_table(const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
+  const std::vector<double> f = c.inv_freq();
+  const std::int64_t half = static_cast<std::int64_t>(f.size());
+  std::vector<double> cs(static_cast<std::size_t>(T * half)), sn(cs.size());
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double a = static_cast<double>(t + offset) * f[static_cast<std::size_t>(i)];
+      cs[static_cast<std::size_t>(t * half + i)] = std::cos(a);
+      sn[static_cast<std::size_t>(t * half + i)] = std::sin(a);
+    }
+  return {Tensor::from_doubles(Shape{T, half}, cs, dt), Tensor::from_doubles(Shape{T, half}, sn, dt)};
+}
+
+template <class B>
+RopeVars rope_vars(GTape<B>& tp, const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
+  RopeTable t = rope_table(c, T, offset, dt);
+  return {tp.constant(nn::detail::on_backend<B>(t.cos)), tp.constant(nn::detail::on_backend<B>(t.sin))};
+}
+
+}  // namespace detail
+
+/// HF's LlamaAttention / Qwen2Attention weights: q (n_heads*hd, C), k and v (n_kv*hd, C),
+/// o (C, n_heads*hd); biases on q/k/v for Qwen2 (and Llama with attention_bias).
+struct Attention {
+  Projection q_proj, k_proj, v_proj, o_proj;
+  NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj)
+};
+
+/// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I).
+struct Mlp {
+  Projection gate_proj, up_proj, down_proj;
+
+  // x: (..., C) -> (..., C)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    return detail::project(tp, down_proj, swiglu(tp, detail::project(tp, gate_proj, x), detail::project(tp, up_proj, x)));
+  }
+  NN_MODULE(Mlp, gate_proj, up_proj, down_proj)
+};
+
+/// One pre-norm decoder layer, fields in HF's order.
+struct DecoderLayer {
+  Attention self_attn;
+  Mlp mlp;
+  RmsNorm input_layernorm, post_attention_layernorm;
+  NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm)
+};
+
+/// HF's LlamaModel / Qwen2Model (the "model." prefix of every path): embedding, layers, norm.
+struct Backbone {
+  Embedding embed_tokens;  // (vocab, C)
+  std::vector<DecoderLayer> layers;
+  RmsNorm norm;
+  NN_MODULE(Backbone, embed_tokens, layers, norm)
+};
+
+/// The per-layer keys and values seen so far, for incremental decoding with CausalLM::decode.
+/// k[l], v[l]: (B, n_kv_heads, S, head_dim), keys after RoPE; keep: (B, S) float, 1 for a real
+/// token and 0 for padding. Empty until the first decode() call.
+struct KVCache {
+  std::vector<Tensor> k, v;
+  Tensor keep;
+  /// S: how many positions are cached (the next token's position).
+  std::int64_t length() const { return k.empty() || !k[0].defined() ? 0 : k[0].dim(2); }
+  void clear() {
+    k.clear();
+    v.clear();
+    keep = Tensor();
+  }
+};
+
+/// LlamaForCausalLM / Qwen2ForCausalLM. Parameter paths: model.embed_tokens.weight,
+/// model.layers.N.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}.{weight,bias},
+/// model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight
+/// (absent when tied). Build one with nn::lm::load_hf / load_gguf, or CausalLM(config, dtype) for
+/// zero weights of the right shapes.
+struct CausalLM {
+  Backbone model;
+  std::optional<Linear> lm_head;  // (vocab, C); empty when tied to model.embed_tokens
+
+  CausalLM() = default;
+  /// Every weight of the config's shapes in `dtype` (f32 or f64): zeros, norms ones.
+  explicit CausalLM(const ModelConfig& cfg, DType dtype = DType::f32) : CausalLM(cfg, dtype, true) {}
+  /// The same with uninitialised storage (a loader about to fill every tensor).
+  static CausalLM uninitialised(const ModelConfig& cfg, DType dtype = DType::f32) { return CausalLM(cfg, dtype, false); }
+
+  const ModelConfig& config() const { return config_; }
+  DType dtype() const { return model.embed_tokens.weight.value.dtype(); }
+
+  /// The final hidden states (after the last RMSNorm).
+  ///   ids: (B, T) int32/int64 token ids (usually an input slot, so a replay can swap batches)
+  ///   mask: additive attention mask broadcasting against (B, n_heads, T, T) that already holds
+  ///         causality — nn::attention_mask_fill(keep) for a padded batch; GVar{} for causal only
+  ///   -> (B, T, C)
+  /// Positions are 0..T-1 in every row, as HF's forward without position_ids: pad on the right.
+  template <class B>
+  GVar hidden(GTape<B>& tp, GVar ids, GVar mask = GVar{}) const {
+    const char* L = "CausalLM";
+    const Shape ids_shape = tp.shape(ids);
+    if (ids_shape.rank() != 2 || (tp.dtype(ids) != DType::i32 && tp.dtype(ids) != DType::i64))
+      nn::detail::fail(L, "ids must be (B, T) int32 or int64, got ", ids_shape.str(), " ", dtype_name(tp.dtype(ids)));
+    const std::int64_t T = ids_shape[1];
+    const ModelConfig& c = config_;
+    const DType dt = dtype();
+    if (!mask.valid()) mask = causal_mask_fill(tp, T, dt);
+    RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+
+    GVar x = model.embed_tokens(tp, ids);  // (B, T, C)
+    for (const DecoderLayer& l : model.layers) {
+      GVar n1 = l.input_layernorm(tp, x);
+      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
+      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
+      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+      GVar ctx = gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads, c.num_key_value_heads,
+                               c.head_dim, scale);  // (B, T, n_heads * hd)
+      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+    }
+    return model.norm(tp, x);
+  }
+
+  /// The LM head on hidden states: (..., C) -> (..., vocab).
+  template <class B>
+  GVar head(GTape<B>& tp, GVar h) const {
+    return lm_head ? (*lm_head)(tp, h) : model.embed_tokens.as_linear(tp, h);
+  }
+
+  /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids) const {
+    return head(tp, hidden(tp, ids));
+  }
+  /// The same with an additive mask (see hidden()).
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids, GVar mask) const {
+    return head(tp, hidden(tp, ids, mask));
+  }
+  /// The same with a padding mask keep (B, T) (nonzero = real token), turned into the causal +
+  /// key-padding mask as a constant. (A compiled step that swaps batches should register the
+  /// mask itself as an input slot — nn::input(tp, nn::attention_mask_fill(keep, dtype())) — and
+  /// use the overload above.)
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids, const Tensor& keep) const {
+    return head(tp, hidden(tp, ids, attention_mask_fill(tp, keep, dtype())));
+  }
+
+  /// Incremental forward for generation: runs ids (B, Tq) at positions S .. S+Tq-1, where S =
+  /// cache.length(), attending to the cached keys/values and to each other causally; appends
+  /// this step's keys/values to `cache` and returns the logits (B, Tq, vocab) as a host tensor.
+  /// keep (B, Tq), optional: 0 marks padding among the new tokens (never attended to later).
+  /// Prefill with the prompt (Tq = its length), then one token at a time: the logits equal
+  /// logits() on the whole sequence. Each call records a fresh tape (no gradient is wanted).
+  template <class B = cpu>
+  Tensor decode(const Tensor& ids, KVCache& cache, const Tensor& keep = Tensor()) const {
+    const char* L = "CausalLM.decode";
+    if (!ids.defined() || ids.rank() != 2 || (ids.dtype() != DType::i32 && ids.dtype() != DType::i64))
+      nn::detail::fail(L, "ids must be a (B, Tq) int32 or int64 tensor, got ",
+                       ids.defined() ? ids.shape().str() + " " + dtype_name(ids.dtype()) : std::string("an empty tensor"));
+    const ModelConfig& c = config_;
+    const DType dt = dtype();
+    const std::int64_t Bn = ids.dim(0), Tq = ids.dim(1), S0 = cache.length(), S = S0 + Tq;
+    if (Tq == 0) nn::detail::fail(L, "ids ", ids.shape().str(), " holds no token");
+    const std::size_t nl = model.layers.size();
+    if (S0 > 0 && (cache.k.size() != nl || cache.v.size() != nl || cache.k[0].dim(0) != Bn))
+      nn::detail::fail(L, "the cache holds ", cache.k.size(), " layers of batch ", cache.k.empty() ? 0 : cache.k[0].dim(0),
+                       "; this model has ", nl, " layers and ids ", ids.shape().str(), " (clear() it for a new batch)");
+    if (keep.defined() && !(keep.shape() == ids.shape()))
+      nn::detail::fail(L, "keep ", keep.shape().str(), " must have the shape of ids ", ids.shape().str());
+
+    // keep for every position so far (B, S), and the additive mask (B, 1, Tq, S): query i (at
+    // position S0 + i) sees key j when j <= S0 + i and key j is a real token.
+    std::vector<double> kp(static_cast<std::size_t>(Bn * S), 1.0);
+    for (std::int64_t b = 0; b < Bn; ++b)
+      for (std::int64_t j = 0; j < S; ++j) {
+        double v = 1.0;
+        if (j < S0 && cache.keep.defined()) v = cache.keep.item(b * S0 + j);
+        if (j >= S0 && keep.defined()) v = keep.item(b * Tq + (j - S0)) != 0 ? 1.0 : 0.0;
+        kp[static_cast<std::size_t>(b * S + j)] = v;
+      }
+    std::vector<double> m(static_cast<std::size_t>(Bn * Tq * S));
+    for (std::int64_t b = 0; b < Bn; ++b)
+      for (std::int64_t i = 0; i < Tq; ++i)
+        for (std::int64_t j = 0; j < S; ++j)
+          m[static_cast<std::size_t>((b * Tq + i) * S + j)] =
+              (j <= S0 + i && kp[static_cast<std::size_t>(b * S + j)] != 0) ? 0.0 : kMaskedValue;
+
+    GTape<B> tp;
+    GVar mask = tp.constant(nn::detail::on_backend<B>(Tensor::from_doubles(Shape{Bn, 1, 1, Tq, S}, m, dt)));
+    RopeVars rp = detail::rope_vars(tp, c, Tq, S0, dt);
+    const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+
+    std::vector<Tensor> new_k(nl), new_v(nl);
+    GVar x = model.embed_tokens(tp, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
+    for (std::size_t li = 0; li < nl; ++li) {
+      const DecoderLayer& l = model.layers[li];
+      GVar n1 = l.input_layernorm(tp, x);
+      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, Tq, n_heads * hd)
+      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, Tq, n_kv * hd)
+      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+      // The layout of gqa_attention, with Tq queries against S keys.
+      GVar qh = permute(tp, nn::detail::view(tp, q, Shape{Bn, Tq, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, Tq, hd)
+      GVar kh = permute(tp, nn::detail::view(tp, k, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
+      GVar vh = permute(tp, nn::detail::view(tp, v, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
+      qh = rope(tp, qh, rp.cos, rp.sin);
+      kh = rope(tp, kh, rp.cos, rp.sin);
+      if (S0 > 0) {
+        kh = concat(tp, {tp.constant(cache.k[li]), kh}, 2);  // (B, nkv, S, hd)
+        vh = concat(tp, {tp.constant(cache.v[li]), vh}, 2);
+      }
+      new_k[li] = tp.value(kh);
+      new_v[li] = tp.value(vh);
+      qh = nn::scale(tp, qh, scale);
+      GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
+      scores = add(tp, nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S}), mask);               // (B, nkv, g, Tq, S)
+      GVar p = softmax(tp, scores);
+      GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
+      ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
+      ctx = nn::detail::view(tp, ctx, Shape{Bn, Tq, nkv * g * hd});
+      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+    }
+    Tensor out = tp.value(head(tp, model.norm(tp, x)));
+    // Commit only once the whole step has run, so a failed call leaves the cache as it was.
+    cache.k = std::move(new_k);
+    cache.v = std::move(new_v);
+    cache.keep = Tensor::from_doubles(Shape{Bn, S}, kp, DType::f32);
+    return out.device() == Device::cpu ? out : out.to(Device::cpu);
+  }
+
+  NN_MODULE(CausalLM, model, lm_head)
+
+ private:
+  CausalLM(const ModelConfig& cfg, DType dt, bool zero) : config_(cfg) {
+    cfg.validate("CausalLM");
+    if (dt != DType::f32 && dt != DType::f64)
+      nn::detail::fail("CausalLM", "the model computes in float32 or float64, not ", dtype_name(dt));
+    const std::int64_t C = cfg.hidden_size, I = cfg.intermediate_size;
+    model.embed_tokens.weight = Param(detail::zeros_or_empty(Shape{cfg.vocab_size, C}, dt, zero));
+    model.layers.resize(static_cast<std::size_t>(cfg.num_hidden_layers));
+    for (DecoderLayer& l : model.layers) {
+      l.self_attn.q_proj = detail::make_linear(C, cfg.q_dim(), cfg.qkv_bias, dt, zero);
+      l.self_attn.k_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
+      l.self_attn.v_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
+      l.self_attn.o_proj = detail::make_linear(cfg.q_dim(), C, cfg.o_bias, dt, zero);
+      l.mlp.gate_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
+      l.mlp.up_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
+      l.mlp.down_proj = detail::make_linear(I, C, cfg.mlp_bias, dt, zero);
+      l.input_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+      l.post_attention_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+    }
+    model.norm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+    if (!cfg.tie_word_embeddings) lm_head = detail::make_linear(C, cfg.vocab_size, false, dt, zero);
+  }
+
+  ModelConfig config_;
+};
+
+}  // namespace nn::lm

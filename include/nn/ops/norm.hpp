@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// fused_rmsnorm: RMSNorm over the last axis as one primitive (mlx.core.fast.rms_norm), for
+// speed and memory: one pass forward, one back, only the per-row 1/rms kept. Its composite
+// reference is nn::reference::rmsnorm (layers/norm.hpp); tests/ops/fused.test.cpp checks that
+// the two agree, values and gradients.
+#pragma once
+
+#include "common.hpp"
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 x (..., C), optionally 1 w (C). attrs.scalar = eps. saved[0] = 1/rms per row.
+template <class B>
+struct RmsNormPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor& x = tp.in(n, 0);
+    Tensor& rstd = tp.scratch(n, 0, Shape{x.numel() / x.dim(-1)}, x.dtype());
+    B::rms_norm(x, n.inputs.size() > 1 ? tp.in(n, 1) : Tensor(), n.attrs.scalar, n.value, rstd);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const bool has_w = n.inputs.size() > 1;
+    Tensor* gx = nullptr;
+    Tensor* gw = nullptr;
+    bool ax = false, aw = false;
+    if (tp.needs_grad(n, 0)) {
+      GradSlot s = tp.grad_slot(n, 0);
+      gx = &s.g;
+      ax = s.acc;
+    }
+    if (has_w && tp.needs_grad(n, 1)) {
+      GradSlot s = tp.grad_slot(n, 1);
+      gw = &s.g;
+      aw = s.acc;
+    }
+    B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, gx, ax, gw, aw);
+  }
+  static constexpr OpDef<B> def{"rmsnorm", &forward, &vjp};
+};
+
+}  // namespace detail
+
+/// y = x / sqrt(mean(x^2) + eps) (* w), over the last axis, in one primitive.
+/// x: (..., C), w: (C) or GVar{} for no gain -> (..., C). The reduction runs in x's dtype.
+template <class B>
+GVar fused_rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps) {
+  detail::require_float(tp, x, "rmsnorm");
+  const Shape& xs = tp.shape(x);
+  if (xs.rank() < 1 || xs.dim(-1) == 0) detail::fail("rmsnorm", "x must have a non-empty last axis, got ", xs.str());
+  if (!(eps >= 0)) detail::fail("rmsnorm", "eps must be >= 0, got ", eps);
+  Attrs a;
+  a.scalar = eps;
+  if (!w.valid()) {
+    GVar in[] = {x};
+    return tp.record(detail::RmsNormPrim<B>::def, in, a, xs, tp.dtype(x));
+  }
+  detail::require_same_dtype(tp, x, w, "rmsnorm");
+  const Shape& ws = tp.shape(w);
+  if (ws.rank() != 1 || ws[0] != xs.dim(-1))
+    detail::fail("rmsnorm", "weight ", ws.str(), " does not match x ", xs.str(), ": expected (", xs.dim(-1), ")");
+  GVar in[] = {x, w};
+  return tp.record(detail::RmsNormPrim<B>::def, in, a, xs, tp.dtype(x));
+}
+
+}  // namespace nn

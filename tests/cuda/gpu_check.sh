@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT OR Apache-2.0
+# GPU evidence for nn's CUDA backend, for a machine with an NVIDIA GPU and nvcc but no package
+# registry: builds tests/cuda with nvcc directly (no CMake package lookups) against Eigen,
+# nlohmann_json and doctest headers carried into the tree, runs every CUDA-vs-CPU check (each
+# primitive and layer, f64 to 1e-12 and f32 to 1e-5, fresh random inputs, NaN-poisoned outputs),
+# the Qwen2 block gate on the GPU, graph replay == eager bit for bit with no device allocation,
+# and full training steps; prints the table of checks last. Sized for under 8 minutes on 16 cores.
+#
+# Header locations (each must exist; the defaults are what tests/cuda/stage_third_party.sh writes):
+#   EIGEN_INCLUDE    dir holding Eigen/Core             default $NN_THIRD_PARTY/eigen3
+#   JSON_INCLUDE     dir holding nlohmann/json.hpp      default $NN_THIRD_PARTY/nlohmann_json
+#   DOCTEST_INCLUDE  dir holding doctest/doctest.h      default $NN_THIRD_PARTY/doctest
+#   NN_THIRD_PARTY   default <repo>/.third_party, else <repo>/shared/third_party, else /usr/include
+# Other knobs: NVCC (nvcc), NN_CUDA_GENCODE (sm_90 + compute_90 PTX), NN_CUDA_BUILD (build dir),
+# NN_CUDA_TEST_SEED (repeat a run's random inputs), NN_CUDA_SANITIZE=1 (also run the kernel
+# tests under compute-sanitizer memcheck), OUT (where logs go; the device tool's output folder).
+set -uo pipefail
+t0=$(date +%s)
+root=$(cd "$(dirname "$0")/../.." && pwd)
+die() { echo "gpu_check: $*" >&2; exit 2; }
+
+if [ -z "${NN_THIRD_PARTY:-}" ]; then
+  for d in "$root/.third_party" "$root/shared/third_party"; do [ -d "$d" ] && { NN_THIRD_PARTY=$d; break; }; done
+fi
+if [ -n "${NN_THIRD_PARTY:-}" ]; then
+  EIGEN_INCLUDE=${EIGEN_INCLUDE:-$NN_THIRD_PARTY/eigen3}
+  JSON_INCLUDE=${JSON_INCLUDE:-$NN_THIRD_PARTY/nlohmann_json}
+  DOCTEST_INCLUDE=${DOCTEST_INCLUDE:-$NN_THIRD_PARTY/doctest}
+else  # a machine with the packages installed
+  EIGEN_INCLUDE=${EIGEN_INCLUDE:-/usr/include/eigen3}
+  JSON_INCLUDE=${JSON_INCLUDE:-/usr/include}
+  DOCTEST_INCLUDE=${DOCTEST_INCLUDE:-/usr/include}
+fi
+[ -f "$EIGEN_INCLUDE/Eigen/Core" ] || die "Eigen not found: no $EIGEN_INCLUDE/Eigen/Core (set EIGEN_INCLUDE, or run tests/cuda/stage_third_party.sh where Eigen is installed and carry .third_party)"
+[ -f "$JSON_INCLUDE/nlohmann/json.hpp" ] || die "nlohmann_json not found: no $JSON_INCLUDE/nlohmann/json.hpp (set JSON_INCLUDE)"
+[ -f "$DOCTEST_INCLUDE/doctest/doctest.h" ] || die "doctest not found: no $DOCTEST_INCLUDE/doctest/doctest.h (set DOCTEST_INCLUDE)"
+NVCC=${NVCC:-nvcc}
+if ! command -v "$NVCC" >/dev/null; then
+  [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc || die "nvcc not found (set NVCC)"
+fi
+gencode=${NN_CUDA_GENCODE:-"-gencode arch=compute_90,code=[sm_90,compute_90]"}
+build=${NN_CUDA_BUILD:-/tmp/nn-cuda-check}
+logs=${OUT:-$build}
+mkdir -p "$build" "$logs"
+rm -f "$build"/*.o "$build"/*.o.log
+
+echo "== nn CUDA check: $("$NVCC" --version | tail -1)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "(nvidia-smi unavailable)"
+
+# -O2 on the host side too: the CPU reference runs in the same binary. The CPU reference is
+# built with OpenMP when the host compiler has it.
+flags=(-std=c++20 -O2 $gencode --threads 2 --expt-relaxed-constexpr --diag-suppress=20012
+       -Xcompiler=-fopenmp,-Wall,-Wextra,-Wno-unknown-pragmas
+       -I"$root/include" -I"$root/tests" -I"$EIGEN_INCLUDE" -I"$JSON_INCLUDE" -I"$DOCTEST_INCLUDE"
+       "-DNN_FIXTURES_DIR=\"$root/tests/fixtures\"")
+srcs=("$root/tests/cuda/cuda_main.cu" "$root"/tests/cuda/*.test.cu)
+pids=()
+for s in "${srcs[@]}"; do
+  o="$build/$(basename "$s" .cu).o"
+  ( "$NVCC" "${flags[@]}" -c "$s" -o "$o" > "$o.log" 2>&1 || { echo "gpu_check: compiling $s failed:"; cat "$o.log"; exit 1; } ) &
+  pids+=($!)
+done
+ok=1
+for p in "${pids[@]}"; do wait "$p" || ok=0; done
+[ $ok = 1 ] || die "build failed"
+"$NVCC" $gencode -o "$build/test_cuda" "$build"/*.o -lcublas -Xcompiler=-fopenmp > "$build/link.log" 2>&1 \
+  || { cat "$build/link.log"; die "link failed"; }
+t1=$(date +%s)
+echo "== built test_cuda in $((t1 - t0)) s"
+
+if [ "${NN_CUDA_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  echo "== compute-sanitizer memcheck on the kernel tests"
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$build/test_cuda" -tc="cuda kernels*" > "$logs/sanitizer.log" 2>&1
+  echo "compute-sanitizer exit code $? (log: $logs/sanitizer.log)"; tail -3 "$logs/sanitizer.log"
+fi
+
+echo "== running test_cuda"
+"$build/test_cuda" > "$logs/test_cuda.log" 2>&1
+rc=$?
+t2=$(date +%s)
+# doctest's report (failures, if any, and its summary), then the table of checks last.
+sed '/^check  /,$d' "$logs/test_cuda.log" | tail -n 80
+sed -n '/^check  /,$p' "$logs/test_cuda.log"
+echo "gpu_check: test_cuda exit code $rc (77 = no GPU found, skipped); build $((t1 - t0)) s, run $((t2 - t1)) s; log $logs/test_cuda.log"
+exit "$rc"

@@ -1,0 +1,174 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// The fused primitives (ops/norm, rope, attention, glu.hpp) against their composite references
+// (nn::reference::*, built from primitives): values and every input's gradient agree, in float64
+// and float32, over the shapes and options each layer routes to them; plus central differences.
+#include "support/check.hpp"
+
+using namespace nn;
+
+namespace {
+
+/// The output and every input's gradient for a random cotangent.
+struct Run {
+  Tensor value;
+  std::vector<Tensor> grads;
+};
+
+/// Builds f on a fresh tape with `inputs` bound as trainable params, back-propagates a random
+/// cotangent (seeded: the same for both sides of a comparison).
+template <class F>
+Run run(const std::vector<Tensor>& inputs, F&& f, std::uint64_t seed = 7) {
+  GTape<cpu> tp;
+  std::vector<GVar> v;
+  for (const Tensor& t : inputs) v.push_back(tp.param(t));
+  GVar y = f(tp, v);
+  tp.backward(y, test::random_tensor(tp.shape(y), tp.dtype(y), seed));
+  Run r{tp.value(y).clone(), {}};
+  for (GVar x : v) r.grads.push_back(tp.grad(x).clone());
+  return r;
+}
+
+/// Worst relative error between two runs, over the value and every gradient.
+double worst(const Run& a, const Run& b) {
+  double e = test::rel_err(a.value, b.value);
+  for (std::size_t i = 0; i < a.grads.size(); ++i) e = std::max(e, test::rel_err(a.grads[i], b.grads[i]));
+  return e;
+}
+
+double tol(DType dt) { return dt == DType::f64 ? 1e-12 : 2e-5; }
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("fused rmsnorm agrees with the composite, with and without a gain", T, float, double) {
+  const DType dt = detail::dtype_of<T>();
+  for (Shape s : {Shape{7}, Shape{3, 5}, Shape{2, 3, 16}}) {
+    const std::int64_t C = s.dim(-1);
+    std::vector<Tensor> in{test::random_tensor(s, dt, 1, -2, 2), test::random_tensor({C}, dt, 2, 0.5, 1.5)};
+    double e = worst(run(in, [](auto& tp, auto& v) { return rmsnorm(tp, v[0], v[1], 1e-5); }),
+                     run(in, [](auto& tp, auto& v) { return reference::rmsnorm(tp, v[0], v[1], 1e-5); }));
+    MESSAGE("rmsnorm " << s.str() << " " << dtype_name(dt) << ": " << e);
+    CHECK(e <= tol(dt));
+    std::vector<Tensor> x{in[0]};
+    e = worst(run(x, [](auto& tp, auto& v) { return rmsnorm(tp, v[0], 0.1); }),
+              run(x, [](auto& tp, auto& v) { return reference::rmsnorm(tp, v[0], 0.1); }));
+    CHECK(e <= tol(dt));
+  }
+}
+
+TEST_CASE_TEMPLATE("fused swiglu agrees with the composite, also when gate and up are one tensor", T, float, double) {
+  const DType dt = detail::dtype_of<T>();
+  std::vector<Tensor> in{test::random_tensor({4, 9, 11}, dt, 3, -6, 6), test::random_tensor({4, 9, 11}, dt, 4)};
+  double e = worst(run(in, [](auto& tp, auto& v) { return swiglu(tp, v[0], v[1]); }),
+                   run(in, [](auto& tp, auto& v) { return reference::swiglu(tp, v[0], v[1]); }));
+  CHECK(e <= tol(dt));
+  std::vector<Tensor> x{in[0]};  // both inputs one node: the two contributions accumulate
+  e = worst(run(x, [](auto& tp, auto& v) { return swiglu(tp, v[0], v[0]); }),
+            run(x, [](auto& tp, auto& v) { return reference::swiglu(tp, v[0], v[0]); }));
+  CHECK(e <= tol(dt));
+}
+
+TEST_CASE_TEMPLATE("fused rope agrees with the composite: NEOX and traditional, partial dims, both table layouts", T,
+                   float, double) {
+  const DType dt = detail::dtype_of<T>();
+  const std::int64_t Bn = 2, Tn = 5, M = 3;
+  for (bool trad : {false, true})
+    for (std::int64_t D : {8, 12}) {  // 12: features past dims = 8 pass through
+      RopeTable tab = rope_fill(Tn, 8, 10000.0, 1.0, 0, dt);
+      // x (B, T, D) with tables (T, dims/2)
+      std::vector<Tensor> x{test::random_tensor({Bn, Tn, D}, dt, 5)};
+      auto fused = [&](auto& tp, auto& v) {
+        GVar c = tp.constant(tab.cos), s = tp.constant(tab.sin);
+        return fused_rope(tp, v[0], c, s, trad);
+      };
+      auto ref = [&](auto& tp, auto& v) {
+        return reference::rope(tp, v[0], tp.constant(tab.cos), tp.constant(tab.sin), trad);
+      };
+      double e = worst(run(x, fused), run(x, ref));
+      CHECK(e <= tol(dt));
+      // x (B, T, M, D) with tables (T, 1, dims/2): the layout gqa_attention uses
+      std::vector<Tensor> xm{test::random_tensor({Bn, Tn, M, D}, dt, 6)};
+      Tensor c3 = tab.cos.reshape({Tn, 1, 4}), s3 = tab.sin.reshape({Tn, 1, 4});
+      e = worst(run(xm, [&](auto& tp, auto& v) { return rope(tp, v[0], tp.constant(c3), tp.constant(s3), trad); }),
+                run(xm, [&](auto& tp, auto& v) {
+                  return reference::rope(tp, v[0], tp.constant(c3), tp.constant(s3), trad);
+                }));
+      MESSAGE("rope trad=" << trad << " D=" << D << " " << dtype_name(dt) << ": " << e);
+      CHECK(e <= tol(dt));
+    }
+}
+
+TEST_CASE_TEMPLATE("fused attention agrees with the composite: MHA, GQA, MQA; masks of every broadcast; rows layout",
+                   T, float, double) {
+  const DType dt = detail::dtype_of<T>();
+  const std::int64_t Bn = 2, Tn = 6, nh = 4, hd = 8;
+  Tensor causal = causal_mask_fill(Tn, dt);
+  std::vector<std::int32_t> keep{1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1};
+  Tensor padded = attention_mask_fill(Tensor::from<std::int32_t>({Bn, Tn}, keep), dt);  // (B, 1, T, T)
+  Tensor key_pad = padding_mask_fill(Tensor::from<std::int32_t>({Bn, Tn}, keep), dt);    // (B, 1, 1, T)
+  Tensor per_head = test::random_tensor({Bn, nh, Tn, Tn}, dt, 9, -3, 0);
+  for (std::int64_t nkv : {4, 2, 1})
+    for (int mk = 0; mk < 5; ++mk)
+      for (bool roped : {true, false}) {
+        const Tensor masks[] = {Tensor(), causal, padded, key_pad, per_head};
+        const Tensor& mask = masks[mk];
+        RopeTable tab = rope_fill(Tn, 6, 10000.0, 1.0, 0, dt);  // dims 6 < head_dim 8
+        std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 10), test::random_tensor({Bn, Tn, nkv * hd}, dt, 11),
+                               test::random_tensor({Bn, Tn, nkv * hd}, dt, 12)};
+        auto call = [&](bool fused) {
+          return [&, fused](auto& tp, auto& v) {
+            GVar c = roped ? tp.constant(tab.cos) : GVar{}, s = roped ? tp.constant(tab.sin) : GVar{};
+            GVar m = mask.defined() ? tp.constant(mask) : GVar{};
+            if (fused) return gqa_attention(tp, v[0], v[1], v[2], c, s, m, Tn, nh, nkv, hd, 0.35);
+            return reference::gqa_attention(tp, v[0], v[1], v[2], c, s, m, Tn, nh, nkv, hd, 0.35);
+          };
+        };
+        const double e = worst(run(in, call(true)), run(in, call(false)));
+        if (e > tol(dt)) MESSAGE("nkv " << nkv << " mask " << mk << " rope " << roped << ": " << e);
+        CHECK(e <= tol(dt));
+      }
+  // rows layout (B*T, n * hd), and k = v one tensor (the gradients of both uses accumulate)
+  std::vector<Tensor> in{test::random_tensor({Bn * Tn, nh * hd}, dt, 13), test::random_tensor({Bn * Tn, 2 * hd}, dt, 14)};
+  auto call = [&](bool fused) {
+    return [&, fused](auto& tp, auto& v) {
+      GVar m = tp.constant(causal);
+      if (fused) return fused_attention(tp, v[0], v[1], v[1], m, Tn, nh, 2, hd, 0.5);
+      return reference::gqa_attention(tp, v[0], v[1], v[1], GVar{}, GVar{}, m, Tn, nh, 2, hd, 0.5);
+    };
+  };
+  CHECK(worst(run(in, call(true)), run(in, call(false))) <= tol(dt));
+}
+
+TEST_CASE("fused primitives pass central differences in float64") {
+  const DType dt = DType::f64;
+  Tensor causal = causal_mask_fill(4, dt);
+  RopeTable tab = rope_fill(4, 4, 10000.0, 1.0, 0, dt);
+  Tensor c3 = tab.cos.reshape({4, 1, 2}), s3 = tab.sin.reshape({4, 1, 2});
+  auto sq = [](GTape<cpu>& tp, GVar y) { return sum(tp, mul(tp, y, y)); };  // a loss with a rich cotangent
+  CHECK(test::gradcheck("rmsnorm", {test::random_tensor({3, 6}, dt, 20), test::random_tensor({6}, dt, 21)},
+                        [&](GTape<cpu>& tp, const std::vector<GVar>& v) { return sq(tp, fused_rmsnorm(tp, v[0], v[1], 1e-5)); }) <= 1e-7);
+  CHECK(test::gradcheck("swiglu", {test::random_tensor({3, 6}, dt, 22, -4, 4), test::random_tensor({3, 6}, dt, 23)},
+                        [&](GTape<cpu>& tp, const std::vector<GVar>& v) { return sq(tp, fused_swiglu(tp, v[0], v[1])); }) <= 1e-7);
+  CHECK(test::gradcheck("rope", {test::random_tensor({2, 4, 3, 6}, dt, 24)}, [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
+          return sq(tp, fused_rope(tp, v[0], tp.constant(c3), tp.constant(s3), false));
+        }) <= 1e-7);
+  CHECK(test::gradcheck("attention",
+                        {test::random_tensor({2, 4, 12}, dt, 25), test::random_tensor({2, 4, 6}, dt, 26),
+                         test::random_tensor({2, 4, 6}, dt, 27)},
+                        [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
+                          return sq(tp, fused_attention(tp, v[0], v[1], v[2], tp.constant(causal), 4, 4, 2, 3, 0.6));
+                        }) <= 1e-7);
+}
+
+TEST_CASE("fused primitives: errors name the op and the shapes") {
+  GTape<cpu> tp;
+  GVar x = tp.constant(Tensor::zeros({2, 4, 6}, DType::f64));
+  GVar w5 = tp.constant(Tensor::zeros({5}, DType::f64));
+  test::check_error([&] { fused_rmsnorm(tp, x, w5, 1e-5); }, {"[rmsnorm]", "weight (5)", "(2, 4, 6)"});
+  GVar c = tp.constant(Tensor::zeros({3, 2}, DType::f64));
+  test::check_error([&] { fused_rope(tp, x, c, c); }, {"[rope]", "(2, 4, 6)", "(3, 2)"});
+  GVar k = tp.constant(Tensor::zeros({2, 4, 2}, DType::f64));
+  GVar bad = tp.constant(Tensor::zeros({3, 4}, DType::f64));
+  test::check_error([&] { fused_attention(tp, x, k, k, bad, 4, 3, 1, 2, 1.0); }, {"[attention]", "mask (3, 4)"});
+  test::check_error([&] { fused_attention(tp, x, k, k, GVar{}, 4, 3, 1, 3, 1.0); }, {"[attention]", "head_dim = 3"});
+  test::check_error([&] { fused_swiglu(tp, x, k); }, {"[swiglu]", "(2, 4, 6)", "(2, 4, 2)"});
+}
