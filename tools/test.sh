@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: MIT OR Apache-2.0
 # Runs every CTest test of a build dir (default: build) on two cores and ends with one line of
 # counts, so a CI log's last line says how many tests passed, failed and were skipped.
+#   bash tools/test.sh [build-dir]      NN_TEST_JOBS=<n> runs n tests at once (default 2)
 set -uo pipefail
 dir=${1:-build}
 log=$(mktemp)

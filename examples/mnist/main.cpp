@@ -195,8 +195,7 @@ int main(int argc, char** argv) {
   const int used_threads = 1;
 #endif
 #if defined(NN_USE_BLAS)
-  if (threads > 0) setenv("OPENBLAS_NUM_THREADS", std::to_string(threads).c_str(), 0);
-  const char* gemm = "CBLAS";
+  const char* gemm = "CBLAS";  // split over nn's OpenMP threads too (backend/cpu.hpp)
 #else
   const char* gemm = "Eigen";
 #endif

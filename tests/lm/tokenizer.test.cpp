@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // nn::lm::Tokenizer against Hugging Face `tokenizers` (fixtures from tests/oracle/gen_tokenizer.py):
-// ids of a trained byte-level BPE under five pre-tokenizer setups and of real GPT-2, Qwen2 and
+// ids of a trained byte-level BPE under seven pre-tokenizer setups and of real GPT-2, Qwen2 and
 // Llama-3 vocabularies, decoding, the GGUF constructor, and load errors.
 #include <doctest/doctest.h>
 
