@@ -51,7 +51,7 @@ inline void note(std::atomic<std::int64_t>& count, std::atomic<std::int64_t>& by
 }
 
 /// The shared object (basename) and, when exported, the function holding `pc`.
-std::string where(void* pc) {
+std::string site_name(void* pc) {
   Dl_info info{};
   if (!dladdr(pc, &info) || !info.dli_fname) return "?";
   std::string f = info.dli_fname;
@@ -125,7 +125,7 @@ void for_each_site(F&& f) {
 std::string callers() {
   std::map<std::string, std::pair<int, std::size_t>> by;
   for_each_site([&](const Site& s) {
-    auto& e = by[std::string(s.is_new ? "new from " : "malloc from ") + where(s.caller)];
+    auto& e = by[std::string(s.is_new ? "new from " : "malloc from ") + site_name(s.caller)];
     e.first += 1;
     e.second += s.bytes;
   });
@@ -140,7 +140,7 @@ std::string callers() {
 std::int64_t count_from(const std::string& library) {
   std::int64_t n = 0;
   for_each_site([&](const Site& s) {
-    if (where(s.caller).find(library) != std::string::npos) ++n;
+    if (site_name(s.caller).find(library) != std::string::npos) ++n;
   });
   return n;
 }
