@@ -1121,7 +1121,9 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 // ---- end nn/backend/policy.hpp ----
 // ---- begin nn/backend/cpu.hpp ----
 // nn::cpu: the host backend policy. Elementwise kernels are plain loops (OpenMP when built with
-// it); GEMM goes to CBLAS (OpenBLAS) when NN_USE_BLAS is defined, else to Eigen's own GEMM.
+// it); GEMM goes to CBLAS (OpenBLAS) when NN_USE_BLAS is defined, else to Eigen's own GEMM. Either
+// way nn's OpenMP threads do the splitting (omp_set_num_threads / OMP_NUM_THREADS set the count):
+// OpenBLAS runs each block on the calling thread.
 
 #include <cmath>
 #include <limits>
@@ -2529,14 +2531,40 @@ struct cpu {
       else gemv(!tb, tb ? N : K, tb ? K : N, Bp, ldb, A, ta ? lda : 1);             // C^T = op(B)^T a^T
       return;
     }
-    const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
-    const T beta = acc ? T(1) : T(0);
-    if constexpr (std::is_same_v<T, float>)
-      cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
-                  static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
-    else
-      cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
-                  static_cast<int>(lda), Bp, static_cast<int>(ldb), beta, C, static_cast<int>(N));
+#if defined(OPENBLAS_VERSION) && defined(_OPENMP)
+    // With OpenBLAS, nn splits a product over its own OpenMP threads (as Eigen's path below
+    // does), each block one OpenBLAS call on its thread: OpenBLAS's pthreads would otherwise
+    // spin-wait beside OpenMP's after every product and take the cores nn's elementwise
+    // kernels run on (the two-runtime slowdown in shared/REFERENCE-FACTS.md). OpenBLAS's own
+    // rule for going parallel (m n k > 64^3) and at least 16 rows (or columns) per thread.
+    {
+      int threads = 1;
+      if (!omp_in_parallel()) {
+        const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+        threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+                                                     static_cast<double>(std::max(M, N) / 16)}));
+      }
+      detail::BlasSerial serial;
+      if (threads > 1) {
+        const bool by_rows = M >= N;
+        const std::int64_t D = by_rows ? M : N;
+#pragma omp parallel num_threads(threads)
+        {
+          const std::int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+          const std::int64_t per = ((D + nt - 1) / nt + 15) / 16 * 16;
+          const std::int64_t d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
+          if (d0 < d1) {
+            if (by_rows) detail::gemm_serial<T>(ta, tb, d1 - d0, N, K, A + (ta ? d0 : d0 * lda), lda, Bp, ldb, C + d0 * N, N, acc);
+            else detail::gemm_serial<T>(ta, tb, M, d1 - d0, K, A, lda, Bp + (tb ? d0 * ldb : d0), ldb, C + d0, N, acc);
+          }
+        }
+        return;
+      }
+      detail::gemm_serial<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
+      return;
+    }
+#endif
+    detail::gemm_serial<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
 #else
 #if EIGEN_VERSION_AT_LEAST(3, 3, 90)
     // Matrix products go to Eigen's kernel with nn's reusable packing space (no allocation per
