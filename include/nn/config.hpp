@@ -18,6 +18,14 @@
 #define NN_OMP 1
 #endif
 
+// Marks functions that both backends run: host code for nn::cpu, device code too under nvcc
+// (the elementwise math of backend/math.hpp, the threefry hash of random.hpp).
+#if defined(__CUDACC__)
+#define NN_HD __host__ __device__
+#else
+#define NN_HD
+#endif
+
 namespace nn {
 
 /// Every error nn raises. The message starts with "[op_or_file] " and names the shapes, dtypes

@@ -35,21 +35,15 @@
 
 #include "tensor.hpp"
 
-// Marks the pure functions a CUDA kernel also calls (the dropout mask is drawn on the device).
-#if defined(__CUDACC__)
-#define NN_RANDOM_HD __host__ __device__
-#else
-#define NN_RANDOM_HD
-#endif
 
 namespace nn::random {
 
 namespace detail {
 
-NN_RANDOM_HD constexpr std::uint32_t rotl32(std::uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+NN_HD constexpr std::uint32_t rotl32(std::uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
 /// Threefry-2x32, 20 rounds: the block cipher behind every MLX random number.
-NN_RANDOM_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0, std::uint32_t c1,
+NN_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0, std::uint32_t c1,
                                          std::uint32_t& out0, std::uint32_t& out1) {
   const std::uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
   constexpr int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
@@ -68,13 +62,13 @@ NN_RANDOM_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std
 }
 
 /// How many hash calls an n-word stream takes: one per pair, plus one for an odd middle word.
-NN_RANDOM_HD constexpr std::int64_t bits_blocks(std::int64_t n) { return n / 2 + n % 2; }
+NN_HD constexpr std::int64_t bits_blocks(std::int64_t n) { return n / 2 + n % 2; }
 
 /// Hash call j of an n-word stream (0 <= j < bits_blocks(n)): calls emit(index, word) for the one
 /// or two words it produces. Blocks are independent, so a kernel may run them in any order or in
 /// parallel and still lay the words out as MLX's RandomBits does.
 template <class Emit>
-NN_RANDOM_HD constexpr void bits_block(std::uint32_t k0, std::uint32_t k1, std::int64_t n, std::int64_t j, Emit&& emit) {
+NN_HD constexpr void bits_block(std::uint32_t k0, std::uint32_t k1, std::int64_t n, std::int64_t j, Emit&& emit) {
   const std::int64_t h = n / 2, o = n % 2;
   std::uint32_t a = 0, b = 0;
   if (j < h) {
@@ -96,7 +90,7 @@ inline void fill_bits(std::uint32_t k0, std::uint32_t k1, std::uint32_t* out, st
 
 /// MLX's float32 uniform in [0, 1) from one word. Dividing by float(2^32 - 1), which is 2^32,
 /// is an exact scaling, so this is the same float on every IEEE machine.
-NN_RANDOM_HD inline float uniform01(std::uint32_t w) {
+NN_HD inline float uniform01(std::uint32_t w) {
   const float u = static_cast<float>(w) * 0x1p-32f;
   return u < 0x1.fffffep-1f ? u : 0x1.fffffep-1f;
 }

@@ -6,7 +6,7 @@
 // Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
 //
 // Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/random.hpp,
-// nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/tape.hpp, nn/ops/common.hpp,
+// nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/backend/math.hpp, nn/tape.hpp, nn/ops/common.hpp,
 // nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp,
 // nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp, nn/ops/random.hpp,
 // nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp, nn/layers/helpers.hpp,
@@ -40,6 +40,14 @@
 
 #if defined(_OPENMP)
 #define NN_OMP 1
+#endif
+
+// Marks functions that both backends run: host code for nn::cpu, device code too under nvcc
+// (the elementwise math of backend/math.hpp, the threefry hash of random.hpp).
+#if defined(__CUDACC__)
+#define NN_HD __host__ __device__
+#else
+#define NN_HD
 #endif
 
 namespace nn {
@@ -605,21 +613,15 @@ inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
 #include <vector>
 
 
-// Marks the pure functions a CUDA kernel also calls (the dropout mask is drawn on the device).
-#if defined(__CUDACC__)
-#define NN_RANDOM_HD __host__ __device__
-#else
-#define NN_RANDOM_HD
-#endif
 
 namespace nn::random {
 
 namespace detail {
 
-NN_RANDOM_HD constexpr std::uint32_t rotl32(std::uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+NN_HD constexpr std::uint32_t rotl32(std::uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
 /// Threefry-2x32, 20 rounds: the block cipher behind every MLX random number.
-NN_RANDOM_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0, std::uint32_t c1,
+NN_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0, std::uint32_t c1,
                                          std::uint32_t& out0, std::uint32_t& out1) {
   const std::uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
   constexpr int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
@@ -638,13 +640,13 @@ NN_RANDOM_HD constexpr void threefry2x32(std::uint32_t k0, std::uint32_t k1, std
 }
 
 /// How many hash calls an n-word stream takes: one per pair, plus one for an odd middle word.
-NN_RANDOM_HD constexpr std::int64_t bits_blocks(std::int64_t n) { return n / 2 + n % 2; }
+NN_HD constexpr std::int64_t bits_blocks(std::int64_t n) { return n / 2 + n % 2; }
 
 /// Hash call j of an n-word stream (0 <= j < bits_blocks(n)): calls emit(index, word) for the one
 /// or two words it produces. Blocks are independent, so a kernel may run them in any order or in
 /// parallel and still lay the words out as MLX's RandomBits does.
 template <class Emit>
-NN_RANDOM_HD constexpr void bits_block(std::uint32_t k0, std::uint32_t k1, std::int64_t n, std::int64_t j, Emit&& emit) {
+NN_HD constexpr void bits_block(std::uint32_t k0, std::uint32_t k1, std::int64_t n, std::int64_t j, Emit&& emit) {
   const std::int64_t h = n / 2, o = n % 2;
   std::uint32_t a = 0, b = 0;
   if (j < h) {
@@ -666,7 +668,7 @@ inline void fill_bits(std::uint32_t k0, std::uint32_t k1, std::uint32_t* out, st
 
 /// MLX's float32 uniform in [0, 1) from one word. Dividing by float(2^32 - 1), which is 2^32,
 /// is an exact scaling, so this is the same float on every IEEE machine.
-NN_RANDOM_HD inline float uniform01(std::uint32_t w) {
+NN_HD inline float uniform01(std::uint32_t w) {
   const float u = static_cast<float>(w) * 0x1p-32f;
   return u < 0x1.fffffep-1f ? u : 0x1.fffffep-1f;
 }
@@ -1140,6 +1142,143 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 #include <omp.h>
 #endif
 
+// ---- begin nn/backend/math.hpp ----
+// The math of every elementwise primitive, forward and derivative side by side, compiled for the
+// host and (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas.
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+
+
+namespace nn::detail {
+
+// The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
+// to), CUDA's device versions under nvcc (never the fast intrinsics).
+// clang-format off
+NN_HD inline float m_exp(float x) { return ::expf(x); }
+NN_HD inline double m_exp(double x) { return ::exp(x); }
+NN_HD inline float m_log(float x) { return ::logf(x); }
+NN_HD inline double m_log(double x) { return ::log(x); }
+NN_HD inline float m_sqrt(float x) { return ::sqrtf(x); }
+NN_HD inline double m_sqrt(double x) { return ::sqrt(x); }
+NN_HD inline float m_tanh(float x) { return ::tanhf(x); }
+NN_HD inline double m_tanh(double x) { return ::tanh(x); }
+NN_HD inline float m_erf(float x) { return ::erff(x); }
+NN_HD inline double m_erf(double x) { return ::erf(x); }
+NN_HD inline float m_pow(float x, float a) { return ::powf(x, a); }
+NN_HD inline double m_pow(double x, double a) { return ::pow(x, a); }
+NN_HD inline float m_abs(float x) { return ::fabsf(x); }
+NN_HD inline double m_abs(double x) { return ::fabs(x); }
+// clang-format on
+
+template <class T>
+NN_HD inline T sigmoid(T x) {
+  return T(1) / (T(1) + m_exp(-x));
+}
+
+/// The forward math of every unary op.
+template <class T>
+NN_HD inline T unary_f(Unary op, T x, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
+  switch (op) {
+    case Unary::neg: return -x;
+    case Unary::exp: return m_exp(x);
+    case Unary::log: return m_log(x);
+    case Unary::sqrt: return m_sqrt(x);
+    case Unary::rsqrt: return T(1) / m_sqrt(x);
+    case Unary::tanh: return m_tanh(x);
+    case Unary::sigmoid: return sigmoid(x);
+    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::abs: return m_abs(x);
+    case Unary::pow: return m_pow(x, a);
+    case Unary::silu: return x * sigmoid(x);
+    case Unary::gelu: return T(0.5) * x * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
+    case Unary::gelu_approx: return T(0.5) * x * (T(1) + m_tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
+    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
+    case Unary::scale: return a * x;
+    case Unary::add_scalar: return x + a;
+  }
+  return x;
+}
+
+/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
+/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
+template <class T>
+NN_HD inline T unary_df(Unary op, T x, T y, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);
+  switch (op) {
+    case Unary::neg: return T(-1);
+    case Unary::exp: return y;
+    case Unary::log: return T(1) / x;
+    case Unary::sqrt: return T(0.5) / y;
+    case Unary::rsqrt: return T(-0.5) * y / x;
+    case Unary::tanh: return T(1) - y * y;
+    case Unary::sigmoid: return y * (T(1) - y);
+    case Unary::relu: return x > T(0) ? T(1) : T(0);
+    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
+    case Unary::pow: return a == T(0) ? T(0) : a * m_pow(x, a - T(1));
+    case Unary::silu: {
+      T s = sigmoid(x);
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Unary::gelu: {
+      T cdf = T(0.5) * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
+      T pdf = m_exp(T(-0.5) * x * x) / m_sqrt(T(2) * std::numbers::pi_v<T>);
+      return cdf + x * pdf;
+    }
+    case Unary::gelu_approx: {
+      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
+      T t = m_tanh(u);
+      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
+    }
+    case Unary::gelu_fast: {
+      T s = sigmoid(T(1.702) * x);
+      return s + x * T(1.702) * s * (T(1) - s);
+    }
+    case Unary::scale: return a;
+    case Unary::add_scalar: return T(1);
+  }
+  return T(0);
+}
+
+template <class T>
+NN_HD inline T binary_f(Binary op, T a, T b) {
+  switch (op) {
+    case Binary::add: return a + b;
+    case Binary::sub: return a - b;
+    case Binary::mul: return a * b;
+    case Binary::div: return a / b;
+    case Binary::maximum: return a >= b ? a : b;
+    case Binary::minimum: return a <= b ? a : b;
+  }
+  return a;
+}
+
+/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
+/// to a (documented in ops/elementwise.hpp).
+template <class T>
+NN_HD inline T binary_df(Binary op, int which, T a, T b) {
+  switch (op) {
+    case Binary::add: return T(1);
+    case Binary::sub: return which == 0 ? T(1) : T(-1);
+    case Binary::mul: return which == 0 ? b : a;
+    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
+    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
+    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
+  }
+  return T(0);
+}
+
+template <class T>
+NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
+  if (acc) y[i] += v;
+  else y[i] = v;
+}
+
+}  // namespace nn::detail
+// ---- end nn/backend/math.hpp ----
 
 namespace nn {
 
@@ -1223,110 +1362,6 @@ void for_each_broadcast(const Shape& out, const std::array<std::array<std::int64
   }
 }
 
-template <class T>
-inline T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
-
-/// The forward math of every unary op.
-template <class T>
-inline T unary_f(Unary op, T x, T a) {
-  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
-  switch (op) {
-    case Unary::neg: return -x;
-    case Unary::exp: return std::exp(x);
-    case Unary::log: return std::log(x);
-    case Unary::sqrt: return std::sqrt(x);
-    case Unary::rsqrt: return T(1) / std::sqrt(x);
-    case Unary::tanh: return std::tanh(x);
-    case Unary::sigmoid: return sigmoid(x);
-    case Unary::relu: return x > T(0) ? x : T(0);
-    case Unary::abs: return std::abs(x);
-    case Unary::pow: return std::pow(x, a);
-    case Unary::silu: return x * sigmoid(x);
-    case Unary::gelu: return T(0.5) * x * (T(1) + std::erf(x / std::numbers::sqrt2_v<T>));
-    case Unary::gelu_approx: return T(0.5) * x * (T(1) + std::tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
-    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
-    case Unary::scale: return a * x;
-    case Unary::add_scalar: return x + a;
-  }
-  return x;
-}
-
-/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
-/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
-template <class T>
-inline T unary_df(Unary op, T x, T y, T a) {
-  constexpr T kSqrt2OverPi = T(0.7978845608028654);
-  switch (op) {
-    case Unary::neg: return T(-1);
-    case Unary::exp: return y;
-    case Unary::log: return T(1) / x;
-    case Unary::sqrt: return T(0.5) / y;
-    case Unary::rsqrt: return T(-0.5) * y / x;
-    case Unary::tanh: return T(1) - y * y;
-    case Unary::sigmoid: return y * (T(1) - y);
-    case Unary::relu: return x > T(0) ? T(1) : T(0);
-    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
-    case Unary::pow: return a == T(0) ? T(0) : a * std::pow(x, a - T(1));
-    case Unary::silu: {
-      T s = sigmoid(x);
-      return s * (T(1) + x * (T(1) - s));
-    }
-    case Unary::gelu: {
-      T cdf = T(0.5) * (T(1) + std::erf(x / std::numbers::sqrt2_v<T>));
-      T pdf = std::exp(T(-0.5) * x * x) / std::sqrt(T(2) * std::numbers::pi_v<T>);
-      return cdf + x * pdf;
-    }
-    case Unary::gelu_approx: {
-      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
-      T t = std::tanh(u);
-      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
-      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
-    }
-    case Unary::gelu_fast: {
-      T s = sigmoid(T(1.702) * x);
-      return s + x * T(1.702) * s * (T(1) - s);
-    }
-    case Unary::scale: return a;
-    case Unary::add_scalar: return T(1);
-  }
-  return T(0);
-}
-
-template <class T>
-inline T binary_f(Binary op, T a, T b) {
-  switch (op) {
-    case Binary::add: return a + b;
-    case Binary::sub: return a - b;
-    case Binary::mul: return a * b;
-    case Binary::div: return a / b;
-    case Binary::maximum: return a >= b ? a : b;
-    case Binary::minimum: return a <= b ? a : b;
-  }
-  return a;
-}
-
-/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
-/// to a (documented in ops/elementwise.hpp).
-template <class T>
-inline T binary_df(Binary op, int which, T a, T b) {
-  switch (op) {
-    case Binary::add: return T(1);
-    case Binary::sub: return which == 0 ? T(1) : T(-1);
-    case Binary::mul: return which == 0 ? b : a;
-    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
-    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
-    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
-  }
-  return T(0);
-}
-
-template <class T>
-inline void put(T* y, std::int64_t i, T v, bool acc) {
-  if (acc) y[i] += v;
-  else y[i] = v;
-}
 
 /// Splits a reduction of `x` to `y` (y's dims equal x's or 1, right-aligned) into
 /// (outer, reduced, inner) when the reduced dims are one contiguous block; false otherwise.

@@ -6,11 +6,6 @@
 using namespace nn;
 
 namespace {
-std::vector<std::uint32_t> bits_of(const Tensor& t) {
-  std::vector<std::uint32_t> out(static_cast<std::size_t>(t.numel()));
-  std::memcpy(out.data(), t.data<float>(), out.size() * 4);
-  return out;
-}
 std::vector<std::uint32_t> words(const nlohmann::json& j) { return j.get<std::vector<std::uint32_t>>(); }
 }  // namespace
 
@@ -19,8 +14,8 @@ TEST_CASE("nn::random::seed(0); Linear(4, 8) holds MLX's weights bit for bit") {
   random::seed(f["linear_4_8"]["seed"].get<std::uint64_t>());
   Linear l(4, 8);
   CHECK(l.weight.shape() == Shape{8, 4});
-  CHECK(bits_of(l.weight.value) == words(f["linear_4_8"]["weight"]));
-  CHECK(bits_of(l.bias->value) == words(f["linear_4_8"]["bias"]));
+  CHECK(test::f32_bits(l.weight.value) == words(f["linear_4_8"]["weight"]));
+  CHECK(test::f32_bits(l.bias->value) == words(f["linear_4_8"]["bias"]));
   CHECK(l.weight.trainable);
 }
 
@@ -29,7 +24,7 @@ TEST_CASE("Linear(...).without_bias() draws as MLX's nn.Linear(bias=False)") {
   random::seed(f["linear_3_5_nobias"]["seed"].get<std::uint64_t>());
   Linear l = Linear(3, 5).without_bias();
   CHECK_FALSE(l.bias.has_value());
-  CHECK(bits_of(l.weight.value) == words(f["linear_3_5_nobias"]["weight"]));
+  CHECK(test::f32_bits(l.weight.value) == words(f["linear_3_5_nobias"]["weight"]));
   // the sequence is where MLX's is: a second layer drawn now matches a fresh bias=False pair
   Tensor after = random::state();
   random::seed(f["linear_3_5_nobias"]["seed"].get<std::uint64_t>());
@@ -44,11 +39,11 @@ TEST_CASE("a chain of layers after one seed draws MLX's sequence") {
   Linear l1(4, 8);
   Embedding e(10, 6);
   Linear l2(8, 3);
-  CHECK(bits_of(l1.weight.value) == words(f["l1_weight"]));
-  CHECK(bits_of(l1.bias->value) == words(f["l1_bias"]));
-  CHECK(bits_of(e.weight.value) == words(f["emb_weight"]));
-  CHECK(bits_of(l2.weight.value) == words(f["l2_weight"]));
-  CHECK(bits_of(l2.bias->value) == words(f["l2_bias"]));
+  CHECK(test::f32_bits(l1.weight.value) == words(f["l1_weight"]));
+  CHECK(test::f32_bits(l1.bias->value) == words(f["l1_bias"]));
+  CHECK(test::f32_bits(e.weight.value) == words(f["emb_weight"]));
+  CHECK(test::f32_bits(l2.weight.value) == words(f["l2_weight"]));
+  CHECK(test::f32_bits(l2.bias->value) == words(f["l2_bias"]));
   CHECK(random::state().to_doubles() == Tensor::from<std::uint32_t>({2}, f["final_state"].get<std::vector<std::uint32_t>>()).to_doubles());
 }
 
@@ -56,7 +51,7 @@ TEST_CASE("Embedding(10, 6) holds MLX's normal draws; as_linear is the tied head
   auto f = test::fixture("random/mlx_init.json");
   random::seed(f["embedding_10_6"]["seed"].get<std::uint64_t>());
   Embedding e(10, 6);
-  CHECK(bits_of(e.weight.value) == words(f["embedding_10_6"]["weight"]));
+  CHECK(test::f32_bits(e.weight.value) == words(f["embedding_10_6"]["weight"]));
   e.to(DType::f64);
   GTape<cpu> tp;
   GVar ids = tp.constant(Tensor::from<std::int32_t>({2, 3}, {1, 4, 4, 0, 9, 2}));

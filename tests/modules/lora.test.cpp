@@ -4,33 +4,20 @@
 
 using namespace nn;
 
-namespace {
-std::vector<std::uint32_t> bits_of(const Tensor& t) {
-  std::vector<std::uint32_t> out(static_cast<std::size_t>(t.numel()));
-  std::memcpy(out.data(), t.data<float>(), out.size() * 4);
-  return out;
-}
-std::vector<std::string> names(const std::vector<std::pair<std::string, Tensor>>& ps) {
-  std::vector<std::string> out;
-  for (auto& p : ps) out.push_back(p.first);
-  return out;
-}
-}  // namespace
-
 TEST_CASE("LoraLinear::from_base draws mlx-lm's lora_a and zero lora_b, and freezes the base") {
   auto f = test::fixture("random/mlx_init.json")["lora_from_base_16_8_r4"];
   random::seed(f["seed"].get<std::uint64_t>());
   Linear base(16, 8);
   LoraLinear l = LoraLinear::from_base(base, 4);
-  CHECK(bits_of(l.base.weight.value) == f["base_weight"].get<std::vector<std::uint32_t>>());
-  CHECK(bits_of(l.lora_a.value) == f["lora_a"].get<std::vector<std::uint32_t>>());
+  CHECK(test::f32_bits(l.base.weight.value) == f["base_weight"].get<std::vector<std::uint32_t>>());
+  CHECK(test::f32_bits(l.lora_a.value) == f["lora_a"].get<std::vector<std::uint32_t>>());
   CHECK(l.lora_a.shape() == Shape{16, 4});
   CHECK(l.lora_b.shape() == Shape{4, 8});
   CHECK(l.lora_b.value.to_doubles() == std::vector<double>(32, 0.0));
   CHECK(random::state().to_doubles() ==
         Tensor::from<std::uint32_t>({2}, f["final_state"].get<std::vector<std::uint32_t>>()).to_doubles());
-  CHECK(names(l.parameters()) == std::vector<std::string>{"linear.weight", "linear.bias", "lora_a", "lora_b"});
-  CHECK(names(l.trainable_parameters()) == std::vector<std::string>{"lora_a", "lora_b"});
+  CHECK(test::paths(l.parameters()) == std::vector<std::string>{"linear.weight", "linear.bias", "lora_a", "lora_b"});
+  CHECK(test::paths(l.trainable_parameters()) == std::vector<std::string>{"lora_a", "lora_b"});
 }
 
 TEST_CASE("LoraLinear computes base + scale (x a) b; fused() merges it; rslora divides by sqrt(r)") {

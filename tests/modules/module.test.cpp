@@ -65,11 +65,6 @@ Net make_net() {
   return n;
 }
 
-std::vector<std::string> paths(const std::vector<std::pair<std::string, Tensor>>& ps) {
-  std::vector<std::string> out;
-  for (auto& p : ps) out.push_back(p.first);
-  return out;
-}
 
 }  // namespace
 
@@ -80,7 +75,7 @@ TEST_CASE("parameter paths follow MLX / PyTorch naming, in declaration order") {
                                   "layers.1.q_proj.weight", "layers.1.q_proj.bias", "layers.1.mixer.scale",
                                   "head.weight", "head.bias"};
   // variant alternatives are transparent: "mixer" comes from the field, "weight"/"scale" from the alternative
-  CHECK(paths(n.parameters()) == expect);
+  CHECK(test::paths(n.parameters()) == expect);
   CHECK(n.num_params() == 9 + 3 + 3 + 3 + 9 + 9 + 3 + 1 + 6 + 2);
   CHECK(n.num_trainable() == n.num_params() - 3);  // the Buffer is never trainable
 }
@@ -91,7 +86,7 @@ TEST_CASE("freeze / unfreeze by path return how many changed") {
   CHECK(n.num_trainable() == 0);
   CHECK(n.unfreeze([](const std::string& p) { return p.find("q_proj") != std::string::npos; }) == 4);
   CHECK(n.unfreeze([](const std::string& p) { return p.find("q_proj") != std::string::npos; }) == 0);
-  CHECK(paths(n.trainable_parameters()) ==
+  CHECK(test::paths(n.trainable_parameters()) ==
         std::vector<std::string>{"layers.0.q_proj.weight", "layers.0.q_proj.bias", "layers.1.q_proj.weight",
                                  "layers.1.q_proj.bias"});
 }

@@ -5,18 +5,10 @@
 
 using namespace nn;
 
-namespace {
-std::vector<std::string> names(const std::vector<std::pair<std::string, Tensor>>& ps) {
-  std::vector<std::string> out;
-  for (auto& p : ps) out.push_back(p.first);
-  return out;
-}
-}  // namespace
-
 TEST_CASE("RmsNorm and LayerNorm options") {
   RmsNorm r = RmsNorm(6).eps(1e-6);
   CHECK(r.eps() == 1e-6);
-  CHECK(names(r.parameters()) == std::vector<std::string>{"weight"});
+  CHECK(test::paths(r.parameters()) == std::vector<std::string>{"weight"});
   CHECK(LayerNorm(6).num_params() == 12);
   CHECK(LayerNorm(6).without_bias().num_params() == 6);
   CHECK(LayerNorm(6).affine(false).num_params() == 0);

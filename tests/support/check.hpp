@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -101,6 +102,20 @@ inline double gradcheck(const std::string& label, std::vector<Tensor> inputs,
   }
   MESSAGE("gradcheck " << label << ": worst relative error vs central differences " << worst);
   return worst;
+}
+
+/// The bit patterns of a float32 tensor (to compare with MLX fixtures stored as uint32 words).
+inline std::vector<std::uint32_t> f32_bits(const Tensor& t) {
+  std::vector<std::uint32_t> out(static_cast<std::size_t>(t.numel()));
+  std::memcpy(out.data(), t.data<float>(), out.size() * 4);
+  return out;
+}
+
+/// The paths of a (path, tensor) list, in order (module parameter names).
+inline std::vector<std::string> paths(const std::vector<std::pair<std::string, Tensor>>& ps) {
+  std::vector<std::string> out;
+  for (const auto& p : ps) out.push_back(p.first);
+  return out;
 }
 
 /// Runs `fn`, expects an nn::Error whose message contains every fragment.

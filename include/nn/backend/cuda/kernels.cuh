@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "runtime.cuh"
+#include "../math.hpp"
 #include "../policy.hpp"
 #include "../../random.hpp"
 
@@ -36,135 +37,18 @@ inline unsigned threads_for(i64 len) {
        i < (n); i += static_cast<::std::int64_t>(blockDim.x) * gridDim.x)
 #define NN_CU_ROWS(r, n) for (::std::int64_t r = blockIdx.x; r < (n); r += gridDim.x)
 
-// ---- device math, float and double overloads (never the fast intrinsics). The double ones are
-// named ::exp etc.: nn::exp (the tape op) would hide them.
-__device__ inline float d_exp(float x) { return expf(x); }
-__device__ inline double d_exp(double x) { return ::exp(x); }
-__device__ inline float d_log(float x) { return logf(x); }
-__device__ inline double d_log(double x) { return ::log(x); }
-__device__ inline float d_sqrt(float x) { return sqrtf(x); }
-__device__ inline double d_sqrt(double x) { return ::sqrt(x); }
-__device__ inline float d_tanh(float x) { return tanhf(x); }
-__device__ inline double d_tanh(double x) { return ::tanh(x); }
-__device__ inline float d_erf(float x) { return erff(x); }
-__device__ inline double d_erf(double x) { return ::erf(x); }
-__device__ inline float d_pow(float x, float a) { return powf(x, a); }
-__device__ inline double d_pow(double x, double a) { return ::pow(x, a); }
-__device__ inline float d_abs(float x) { return fabsf(x); }
-__device__ inline double d_abs(double x) { return ::fabs(x); }
+// Device math is backend/math.hpp's m_exp, m_log, ... (shared with the CPU).
 template <class T>
 __device__ inline bool d_isnan(T x) {
   return x != x;
 }
+
 template <class T>
 __device__ inline T d_inf() {
   return static_cast<T>(INFINITY);
 }
 
-template <class T>
-__device__ inline T d_sigmoid(T x) {
-  return T(1) / (T(1) + d_exp(-x));
-}
-
-/// cpu.hpp's detail::unary_f.
-template <class T>
-__device__ inline T unary_f(Unary op, T x, T a) {
-  const T kSqrt2OverPi = T(0.7978845608028654);
-  const T kSqrt2 = T(1.4142135623730951);
-  switch (op) {
-    case Unary::neg: return -x;
-    case Unary::exp: return d_exp(x);
-    case Unary::log: return d_log(x);
-    case Unary::sqrt: return d_sqrt(x);
-    case Unary::rsqrt: return T(1) / d_sqrt(x);
-    case Unary::tanh: return d_tanh(x);
-    case Unary::sigmoid: return d_sigmoid(x);
-    case Unary::relu: return x > T(0) ? x : T(0);
-    case Unary::abs: return d_abs(x);
-    case Unary::pow: return d_pow(x, a);
-    case Unary::silu: return x * d_sigmoid(x);
-    case Unary::gelu: return T(0.5) * x * (T(1) + d_erf(x / kSqrt2));
-    case Unary::gelu_approx: return T(0.5) * x * (T(1) + d_tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
-    case Unary::gelu_fast: return x * d_sigmoid(T(1.702) * x);
-    case Unary::scale: return a * x;
-    case Unary::add_scalar: return x + a;
-  }
-  return x;
-}
-
-/// cpu.hpp's detail::unary_df (same kinks: relu'(0) = abs'(0) = 0).
-template <class T>
-__device__ inline T unary_df(Unary op, T x, T y, T a) {
-  const T kSqrt2OverPi = T(0.7978845608028654);
-  const T kSqrt2 = T(1.4142135623730951);
-  const T kPi = T(3.141592653589793);
-  switch (op) {
-    case Unary::neg: return T(-1);
-    case Unary::exp: return y;
-    case Unary::log: return T(1) / x;
-    case Unary::sqrt: return T(0.5) / y;
-    case Unary::rsqrt: return T(-0.5) * y / x;
-    case Unary::tanh: return T(1) - y * y;
-    case Unary::sigmoid: return y * (T(1) - y);
-    case Unary::relu: return x > T(0) ? T(1) : T(0);
-    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
-    case Unary::pow: return a == T(0) ? T(0) : a * d_pow(x, a - T(1));
-    case Unary::silu: {
-      T s = d_sigmoid(x);
-      return s * (T(1) + x * (T(1) - s));
-    }
-    case Unary::gelu: {
-      T cdf = T(0.5) * (T(1) + d_erf(x / kSqrt2));
-      T pdf = d_exp(T(-0.5) * x * x) / d_sqrt(T(2) * kPi);
-      return cdf + x * pdf;
-    }
-    case Unary::gelu_approx: {
-      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
-      T t = d_tanh(u);
-      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
-      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
-    }
-    case Unary::gelu_fast: {
-      T s = d_sigmoid(T(1.702) * x);
-      return s + x * T(1.702) * s * (T(1) - s);
-    }
-    case Unary::scale: return a;
-    case Unary::add_scalar: return T(1);
-  }
-  return T(0);
-}
-
-template <class T>
-__device__ inline T binary_f(Binary op, T a, T b) {
-  switch (op) {
-    case Binary::add: return a + b;
-    case Binary::sub: return a - b;
-    case Binary::mul: return a * b;
-    case Binary::div: return a / b;
-    case Binary::maximum: return a >= b ? a : b;
-    case Binary::minimum: return a <= b ? a : b;
-  }
-  return a;
-}
-
-template <class T>
-__device__ inline T binary_df(Binary op, int which, T a, T b) {
-  switch (op) {
-    case Binary::add: return T(1);
-    case Binary::sub: return which == 0 ? T(1) : T(-1);
-    case Binary::mul: return which == 0 ? b : a;
-    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
-    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
-    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
-  }
-  return T(0);
-}
-
-template <class T>
-__device__ inline void put(T* y, i64 i, T v, bool acc) {
-  if (acc) y[i] += v;
-  else y[i] = v;
-}
+// unary_f, unary_df, binary_f, binary_df, put: backend/math.hpp (shared with nn::cpu).
 
 // ---- dtype conversion on the device (tensor.hpp's half:: rules, bit for bit) ---------------
 __device__ inline float bf16_to_f32(std::uint16_t h) { return __uint_as_float(static_cast<std::uint32_t>(h) << 16); }
@@ -590,14 +474,14 @@ __global__ void k_softmax(const T* x, T* y, i64 R, i64 V, bool log) {
     m = block_reduce(m, sh, MaxOp{});
     if (m == -d_inf<T>()) m = 0;  // a fully masked row stays finite in its max
     T s = 0;
-    for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += d_exp(in[j] - m);
+    for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += m_exp(in[j] - m);
     s = block_reduce(s, sh, SumOp{});
     if (log) {
-      const T ls = d_log(s);  // (x - m) - log(s), as cpu.hpp, for logits in the thousands
+      const T ls = m_log(s);  // (x - m) - log(s), as cpu.hpp, for logits in the thousands
       for (i64 j = threadIdx.x; j < V; j += blockDim.x) out[j] = (in[j] - m) - ls;
     } else {
       const T inv = T(1) / s;
-      for (i64 j = threadIdx.x; j < V; j += blockDim.x) out[j] = d_exp(in[j] - m) * inv;
+      for (i64 j = threadIdx.x; j < V; j += blockDim.x) out[j] = m_exp(in[j] - m) * inv;
     }
   }
 }
@@ -613,7 +497,7 @@ __global__ void k_softmax_vjp(const T* y, const T* g, T* gx, i64 R, i64 V, bool 
     if (log) {
       for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += gr[j];
       s = block_reduce(s, sh, SumOp{});
-      for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, gr[j] - d_exp(yr[j]) * s, acc);
+      for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, gr[j] - m_exp(yr[j]) * s, acc);
     } else {
       for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += gr[j] * yr[j];
       s = block_reduce(s, sh, SumOp{});
@@ -639,10 +523,10 @@ __global__ void k_ce_rows(const T* x, const void* t, bool i32, i64 ignore, int r
     for (i64 j = threadIdx.x; j < V; j += blockDim.x) m = MaxOp{}(m, in[j]);
     m = block_reduce(m, sh, MaxOp{});
     T s = 0;
-    for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += d_exp(in[j] - m);
+    for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += m_exp(in[j] - m);
     s = block_reduce(s, sh, SumOp{});
     if (threadIdx.x == 0) {
-      const T l = m + d_log(s);
+      const T l = m + m_log(s);
       lse[r] = l;
       if (reduction == 0) y[r] = (k == ignore || bad) ? T(0) : l - in[k];
     }
@@ -700,7 +584,7 @@ __global__ void k_ce_vjp(const T* x, const void* t, bool i32, i64 ignore, int re
     if (reduction == 2) g0 = g0 / static_cast<T>(*count);
     const T* in = x + ce_row(r, N, G) * V;
     const T gr = reduction == 0 ? g[r] : g0, l = lse[r];
-    for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, gr * d_exp(in[j] - l), acc);
+    for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, gr * m_exp(in[j] - l), acc);
     __syncthreads();  // the whole row is written before the target's element is adjusted
     if (threadIdx.x == 0) o[k] -= gr;
     __syncthreads();
@@ -720,7 +604,7 @@ __global__ void k_rms_norm(const T* x, const T* w, T* y, T* rstd, i64 R, i64 C, 
     T s = 0;
     for (i64 j = threadIdx.x; j < C; j += blockDim.x) s += xr[j] * xr[j];
     s = block_reduce(s, sh, SumOp{});
-    const T k = T(1) / d_sqrt(inv_c * s + eps);
+    const T k = T(1) / m_sqrt(inv_c * s + eps);
     if (threadIdx.x == 0) rstd[r] = k;
     for (i64 j = threadIdx.x; j < C; j += blockDim.x) yr[j] = w ? (xr[j] * k) * w[j] : xr[j] * k;
   }
@@ -793,7 +677,7 @@ __global__ void k_attn_softmax(T* P, const T* mask, i64 H, i64 Tn, i64 ms0, i64 
     if (m == -d_inf<T>()) m = 0;
     T s = 0;
     for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) {
-      const T e = d_exp(row[j] - m);
+      const T e = m_exp(row[j] - m);
       row[j] = e;
       s += e;
     }
@@ -820,12 +704,12 @@ __global__ void k_attn_dsoftmax(T* ds, i64 ds_stride, const T* p, i64 p_stride, 
 }
 template <class T>
 __global__ void k_swiglu(const T* a, const T* u, T* y, i64 n) {
-  NN_CU_FOR(i, n) y[i] = (a[i] * (T(1) / (T(1) + d_exp(-a[i])))) * u[i];
+  NN_CU_FOR(i, n) y[i] = (a[i] * (T(1) / (T(1) + m_exp(-a[i])))) * u[i];
 }
 template <class T>
 __global__ void k_swiglu_vjp(const T* a, const T* u, const T* g, T* da, bool acc_a, T* du, bool acc_u, i64 n) {
   NN_CU_FOR(i, n) {
-    const T s = T(1) / (T(1) + d_exp(-a[i]));
+    const T s = T(1) / (T(1) + m_exp(-a[i]));
     if (da) put(da, i, (g[i] * u[i]) * (s * (T(1) + a[i] * (T(1) - s))), acc_a);
     if (du) put(du, i, g[i] * (a[i] * s), acc_u);
   }
@@ -855,7 +739,7 @@ __global__ void k_adam(T* p, const T* g, T* m, T* v, T l, T B1, T B2, T E, T C1,
     const T vi = B2 * v[i] + C2 * (g[i] * g[i]);
     m[i] = mi;
     v[i] = vi;
-    p[i] = bias_correction ? pi - (c1 * mi) / (d_sqrt(vi) * c2 + E) : pi - (l * mi) / (d_sqrt(vi) + E);
+    p[i] = bias_correction ? pi - (c1 * mi) / (m_sqrt(vi) * c2 + E) : pi - (l * mi) / (m_sqrt(vi) + E);
   }
 }
 template <class T>
@@ -902,7 +786,7 @@ __global__ void k_frobenius(const T* x, i64 n, T eps, T* d) {
   T s = 0;
   for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * x[i];
   s = block_reduce(s, sh, SumOp{});
-  if (threadIdx.x == 0) *d = d_sqrt(s) + eps;
+  if (threadIdx.x == 0) *d = m_sqrt(s) + eps;
 }
 template <class T>
 __global__ void k_divide_by(T* x, i64 n, const T* d) {
