@@ -17,6 +17,8 @@
 // shapes (the same formula as decoder_torch.py), not measured.
 #include <nn/nn.hpp>
 
+#include "common.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -38,6 +40,10 @@
 #endif
 
 namespace {
+
+using bench::batch;
+using bench::cpu_seconds;
+using bench::proc_status_kb;
 
 struct Config {
   std::int64_t vocab = 8192, dim = 256, layers = 4, heads = 8, kv_heads = 2, head_dim = 32, hidden = 704;
@@ -93,7 +99,6 @@ struct Decoder {
   nn::GVar loss(nn::GTape<B>& tp, nn::GVar ids, nn::GVar targets) const {
     const std::int64_t T = tp.shape(ids)[1];
     nn::RopeVars rope = nn::rope_fill(tp, T, cfg.head_dim, cfg.rope_base);
-    nn::GVar mask = nn::causal_mask_fill(tp, T);
     const double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
     nn::GVar h = model.embed_tokens(tp, ids);  // (B, T, d)
     for (const Block& l : model.layers) {
@@ -101,8 +106,8 @@ struct Decoder {
       nn::GVar q = project(tp, l.self_attn.q_proj, x);  // (B, T, heads * hd)
       nn::GVar k = project(tp, l.self_attn.k_proj, x);  // (B, T, kv_heads * hd)
       nn::GVar v = project(tp, l.self_attn.v_proj, x);
-      nn::GVar a = nn::gqa_attention(tp, q, k, v, rope.cos, rope.sin, mask, T, cfg.heads, cfg.kv_heads, cfg.head_dim,
-                                     scale);
+      nn::GVar a = nn::gqa_attention(tp, q, k, v, rope.cos, rope.sin, nn::causal, T, cfg.heads, cfg.kv_heads,
+                                     cfg.head_dim, scale);  // the causal kernel: no mask, no products above the diagonal
       h = nn::add(tp, h, project(tp, l.self_attn.o_proj, a));
       x = l.post_attention_layernorm(tp, h);
       nn::GVar m = nn::swiglu(tp, l.mlp.gate_proj(tp, x), l.mlp.up_proj(tp, x));  // (B, T, hidden)
@@ -148,30 +153,6 @@ void apply_lora(Decoder& m) {
 
 // ---- data: the token stream decoder_torch.py generates too -----------------------------------
 
-std::uint64_t splitmix64(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-/// Batch `i` of the stream: ids[b, t] = s[b, t], targets[b, t] = s[b, t + 1], s (B, T + 1) the
-/// next B (T + 1) draws of splitmix64 seeded with i, modulo the vocabulary.
-std::pair<nn::Tensor, nn::Tensor> batch(std::uint64_t i, std::int64_t B, std::int64_t T, std::int64_t V) {
-  nn::Tensor ids = nn::Tensor::empty({B, T}, nn::DType::i32), tg = nn::Tensor::empty({B, T}, nn::DType::i32);
-  std::uint64_t s = i;
-  for (std::int64_t b = 0; b < B; ++b) {
-    std::int32_t prev = static_cast<std::int32_t>(splitmix64(s) % static_cast<std::uint64_t>(V));
-    for (std::int64_t t = 0; t < T; ++t) {
-      const auto next = static_cast<std::int32_t>(splitmix64(s) % static_cast<std::uint64_t>(V));
-      ids.data<std::int32_t>()[b * T + t] = prev;
-      tg.data<std::int32_t>()[b * T + t] = next;
-      prev = next;
-    }
-  }
-  return {ids, tg};
-}
-
 // ---- FLOPs, memory, the FMA peak ---------------------------------------------------------------
 
 /// Multiply-adds counted as 2 FLOPs; attention scores and P V over the full T x T square (what
@@ -191,25 +172,6 @@ double step_flops(const Config& c, const std::string& mode, std::int64_t B, std:
   const double r = static_cast<double>(c.lora_rank);
   const double lora = L * tok * 2 * (r * (d + q) + r * (d + kv) * 2 + r * (q + d));
   return fwd + (2 * tok * (weights - (d * q + 2 * d * kv)) + attn) + 3 * lora;
-}
-
-/// kB from a /proc/self/status field (VmHWM: peak resident set; VmRSS: now).
-long proc_status_kb(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(f, line))
-    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + key.size());
-  return -1;
-}
-
-/// User + system CPU seconds of the whole process so far: on a loaded machine, a 1-thread step's
-/// CPU time is what its wall time would be on an idle one (within cache effects).
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 /// GFLOP/s of independent FMA chains on every thread: the ceiling no kernel can pass. 512-bit
@@ -293,13 +255,7 @@ int main(int argc, char** argv) {
   }
   if (mode != "full" && mode != "lora" && mode != "forward") return usage("unknown mode", mode);
   if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) return usage("sizes must be positive");
-#if defined(_OPENMP)
-  omp_set_num_threads(threads);
-#endif
-  Eigen::setNbThreads(threads);
-#if defined(NN_USE_BLAS)
-  openblas_set_num_threads(threads);
-#endif
+  bench::set_threads(threads);
   if (peak) {
     fma_peak(threads);  // wakes the cores up
     std::printf("RESULT impl=fma mode=peak threads=%d gflops=%.1f\n", threads, fma_peak(threads));

@@ -27,7 +27,7 @@ using namespace nn::lm;
 namespace {
 
 struct Args {
-  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse;
+  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse, logits_out;
   LoraConfig lora;
   double lr = 1e-4;
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
@@ -45,7 +45,8 @@ const char* kUsage =
     "  --keys q_proj,v_proj  projections to adapt (q k v o _proj, gate up down _proj)\n"
     "  --lr 1e-4 --schedule cosine|constant --warmup N --iters 100 --batch 4 --seq 256 --grad-accum 1\n"
     "  --val-every 25 --val-batches 4 --save-every 50 --resume --adapter-path adapters --no-peft\n"
-    "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n";
+    "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n"
+    "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -84,6 +85,7 @@ Args parse(int argc, char** argv) {
   str("schedule", a.schedule);
   str("prompt", a.prompt);
   str("fuse", a.fuse);
+  str("logits-out", a.logits_out);
   num("rank", a.lora.rank);
   num("scale", a.lora.scale);
   num("dropout", a.lora.dropout);
@@ -107,6 +109,7 @@ Args parse(int argc, char** argv) {
   str("keys", keys);
   if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
   if (a.model.empty() || a.data.empty()) nn::detail::fail("finetune", "--model and --data are required\n", kUsage);
+  if (!a.logits_out.empty() && a.prompt.empty()) nn::detail::fail("finetune", "--logits-out needs --prompt");
   if (a.schedule != "cosine" && a.schedule != "constant") nn::detail::fail("finetune", "--schedule is cosine or constant");
   if (a.iters <= 0 || a.batch <= 0 || a.seq < 2 || a.grad_accum <= 0 || a.warmup < 0 || a.warmup >= a.iters + 1)
     nn::detail::fail("finetune", "need iters > 0, batch > 0, seq >= 2, grad-accum > 0, 0 <= warmup <= iters");
@@ -289,6 +292,17 @@ int run(const Args& a) {
     model.train(false);
     const std::string after = generate(model, tok, prompt, a.max_tokens);
     std::printf("\nprompt: %s\n--- before ---\n%s\n--- after ---\n%s\n", a.prompt.c_str(), before.c_str(), after.c_str());
+  }
+  if (!a.logits_out.empty()) {
+    // ids: (1, T) the prompt's tokens (chat-formatted when the data is); logits: (1, T, V) of the
+    // trained model in eval mode, for tests/interop/ to compare against PEFT and mlx-lm.
+    model.train(false);
+    const std::vector<std::int32_t> ids = tok.encode(prompt);
+    Tensor id_t = Tensor::from<std::int32_t>({1, static_cast<std::int64_t>(ids.size())}, ids);
+    GTape<cpu> tp;
+    GVar logits = model.logits(tp, tp.constant(id_t));
+    save_safetensors(a.logits_out, NamedTensors{{"ids", id_t}, {"logits", tp.value(logits)}});
+    std::printf("logits of the prompt written to %s\n", a.logits_out.c_str());
   }
   if (!a.fuse.empty()) {
     model.map_modules<LoraLinear>([](const std::string&) { return true; },

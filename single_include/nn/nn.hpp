@@ -1104,8 +1104,8 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
   B::rms_norm_vjp(x, x, x, x, &y, acc, &y, acc); // (x, w, rstd, g, gx, acc_x, gw, acc_w)
   B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
-  B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p)
-  B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc)
+  B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y, acc);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p, causal)
+  B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc, causal)
   B::swiglu(x, x, y);                            // (gate, up, y)
   B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
@@ -1140,6 +1140,9 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 
 #if defined(_OPENMP)
 #include <omp.h>
+#endif
+#if defined(__SSE2__) || defined(__AVX__)
+#include <immintrin.h>
 #endif
 
 // ---- begin nn/backend/math.hpp ----
@@ -1292,6 +1295,20 @@ void dispatch_float(DType t, const char* op, F&& f) {
   else fail(op, "needs a float32 or float64 tensor, got ", dtype_name(t));
 }
 
+/// Runs f.template operator()<Op>() with the Binary op as a compile-time constant: the
+/// elementwise loops then inline one operation and vectorise (a switch per element does not).
+template <class F>
+void dispatch_binary(Binary op, F&& f) {
+  switch (op) {
+    case Binary::add: f.template operator()<Binary::add>(); return;
+    case Binary::sub: f.template operator()<Binary::sub>(); return;
+    case Binary::mul: f.template operator()<Binary::mul>(); return;
+    case Binary::div: f.template operator()<Binary::div>(); return;
+    case Binary::maximum: f.template operator()<Binary::maximum>(); return;
+    case Binary::minimum: f.template operator()<Binary::minimum>(); return;
+  }
+}
+
 // dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
 // accumulating (permuting token ids is fine; adding them is not a gradient).
 template <class F>
@@ -1319,6 +1336,31 @@ inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
 /// Elementwise loops run in parallel only past this size: below it thread start-up costs more
 /// than it saves.
 inline constexpr std::int64_t kParallelGrain = 1 << 15;
+
+/// Causal attention's row (and key) block: the products of a block of queries stop at its last
+/// key, so the work above the diagonal left undone is all but half a block wide.
+inline constexpr std::int64_t kAttnBlock = 32;
+
+/// f(i) for i in [0, n), split over OpenMP threads when `wide` (the caller's size test against
+/// kParallelGrain) holds and more than one thread is free: in equal contiguous shares, or one
+/// iteration at a time when `uneven` (iterations of different cost). The test is a C++ branch
+/// taken before OpenMP is entered, not an `if` clause: libgomp builds a one-thread team (a malloc
+/// and a free) even for `#pragma omp parallel if (false)`, so every small replayed op would allocate.
+template <class F>
+inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
+#if defined(_OPENMP)
+  if (wide && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+    const std::int64_t share = uneven ? 1 : (n + omp_get_max_threads() - 1) / omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, share)
+    for (std::int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#else
+  (void)wide;
+  (void)uneven;
+#endif
+  for (std::int64_t i = 0; i < n; ++i) f(i);
+}
 
 /// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
 /// right, and a dimension of size 1 (or a missing one) gets stride 0, which is broadcasting.
@@ -1593,14 +1635,34 @@ inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
   r *= T(1) / r.sum();
 }
 
+/// y = sqrt(x), correctly rounded (what std::sqrt gives), vectorised with the x86 sqrt
+/// instructions where available. Not Eigen's .sqrt(): under EIGEN_FAST_MATH (its default) the
+/// float version is rsqrt plus one Newton step, a few ulp off, and the optimizers' updates must
+/// match MLX's to the bit; nor a loop over std::sqrt, which compilers keep scalar for errno.
+template <class T>
+inline void sqrt_exact(const T* x, T* y, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+  else
+    for (; i + 4 <= n; i += 4) _mm256_storeu_pd(y + i, _mm256_sqrt_pd(_mm256_loadu_pd(x + i)));
+#elif defined(__SSE2__)
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 4 <= n; i += 4) _mm_storeu_ps(y + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
+  else
+    for (; i + 2 <= n; i += 2) _mm_storeu_pd(y + i, _mm_sqrt_pd(_mm_loadu_pd(x + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::sqrt(x[i]);
+}
+
 /// Elementwise work over n values in chunks: f(i0, i1) per chunk, the chunks in parallel once n
 /// passes kParallelGrain.
 inline constexpr std::int64_t kChunk = 4096;
 template <class F>
 inline void parallel_chunks(std::int64_t n, F&& f) {
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for if (n > kParallelGrain)
-  for (std::int64_t c = 0; c < chunks; ++c) f(c * kChunk, std::min(n, (c + 1) * kChunk));
+  parallel_for(chunks, n > kParallelGrain, [&](std::int64_t c) { f(c * kChunk, std::min(n, (c + 1) * kChunk)); });
 }
 
 }  // namespace detail
@@ -1625,8 +1687,7 @@ struct cpu {
       const T* s = static_cast<const T*>(x.raw());
       T* d = static_cast<T*>(y.raw());
       const std::int64_t n = y.numel();
-#pragma omp parallel for simd if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { d[i] += s[i]; });
     });
   }
 
@@ -1641,8 +1702,9 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
       const T a = static_cast<T>(arg);
       const std::int64_t n = x.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::unary_f(op, xs[i], a);
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+        ys[i] = detail::unary_f(op, xs[i], a);
+      });
     });
   }
 
@@ -1655,36 +1717,41 @@ struct cpu {
       T* out = static_cast<T*>(gx.raw());
       const T a = static_cast<T>(arg);
       const std::int64_t n = x.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) detail::put(out, i, gs[i] * detail::unary_df(op, xs[i], ys[i], a), acc);
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+        detail::put(out, i, gs[i] * detail::unary_df(op, xs[i], ys[i], a), acc);
+      });
     });
   }
 
   static void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
     detail::dispatch_float(y.dtype(), binary_name(op), [&]<class T>() {
-      const T* as = static_cast<const T*>(a.raw());
-      const T* bs = static_cast<const T*>(b.raw());
-      T* ys = static_cast<T*>(y.raw());
-      const std::int64_t n = y.numel();
-      if (a.shape() == y.shape() && b.shape() == y.shape()) {
-#pragma omp parallel for if (n > detail::kParallelGrain)
-        for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::binary_f(op, as[i], bs[i]);
-      } else if (a.shape() == y.shape() && b.numel() == 1) {
-        const T bv = bs[0];
-#pragma omp parallel for if (n > detail::kParallelGrain)
-        for (std::int64_t i = 0; i < n; ++i) ys[i] = detail::binary_f(op, as[i], bv);
-      } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
-        const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
-#pragma omp parallel for if (n > detail::kParallelGrain)
-        for (std::int64_t r = 0; r < rows; ++r)
-          for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(op, as[r * nb + j], bs[j]);
-      } else {
-        std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), y.shape()),
-                                                              detail::broadcast_strides(b.shape(), y.shape())};
-        detail::for_each_broadcast<2>(y.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
-          ys[i] = detail::binary_f(op, as[ia], bs[ib]);
-        });
-      }
+      detail::dispatch_binary(op, [&]<Binary Op>() {
+        const T* as = static_cast<const T*>(a.raw());
+        const T* bs = static_cast<const T*>(b.raw());
+        T* ys = static_cast<T*>(y.raw());
+        const std::int64_t n = y.numel();
+        if (a.shape() == y.shape() && b.shape() == y.shape()) {
+          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+            ys[i] = detail::binary_f(Op, as[i], bs[i]);
+          });
+        } else if (a.shape() == y.shape() && b.numel() == 1) {
+          const T bv = bs[0];
+          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+            ys[i] = detail::binary_f(Op, as[i], bv);
+          });
+        } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
+          const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
+          detail::parallel_for(rows, n > detail::kParallelGrain, [&](std::int64_t r) {
+            for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(Op, as[r * nb + j], bs[j]);
+          });
+        } else {
+          std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), y.shape()),
+                                                                detail::broadcast_strides(b.shape(), y.shape())};
+          detail::for_each_broadcast<2>(y.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+            ys[i] = detail::binary_f(Op, as[ia], bs[ib]);
+          });
+        }
+      });
     });
   }
 
@@ -1693,21 +1760,24 @@ struct cpu {
   static void binary_vjp(Binary op, int which, const Tensor& a, const Tensor& b, const Tensor& g, Tensor& dst,
                          bool acc) {
     detail::dispatch_float(g.dtype(), binary_name(op), [&]<class T>() {
-      const T* as = static_cast<const T*>(a.raw());
-      const T* bs = static_cast<const T*>(b.raw());
-      const T* gs = static_cast<const T*>(g.raw());
-      T* out = static_cast<T*>(dst.raw());
-      const std::int64_t n = g.numel();
-      if (a.shape() == g.shape() && b.shape() == g.shape()) {
-#pragma omp parallel for if (n > detail::kParallelGrain)
-        for (std::int64_t i = 0; i < n; ++i) detail::put(out, i, gs[i] * detail::binary_df(op, which, as[i], bs[i]), acc);
-      } else {
-        std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), g.shape()),
-                                                              detail::broadcast_strides(b.shape(), g.shape())};
-        detail::for_each_broadcast<2>(g.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
-          detail::put(out, i, gs[i] * detail::binary_df(op, which, as[ia], bs[ib]), acc);
-        });
-      }
+      detail::dispatch_binary(op, [&]<Binary Op>() {
+        const T* as = static_cast<const T*>(a.raw());
+        const T* bs = static_cast<const T*>(b.raw());
+        const T* gs = static_cast<const T*>(g.raw());
+        T* out = static_cast<T*>(dst.raw());
+        const std::int64_t n = g.numel();
+        if (a.shape() == g.shape() && b.shape() == g.shape()) {
+          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+            detail::put(out, i, gs[i] * detail::binary_df(Op, which, as[i], bs[i]), acc);
+          });
+        } else {
+          std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), g.shape()),
+                                                                detail::broadcast_strides(b.shape(), g.shape())};
+          detail::for_each_broadcast<2>(g.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+            detail::put(out, i, gs[i] * detail::binary_df(Op, which, as[ia], bs[ib]), acc);
+          });
+        }
+      });
     });
   }
 
@@ -1721,16 +1791,14 @@ struct cpu {
       std::int64_t outer, red, inner;
       if (detail::reduction_as_3d(x.shape(), y.shape(), outer, red, inner)) {
         if (inner == 1) {  // reduce contiguous rows
-#pragma omp parallel for if (outer * red > detail::kParallelGrain && outer > 1)
-          for (std::int64_t o = 0; o < outer; ++o) {
+          detail::parallel_for(outer, outer * red > detail::kParallelGrain && outer > 1, [&](std::int64_t o) {
             const T* row = xs + o * red;
             T s = 0;
             for (std::int64_t k = 0; k < red; ++k) s += row[k];
             detail::put(ys, o, sc * s, acc);
-          }
+          });
         } else {  // reduce a middle dim: accumulate rows of length `inner`
-#pragma omp parallel for if (outer * red * inner > detail::kParallelGrain)
-          for (std::int64_t o = 0; o < outer; ++o) {
+          detail::parallel_for(outer, outer * red * inner > detail::kParallelGrain, [&](std::int64_t o) {
             T* dst = ys + o * inner;
             const T* src = xs + o * red * inner;
             for (std::int64_t i = 0; i < inner; ++i) {
@@ -1738,7 +1806,7 @@ struct cpu {
               for (std::int64_t k = 0; k < red; ++k) s += src[k * inner + i];
               detail::put(dst, i, sc * s, acc);
             }
-          }
+          });
         }
         return;
       }
@@ -1797,8 +1865,7 @@ struct cpu {
       const T* xs = static_cast<const T*>(x.raw());
       T* ys = static_cast<T*>(y.raw());
       auto* is = static_cast<std::int32_t*>(idx.raw());
-#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
-      for (std::int64_t o = 0; o < outer; ++o)
+      detail::parallel_for(outer, x.numel() > detail::kParallelGrain, [&](std::int64_t o) {
         for (std::int64_t i = 0; i < inner; ++i) {
           const T* p = xs + o * red * inner + i;
           T best = p[0];
@@ -1810,6 +1877,7 @@ struct cpu {
           ys[o * inner + i] = best;
           is[o * inner + i] = bi;
         }
+      });
     });
   }
 
@@ -1970,11 +2038,11 @@ struct cpu {
     auto draw = [&]<class T>() {
       T* m = static_cast<T*>(mask.raw());
       const T on = static_cast<T>(value);
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t j = 0; j < blocks; ++j)
+      detail::parallel_for(blocks, n > detail::kParallelGrain, [&](std::int64_t j) {
         random::detail::bits_block(k0, k1, n, j, [&](std::int64_t i, std::uint32_t w) {
           m[i] = random::detail::uniform01(w) < p ? on : T(0);
         });
+      });
     };
     switch (mask.dtype()) {
       case DType::f32: draw.template operator()<float>(); break;
@@ -1991,8 +2059,7 @@ struct cpu {
       const std::int64_t V = x.dim(-1), R = x.numel() / std::max<std::int64_t>(V, 1);
       const T* xs = static_cast<const T*>(x.raw());
       T* ys = static_cast<T*>(y.raw());
-#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
-      for (std::int64_t r = 0; r < R; ++r) {
+      detail::parallel_for(R, x.numel() > detail::kParallelGrain, [&](std::int64_t r) {
         // Eigen's array exp is vectorised (std::exp is not, and takes a slow path on underflow,
         // which every masked score hits).
         detail::ConstArrayMap<T> in(xs + r * V, V);
@@ -2010,7 +2077,7 @@ struct cpu {
           detail::exp_inplace(ys + r * V, V);
           out *= T(1) / out.sum();
         }
-      }
+      });
     });
   }
 
@@ -2021,8 +2088,7 @@ struct cpu {
       const T* ys = static_cast<const T*>(y.raw());
       const T* gs = static_cast<const T*>(g.raw());
       T* out = static_cast<T*>(gx.raw());
-#pragma omp parallel for if (y.numel() > detail::kParallelGrain)
-      for (std::int64_t r = 0; r < R; ++r) {
+      detail::parallel_for(R, y.numel() > detail::kParallelGrain, [&](std::int64_t r) {
         const T* yr = ys + r * V;
         const T* gr = gs + r * V;
         T* o = out + r * V;
@@ -2037,7 +2103,7 @@ struct cpu {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
           for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
         }
-      }
+      });
     });
   }
 
@@ -2063,18 +2129,16 @@ struct cpu {
       const T* xs = static_cast<const T*>(x.raw());
       T* ls = static_cast<T*>(lse.raw());
       T* ys = static_cast<T*>(y.raw());
-#pragma omp parallel for if (R * V > detail::kParallelGrain)
-      for (std::int64_t r = 0; r < R; ++r) {
+      detail::parallel_for(R, R * V > detail::kParallelGrain, [&](std::int64_t r) {
         const T* in = xs + ((r / N) * G + r % N) * V;
-        T m = -std::numeric_limits<T>::infinity();
-        for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
+        const T m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
         const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
         ls[r] = m + std::log(s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
           ys[r] = k == ignore ? T(0) : ls[r] - in[k];
         }
-      }
+      });
       if (reduction == 0) return;
       T total = 0;  // serial, in row order: deterministic
       std::int64_t count = 0;
@@ -2110,13 +2174,12 @@ struct cpu {
         const std::int64_t groups = N ? R / N : x.numel() / (G * V);
         for (std::int64_t b = 0; b < groups; ++b) std::fill_n(out + (b * G + N) * V, (G - N) * V, T(0));
       }
-#pragma omp parallel for if (R * V > detail::kParallelGrain)
-      for (std::int64_t r = 0; r < R; ++r) {
+      detail::parallel_for(R, R * V > detail::kParallelGrain, [&](std::int64_t r) {
         const std::int64_t k = detail::load_index(t, r), row = (r / N) * G + r % N;
         T* o = out + row * V;
         if (k == ignore) {
           if (!acc) std::fill_n(o, V, T(0));
-          continue;
+          return;
         }
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
@@ -2124,7 +2187,7 @@ struct cpu {
         if (acc) oa += gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
         else oa = gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
         o[k] -= gr;
-      }
+      });
     });
   }
 
@@ -2141,15 +2204,14 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
       T* rs = static_cast<T*>(rstd.raw());
       const T inv_c = static_cast<T>(1.0 / static_cast<double>(C)), e = static_cast<T>(eps);
-#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
-      for (std::int64_t r = 0; r < R; ++r) {
+      detail::parallel_for(R, x.numel() > detail::kParallelGrain, [&](std::int64_t r) {
         detail::ConstArrayMap<T> xr(xs + r * C, C);
         detail::ArrayMap<T> yr(ys + r * C, C);
         const T k = T(1) / std::sqrt(inv_c * xr.square().sum() + e);
         rs[r] = k;
         if (ws) yr = (xr * k) * detail::ConstArrayMap<T>(ws, C);
         else yr = xr * k;
-      }
+      });
     });
   }
 
@@ -2166,8 +2228,7 @@ struct cpu {
       const T inv_c = static_cast<T>(1.0 / static_cast<double>(C));
       if (gx) {
         T* out = static_cast<T*>(gx->raw());
-#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
-        for (std::int64_t r = 0; r < R; ++r) {
+        detail::parallel_for(R, x.numel() > detail::kParallelGrain, [&](std::int64_t r) {
           detail::ConstArrayMap<T> xr(xs + r * C, C), gr(gs + r * C, C);
           detail::ArrayMap<T> o(out + r * C, C);
           const T k = rs[r];
@@ -2181,7 +2242,7 @@ struct cpu {
             if (acc_x) o += k * gr - c * xr;
             else o = k * gr - c * xr;
           }
-        }
+        });
       }
       if (gw) {
         detail::ArrayMap<T> o(static_cast<T*>(gw->raw()), C);
@@ -2207,8 +2268,7 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
       const T sg = inverse ? T(-1) : T(1);
       auto rows_of = [&]<bool Acc, bool Trad>() {
-#pragma omp parallel for if (x.numel() > detail::kParallelGrain)
-        for (std::int64_t r = 0; r < rows; ++r) {
+        detail::parallel_for(rows, x.numel() > detail::kParallelGrain, [&](std::int64_t r) {
           const std::int64_t t = (r / M) % T_;
           const T* c = cs + t * half;
           const T* s = ss + t * half;
@@ -2229,7 +2289,7 @@ struct cpu {
             if constexpr (Acc) o[j] += a[j];
             else o[j] = a[j];
           }
-        }
+        });
       };
       if (acc) traditional ? rows_of.template operator()<true, true>() : rows_of.template operator()<true, false>();
       else traditional ? rows_of.template operator()<false, true>() : rows_of.template operator()<false, false>();
@@ -2238,13 +2298,15 @@ struct cpu {
 
   /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
   /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
-  /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). The heads run in parallel,
-  /// each product a strided GEMM on its thread (no permuted copies).
+  /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). `causal`: query i sees keys
+  /// 0..i only (P is exactly 0 beyond), besides any mask; the rows are then taken in blocks of
+  /// kAttnBlock and each block's products stop at its last key, about half the work of the square.
+  /// The heads run in parallel, each product a strided GEMM on its thread (no permuted copies).
   static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
                         std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                        Tensor& p) {
+                        Tensor& p, bool causal = false) {
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
-      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd;
+      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
       const T* Q = static_cast<const T*>(q.raw());
       const T* K = static_cast<const T*>(k.raw());
       const T* V = static_cast<const T*>(v.raw());
@@ -2255,29 +2317,37 @@ struct cpu {
       if (Mk) ms = detail::broadcast_strides(mask.shape(), Shape{Bn, H, T_, T_});
       const T sc = static_cast<T>(scale);
       detail::BlasSerial serial;
-#pragma omp parallel for schedule(dynamic) if (Bn * H > 1 && p.numel() * hd > detail::kParallelGrain)
-      for (std::int64_t t = 0; t < Bn * H; ++t) {
+      detail::parallel_for(Bn * H, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
         const std::int64_t b = t / H, h = t % H, kh = h / g;
         T* pt = P + t * T_ * T_;
-        detail::gemm_serial<T>(false, true, T_, T_, hd, Q + b * T_ * qs + h * hd, qs, K + b * T_ * ks + kh * hd, ks, pt,
-                               T_, false);  // q k^T: (T, T)
-        for (std::int64_t i = 0; i < T_; ++i)
-          detail::softmax_row(pt + i * T_, T_, sc, Mk ? Mk + b * ms[0] + h * ms[1] + i * ms[2] : nullptr);
-        detail::gemm_serial<T>(false, false, T_, hd, T_, pt, T_, V + b * T_ * ks + kh * hd, ks, O + b * T_ * qs + h * hd,
-                               qs, false);  // P v: (T, hd)
-      }
+        const T* qt = Q + b * T_ * qs + h * hd;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ot = O + b * T_ * qs + h * hd;
+        for (std::int64_t i0 = 0; i0 < T_; i0 += rb) {  // query rows i0..i1-1 against keys 0..kn-1
+          const std::int64_t i1 = std::min(T_, i0 + rb), kn = causal ? i1 : T_;
+          detail::gemm_serial<T>(false, true, i1 - i0, kn, hd, qt + i0 * qs, qs, kt, ks, pt + i0 * T_, T_, false);  // q k^T
+          for (std::int64_t i = i0; i < i1; ++i) {
+            const std::int64_t n = causal ? i + 1 : T_;
+            detail::softmax_row(pt + i * T_, n, sc, Mk ? Mk + b * ms[0] + h * ms[1] + i * ms[2] : nullptr);
+            std::fill(pt + i * T_ + n, pt + (i + 1) * T_, T(0));
+          }
+          detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, pt + i0 * T_, T_, vt, ks, ot + i0 * qs, qs, false);  // P v
+        }
+      }, /*uneven=*/true);
     });
   }
 
   /// The vjp of attention, per (batch, kv head) so each kv head's gradient sums its query heads
   /// without races: dv += P^T g; dS = P * (g v^T - rowsum(P * g v^T)) * scale (in `scratch`,
-  /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null.
+  /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null. `causal`: P is
+  /// lower-triangular (attention's causal), and the products skip its zero blocks as the forward does.
   static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
                             std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
                             double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
-                            bool acc_v) {
+                            bool acc_v, bool causal = false) {
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
-      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
       const T* Q = static_cast<const T*>(q.raw());
       const T* K = static_cast<const T*>(k.raw());
       const T* V = static_cast<const T*>(v.raw());
@@ -2301,30 +2371,37 @@ struct cpu {
       share(GK, acc_k, GV, acc_v, gk);
       const T sc = static_cast<T>(scale);
       detail::BlasSerial serial;
-#pragma omp parallel for schedule(dynamic) if (Bn * KV > 1 && p.numel() * hd > detail::kParallelGrain)
-      for (std::int64_t t = 0; t < Bn * KV; ++t) {
+      detail::parallel_for(Bn * KV, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
         const std::int64_t b = t / KV, kh = t % KV;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
         T* ds = S + t * T_ * T_;
         for (std::int64_t j = 0; j < grp; ++j) {
-          const std::int64_t h = kh * grp + j, qo = b * T_ * qs + h * hd;
+          const std::int64_t h = kh * grp + j, qo = b * T_ * qs + h * hd, ko = b * T_ * ks + kh * hd;
           const T* pt = P + (b * H + h) * T_ * T_;
-          if (GV) detail::gemm_serial<T>(true, false, T_, hd, T_, pt, T_, G + qo, qs, GV + b * T_ * ks + kh * hd, ks,
-                                         acc_v || j > 0);  // P^T g
-          if (!GQ && !GK) continue;
-          detail::gemm_serial<T>(false, true, T_, T_, hd, G + qo, qs, vt, ks, ds, T_, false);  // g v^T
-          for (std::int64_t i = 0; i < T_; ++i) {
-            detail::ArrayMap<T> d(ds + i * T_, T_);
-            detail::ConstArrayMap<T> pr(pt + i * T_, T_);
-            const T dot = (d * pr).sum();
-            d = pr * (d - dot) * sc;
+          // Rows by query block [i0, i1) (keys 0..kn-1): dS = P * (g v^T - rowsum) * scale, dq = dS k.
+          if (GQ || GK)
+            for (std::int64_t i0 = 0; i0 < T_; i0 += rb) {
+              const std::int64_t i1 = std::min(T_, i0 + rb), kn = causal ? i1 : T_;
+              detail::gemm_serial<T>(false, true, i1 - i0, kn, hd, G + qo + i0 * qs, qs, vt, ks, ds + i0 * T_, T_, false);  // g v^T
+              for (std::int64_t i = i0; i < i1; ++i) {
+                detail::ArrayMap<T> d(ds + i * T_, kn);
+                detail::ConstArrayMap<T> pr(pt + i * T_, kn);
+                const T dot = (d * pr).sum();
+                d = pr * (d - dot) * sc;
+              }
+              if (GQ) detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, ds + i0 * T_, T_, kt, ks, GQ + qo + i0 * qs, qs, acc_q);  // dS k
+            }
+          // Columns by key block [j0, j1) (queries j0..T-1 see them): dv (+)= P^T g, dk (+)= dS^T q.
+          for (std::int64_t j0 = 0; j0 < T_; j0 += rb) {
+            const std::int64_t j1 = std::min(T_, j0 + rb), i0 = causal ? j0 : 0;
+            if (GV) detail::gemm_serial<T>(true, false, j1 - j0, hd, T_ - i0, pt + i0 * T_ + j0, T_, G + qo + i0 * qs, qs,
+                                           GV + ko + j0 * ks, ks, acc_v || j > 0);  // P^T g
+            if (GK) detail::gemm_serial<T>(true, false, j1 - j0, hd, T_ - i0, ds + i0 * T_ + j0, T_, Q + qo + i0 * qs, qs,
+                                           GK + ko + j0 * ks, ks, acc_k || j > 0);  // dS^T q
           }
-          if (GQ) detail::gemm_serial<T>(false, false, T_, hd, T_, ds, T_, kt, ks, GQ + qo, qs, acc_q);  // dS k
-          if (GK) detail::gemm_serial<T>(true, false, T_, hd, T_, ds, T_, Q + qo, qs, GK + b * T_ * ks + kh * hd, ks,
-                                         acc_k || j > 0);  // dS^T q
         }
-      }
+      }, /*uneven=*/true);
     });
   }
 
@@ -2386,18 +2463,17 @@ struct cpu {
       const T l = static_cast<T>(lr.item()), mu = static_cast<T>(momentum), d = static_cast<T>(1 - dampening),
               w = static_cast<T>(wd);
       const std::int64_t n = p.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) {
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
         T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
         if (!vs) {
           ps[i] = ps[i] - l * gi;
-          continue;
+          return;
         }
         T vi = mu * vs[i];
         vi += dampening > 0 ? d * gi : gi;
         vs[i] = vi;
         ps[i] = ps[i] - l * (nesterov ? gi + mu * vi : vi);
-      }
+      });
     });
   }
 
@@ -2420,15 +2496,21 @@ struct cpu {
       const T c1 = bias_correction ? l / (T(1) - std::pow(B1, t)) : l;
       const T c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(B2, t)) : T(1);
       const std::int64_t n = p.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) {
-        T pi = decoupled_wd != 0 ? ps[i] * decay : ps[i];
-        T mi = B1 * ms[i] + C1 * gs[i];
-        T vi = B2 * vs[i] + C2 * (gs[i] * gs[i]);
-        ms[i] = mi;
-        vs[i] = vi;
-        ps[i] = bias_correction ? pi - (c1 * mi) / (std::sqrt(vi) * c2 + E) : pi - (l * mi) / (std::sqrt(vi) + E);
-      }
+      // The same arithmetic per element as written out elementwise, as Eigen array passes over
+      // cache-sized chunks (vectorised), the square root by sqrt_exact (correctly rounded).
+      detail::parallel_chunks(n, [&](std::int64_t i0, std::int64_t i1) {
+        const std::int64_t len = i1 - i0;
+        detail::ArrayMap<T> pa(ps + i0, len), ma(ms + i0, len), va(vs + i0, len);
+        detail::ConstArrayMap<T> ga(gs + i0, len);
+        alignas(64) T root[detail::kChunk];
+        ma = B1 * ma + C1 * ga;
+        va = B2 * va + C2 * (ga * ga);
+        detail::sqrt_exact(vs + i0, root, len);
+        detail::ConstArrayMap<T> ra(root, len);
+        if (decoupled_wd != 0) pa *= decay;
+        if (bias_correction) pa -= (c1 * ma) / (ra * c2 + E);
+        else pa -= (l * ma) / (ra + E);
+      });
     });
   }
 
@@ -2442,14 +2524,13 @@ struct cpu {
               C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);  // 1 - b in double, as MLX
       const T decay = T(1) - l * static_cast<T>(wd);
       const std::int64_t n = p.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) {
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
         T c = B1 * ms[i] + C1 * gs[i];
         ms[i] = B2 * ms[i] + C2 * gs[i];
         T pi = wd > 0 ? decay * ps[i] : ps[i];
         T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
         ps[i] = pi - l * sg;
-      }
+      });
     });
   }
 
@@ -2463,13 +2544,12 @@ struct cpu {
       T* us = static_cast<T*>(u.raw());
       const T mu = static_cast<T>(momentum), w = static_cast<T>(wd), c = static_cast<T>(1 - momentum);  // as MLX
       const std::int64_t n = p.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) {
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
         T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
         T vi = mu * vs[i] + c * gi;
         vs[i] = vi;
         us[i] = nesterov ? gi * c + vi * mu : vi;
-      }
+      });
     });
   }
 
@@ -2490,8 +2570,7 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
       const T A = static_cast<T>(a), Bv = static_cast<T>(b);
       const std::int64_t n = y.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) ys[i] = A * xs[i] + Bv * ys[i];
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { ys[i] = A * xs[i] + Bv * ys[i]; });
     });
   }
 
@@ -2514,8 +2593,7 @@ struct cpu {
       const T* xs = static_cast<const T*>(x.raw());
       const T l = static_cast<T>(static_cast<T>(lr.item()) * static_cast<T>(factor));
       const std::int64_t n = p.numel();
-#pragma omp parallel for if (n > detail::kParallelGrain)
-      for (std::int64_t i = 0; i < n; ++i) ps[i] = ps[i] - l * xs[i];
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { ps[i] = ps[i] - l * xs[i]; });
     });
   }
 
@@ -4070,7 +4148,7 @@ namespace detail {
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd) (or the same with B and T merged),
 /// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient).
-/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale.
+/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale, attrs.flag_a = causal.
 /// saved[0] = the probabilities (B, H, T, T); saved[1] = the vjp's scratch (B * KV, T, T).
 template <class B>
 struct AttentionPrim {
@@ -4078,7 +4156,7 @@ struct AttentionPrim {
     const Shape& d = n.attrs.shape;
     Tensor& p = tp.scratch(n, 0, Shape{d[0], d[2], d[1], d[1]}, n.value.dtype());
     B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), d[0], d[1], d[2],
-                 d[3], d[4], n.attrs.scalar, n.value, p);
+                 d[3], d[4], n.attrs.scalar, n.value, p, n.attrs.flag_a);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const Shape& d = n.attrs.shape;
@@ -4092,7 +4170,7 @@ struct AttentionPrim {
     }
     Tensor& scratch = tp.scratch(n, 1, Shape{d[0] * d[3], d[1], d[1]}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, d[0], d[1], d[2], d[3], d[4],
-                     n.attrs.scalar, scratch, g[0], acc[0], g[1], acc[1], g[2], acc[2]);
+                     n.attrs.scalar, scratch, g[0], acc[0], g[1], acc[1], g[2], acc[2], n.attrs.flag_a);
   }
   static constexpr OpDef<B> def{"attention", &forward, &vjp};
 };
@@ -4103,11 +4181,13 @@ struct AttentionPrim {
 ///   q: (B, T, n_heads * head_dim), k, v: (B, T, n_kv_heads * head_dim) (or rows (B*T, ...))
 ///   mask: additive, broadcasting to (B, n_heads, T, T) ((T, T) causal, (B, 1, T, T) causal +
 ///         padding); GVar{} for none. It gets no gradient.
+///   causal: query i attends to keys 0..i only (on top of any mask), without a mask tensor, and
+///         the kernels skip the products above the diagonal (about half the work).
 ///   -> q's shape. Query head h reads kv head h / (n_heads / n_kv_heads) (HF's repeat_kv).
 /// RoPE, if any, is applied to q and k before (see gqa_attention).
 template <class B>
 GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64_t T, std::int64_t n_heads,
-                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale) {
+                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
   const char* op = "attention";
   detail::require_same_dtype(tp, q, k, op);
   detail::require_same_dtype(tp, q, v, op);
@@ -4125,6 +4205,7 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
   Attrs a;
   a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
   a.scalar = scale;
+  a.flag_a = causal;
   if (!mask.valid()) {
     GVar in[] = {q, k, v};
     return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));
@@ -4865,6 +4946,37 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 
 }  // namespace reference
 
+namespace detail {
+
+/// gqa_attention's body: causal adds the causal structure (fused) or mask (composite).
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, bool causal, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional) {
+  const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
+  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
+  const bool roped = cos.valid() || sin.valid();
+  if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
+  if (mask.valid()) {
+    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
+    detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
+  }
+  if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask))) {
+    if (causal) mask = causal_mask_fill(tp, T, tp.dtype(q));
+    return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+  }
+  if (roped) {
+    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
+    const std::int64_t half = tp.shape(cos)[1];
+    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
+    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
+    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
+  }
+  return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
+}
+
+}  // namespace detail
+
 /// Grouped-query attention over packed projections.
 ///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
 ///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
@@ -4884,24 +4996,22 @@ template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
                    bool traditional = false) {
-  const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
-  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
-  const bool roped = cos.valid() || sin.valid();
-  if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
-  if (mask.valid()) {
-    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
-    detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
-  }
-  if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask)))
-    return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
-  if (roped) {
-    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
-    const std::int64_t half = tp.shape(cos)[1];
-    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
-    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
-    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
-  }
-  return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale);
+  return detail::gqa_attention(tp, q, k, v, cos, sin, mask, false, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+}
+
+/// The tag that asks gqa_attention for causal attention without a mask tensor.
+struct Causal {};
+inline constexpr Causal causal{};
+
+/// Causal grouped-query attention: what gqa_attention with causal_mask_fill(T) computes (query i
+/// sees keys 0..i; masked scores get exactly 0 probability either way), with no (T, T) mask read
+/// and the products above the diagonal skipped: about half of the attention's work.
+///   gqa_attention(tp, q, k, v, cos, sin, nn::causal, T, n_heads, n_kv_heads, head_dim, scale)
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, Causal, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional = false) {
+  return detail::gqa_attention(tp, q, k, v, cos, sin, GVar{}, true, T, n_heads, n_kv_heads, head_dim, scale, traditional);
 }
 
 }  // namespace nn
@@ -8199,10 +8309,17 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     c.mlp_bias = r.opt_bool("mlp_bias", false);
   }
 
-  if (const nlohmann::json* rs = r.find("rope_scaling")) {
-    if (!rs->is_object()) r.bad("rope_scaling", "null or an object", *rs);
+  // RoPE's scaling: "rope_scaling" (transformers 4), or "rope_parameters" (transformers 5, which
+  // writes rope_theta there too and no top-level rope_theta).
+  const char* rope_field = r.find("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (const nlohmann::json* rs = r.find(rope_field)) {
+    if (!rs->is_object()) r.bad(rope_field, "null or an object", *rs);
     detail::ConfigReader s{*rs, label};
-    auto sub = [&](const char* k) { return std::string("rope_scaling.") + k; };
+    auto sub = [&](const char* k) { return std::string(rope_field) + "." + k; };
+    if (!r.find("rope_theta") && s.find("rope_theta")) {
+      const std::string tk = sub("rope_theta");
+      c.rope_theta = s.number(*s.find("rope_theta"), tk.c_str());
+    }
     // transformers reads "rope_type", falling back to the older "type".
     std::string type = s.opt_str("rope_type", s.opt_str("type", "default"));
     c.rope_scaling.type = type;
@@ -8227,11 +8344,11 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
         c.rope_scaling.original_max_position_embeddings = s.integer(need("original_max_position_embeddings"), ok.c_str());
         if (!(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor) ||
             !(c.rope_scaling.low_freq_factor > 0) || c.rope_scaling.original_max_position_embeddings <= 0)
-          nn::detail::fail("config", label, ": field \"rope_scaling\": llama3 needs high_freq_factor > low_freq_factor > 0 "
+          nn::detail::fail("config", label, ": field \"", rope_field, "\": llama3 needs high_freq_factor > low_freq_factor > 0 "
                        "and original_max_position_embeddings > 0");
       }
     } else {
-      nn::detail::fail("config", label, ": field \"rope_scaling\": rope type \"", type,
+      nn::detail::fail("config", label, ": field \"", rope_field, "\": rope type \"", type,
                    "\" is not supported (supported: default, linear, llama3)");
     }
   }
@@ -8410,7 +8527,6 @@ struct CausalLM {
     const std::int64_t T = ids_shape[1];
     const ModelConfig& c = config_;
     const DType dt = dtype();
-    if (!mask.valid()) mask = causal_mask_fill(tp, T, dt);
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
@@ -8420,8 +8536,11 @@ struct CausalLM {
       GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
       GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
       GVar v = detail::project(tp, l.self_attn.v_proj, n1);
-      GVar ctx = gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads, c.num_key_value_heads,
-                               c.head_dim, scale);  // (B, T, n_heads * hd)
+      // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+      GVar ctx = mask.valid() ? gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads,
+                                              c.num_key_value_heads, c.head_dim, scale)
+                              : gqa_attention(tp, q, k, v, rp.cos, rp.sin, nn::causal, T, c.num_attention_heads,
+                                              c.num_key_value_heads, c.head_dim, scale);  // (B, T, n_heads * hd)
       x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
       x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
     }

@@ -226,12 +226,10 @@ TEST_CASE("a replayed matmul with a swapped input allocates nothing") {
 }
 
 // The design's wider claim: a whole recorded step (Linear, bias, relu, loss) replays without
-// allocating. Today it does not, and not because of matmul: the elementwise kernels use
-// `#pragma omp parallel for if (n > grain)`, and with a false condition libgomp still builds a
-// one-thread team, a malloc and a free on every call (about 1.5 KiB; most of a small op's cost).
-// Marked may_fail until those kernels branch in C++ before entering OpenMP; the output still
-// lists what allocated.
-TEST_CASE("replaying a small training step allocates nothing" * doctest::may_fail()) {
+// allocating. The elementwise kernels test their size in C++ before entering OpenMP
+// (detail::parallel_for): `#pragma omp parallel for if (false)` would still build a one-thread
+// libgomp team, a malloc and a free on every call.
+TEST_CASE("replaying a small training step allocates nothing") {
   GTape<cpu> tp;
   Tensor W = test::random_tensor({64, 32}, DType::f32, 1), Bias = test::random_tensor({64}, DType::f32, 2);
   Tensor X = test::random_tensor({8, 32}, DType::f32, 3);
@@ -244,4 +242,52 @@ TEST_CASE("replaying a small training step allocates nothing" * doctest::may_fai
   tp.replay();
   alloc::Counts n = scope.stop();
   check_none(n, "2 replays of a Linear + relu + sum step");
+}
+
+namespace {
+
+// A small MLP with dropout: Linear, relu, Dropout, Linear, cross-entropy (a namespace-scope
+// module, as NN_MODULE requires).
+struct DropMlp {
+  Linear fc1{32, 64}, fc2{64, 10};
+  Dropout drop{0.25};
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    return fc2(tp, drop(tp, relu(tp, fc1(tp, x))));
+  }
+  NN_MODULE(DropMlp, fc1, fc2, drop)
+};
+
+}  // namespace
+
+// The claim itself: a compiled step (forward, backward, dropout's fresh key, the AdamW
+// update with a changing learning rate) replays without a heap allocation, at 1 and 2 threads.
+TEST_CASE("a compiled training step (MLP, dropout, AdamW) replays without allocating") {
+  for (int threads : {1, 2}) {
+    CAPTURE(threads);
+    set_threads(threads);
+    nn::random::seed(7);
+    DropMlp model;
+    AdamW opt(1e-3);
+    auto step = compile<2>(model, opt, [](GTape<cpu>& tp, const DropMlp& m, GVar x, GVar y) {
+      return cross_entropy(tp, m(tp, x), y);
+    });
+    Tensor x = test::random_tensor({16, 32}, DType::f32, 11);
+    Tensor y = Tensor::empty({16}, DType::i32, Device::cpu);
+    for (int i = 0; i < 16; ++i) static_cast<std::int32_t*>(y.raw())[i] = (i * 7) % 10;
+    step(x, y);
+    step(x, y);  // warm-up: the first replay
+    double loss = 0;
+    alloc::CountScope scope;
+    for (int i = 0; i < 3; ++i) {
+      opt.set_learning_rate(1e-3 / (i + 1));
+      loss = step(x, y).item();
+    }
+    alloc::Counts n = scope.stop();
+    check_none(n, "3 compiled steps");
+    CHECK(step.recordings() == 1);
+    CHECK(std::isfinite(loss));
+  }
+  set_threads(omp_get_num_procs());
+  report_tolerated();
 }

@@ -137,11 +137,24 @@ TEST_CASE("PEFT adapters: transposed factors, alpha = scale * r, and back") {
   cfg.rslora = true;  // PEFT's use_rslora: alpha is the scale itself
   Toy r = make();
   apply_lora(r, cfg);
+  perturb_lora(r);
   save_peft_adapters(dir("rs"), r, cfg);
   auto jr = nlohmann::json::parse(std::ifstream(dir("rs") / "adapter_config.json"));
   CHECK(jr["lora_alpha"] == 1.5);
   CHECK(jr["use_rslora"] == true);
-  test::check_error([&] { save_mlx_adapters(dir("rs_mlx"), r, cfg); }, {"rsLoRA"});
+  Toy rp = make();
+  CHECK(load_peft_adapters(dir("rs"), rp).rslora);
+  CHECK(forward(rp, X) == forward(r, X));
+
+  // mlx-lm has no rsLoRA flag: its directory carries the effective scale, the same layer
+  save_mlx_adapters(dir("rs_mlx"), r, cfg);
+  auto jm = nlohmann::json::parse(std::ifstream(dir("rs_mlx") / "adapter_config.json"));
+  CHECK(jm["lora_parameters"]["scale"].get<double>() == cfg.effective_scale());
+  Toy rm = make();
+  LoraConfig rb = load_mlx_adapters(dir("rs_mlx"), rm);
+  CHECK(!rb.rslora);
+  CHECK(forward(rm, X) == forward(r, X));
+  CHECK(forward(make(), X) != forward(r, X));
 }
 
 TEST_CASE("a malformed adapter directory raises, naming the file") {

@@ -138,6 +138,47 @@ TEST_CASE_TEMPLATE("fused attention agrees with the composite: MHA, GQA, MQA; ma
   CHECK(worst(run(in, call(true)), run(in, call(false))) <= tol(dt));
 }
 
+TEST_CASE_TEMPLATE("causal attention (no mask tensor, blocked products) agrees with the composite under a causal mask",
+                   T, float, double) {
+  const DType dt = detail::dtype_of<T>();
+  // T = 75: two full blocks of kAttnBlock = 32 and a ragged one of 11
+  const std::int64_t Bn = 2, Tn = 75, nh = 4, hd = 8;
+  static_assert(detail::kAttnBlock == 32);
+  Tensor causal = causal_mask_fill(Tn, dt);
+  std::vector<std::int32_t> keep(static_cast<std::size_t>(Bn * Tn), 1);
+  for (std::int64_t t = 65; t < Tn; ++t) keep[static_cast<std::size_t>(Tn + t)] = 0;  // row 1: 10 padding tokens
+  Tensor keep_t = Tensor::from<std::int32_t>({Bn, Tn}, keep);
+  Tensor key_pad = padding_mask_fill(keep_t, dt);         // (B, 1, 1, T)
+  Tensor both = attention_mask_fill(keep_t, dt);          // causal + padding (B, 1, T, T)
+  for (std::int64_t nkv : {4, 2, 1})
+    for (bool pad : {false, true})
+      for (bool roped : {true, false}) {
+        RopeTable tab = rope_fill(Tn, 8, 10000.0, 1.0, 0, dt);
+        std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 30), test::random_tensor({Bn, Tn, nkv * hd}, dt, 31),
+                               test::random_tensor({Bn, Tn, nkv * hd}, dt, 32)};
+        auto call = [&](bool fused) {
+          return [&, fused](auto& tp, auto& v) {
+            GVar c = roped ? tp.constant(tab.cos) : GVar{}, s = roped ? tp.constant(tab.sin) : GVar{};
+            if (fused && !pad) return gqa_attention(tp, v[0], v[1], v[2], c, s, nn::causal, Tn, nh, nkv, hd, 0.35);
+            if (fused) return detail::gqa_attention(tp, v[0], v[1], v[2], c, s, tp.constant(key_pad), true, Tn, nh, nkv, hd, 0.35, false);
+            return reference::gqa_attention(tp, v[0], v[1], v[2], c, s, tp.constant(pad ? both : causal), Tn, nh, nkv, hd, 0.35);
+          };
+        };
+        const double e = worst(run(in, call(true)), run(in, call(false)));
+        if (e > tol(dt)) MESSAGE("nkv " << nkv << " pad " << pad << " rope " << roped << ": " << e);
+        CHECK(e <= tol(dt));
+      }
+  // rows layout and k = v one tensor, causal
+  std::vector<Tensor> in{test::random_tensor({Bn * Tn, nh * hd}, dt, 33), test::random_tensor({Bn * Tn, 2 * hd}, dt, 34)};
+  auto call = [&](bool fused) {
+    return [&, fused](auto& tp, auto& v) {
+      if (fused) return fused_attention(tp, v[0], v[1], v[1], GVar{}, Tn, nh, 2, hd, 0.5, true);
+      return reference::gqa_attention(tp, v[0], v[1], v[1], GVar{}, GVar{}, tp.constant(causal), Tn, nh, 2, hd, 0.5);
+    };
+  };
+  CHECK(worst(run(in, call(true)), run(in, call(false))) <= tol(dt));
+}
+
 TEST_CASE("fused primitives pass central differences in float64") {
   const DType dt = DType::f64;
   Tensor causal = causal_mask_fill(4, dt);
@@ -156,6 +197,13 @@ TEST_CASE("fused primitives pass central differences in float64") {
                          test::random_tensor({2, 4, 6}, dt, 27)},
                         [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
                           return sq(tp, fused_attention(tp, v[0], v[1], v[2], tp.constant(causal), 4, 4, 2, 3, 0.6));
+                        }) <= 1e-7);
+  // causal across blocks (T = 37: a block of 32 and one of 5), no mask tensor
+  CHECK(test::gradcheck("causal attention",
+                        {test::random_tensor({1, 37, 4}, dt, 28), test::random_tensor({1, 37, 2}, dt, 29),
+                         test::random_tensor({1, 37, 2}, dt, 30)},
+                        [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
+                          return sq(tp, fused_attention(tp, v[0], v[1], v[2], GVar{}, 37, 2, 1, 2, 0.6, true));
                         }) <= 1e-7);
 }
 

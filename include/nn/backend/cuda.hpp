@@ -636,7 +636,7 @@ struct cuda {
   /// softmax in place in p (B, H, T, T), one block per row.
   static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
                         std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                        Tensor& p) {
+                        Tensor& p, bool causal = false) {
     namespace cu = detail::cu;
     if (Bn * H * T_ == 0 || hd == 0) return;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
@@ -653,7 +653,8 @@ struct cuda {
       if (mask.defined()) ms = detail::broadcast_strides(mask.shape(), Shape{Bn, H, T_, T_});
       const std::int64_t rows = Bn * H * T_;
       cu::k_attn_softmax<T><<<rows_grid(rows), cu::threads_for(T_), 0, stream()>>>(
-          P, mask.defined() ? cu::ptr<T>(mask) : nullptr, H, T_, ms[0], ms[1], ms[2], ms[3], static_cast<T>(scale), rows);
+          P, mask.defined() ? cu::ptr<T>(mask) : nullptr, H, T_, ms[0], ms[1], ms[2], ms[3], static_cast<T>(scale), rows,
+          causal);
       cu::check_launch("attention");
       L.each([&](const AttnLayout::Batch& b) {  // out = P v
         cu::gemm<T>(false, false, T_, hd, T_, P + b.p, T_, b.sp, V + b.k, L.ks(), b.sk, O + b.q, b.sq, b.n, T(0), L.qs());
@@ -666,7 +667,7 @@ struct cuda {
   static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
                             std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
                             double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
-                            bool acc_v) {
+                            bool acc_v, bool /*causal: P is 0 above the diagonal, so dS is too*/ = false) {
     namespace cu = detail::cu;
     if (Bn * H * T_ == 0 || hd == 0) return;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {

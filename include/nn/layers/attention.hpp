@@ -7,6 +7,7 @@
 #include "../ops/attention.hpp"
 #include "../ops/matmul.hpp"
 #include "../ops/softmax.hpp"
+#include "mask.hpp"
 #include "rope.hpp"
 
 namespace nn {
@@ -126,6 +127,37 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 
 }  // namespace reference
 
+namespace detail {
+
+/// gqa_attention's body: causal adds the causal structure (fused) or mask (composite).
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, bool causal, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional) {
+  const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
+  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
+  const bool roped = cos.valid() || sin.valid();
+  if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
+  if (mask.valid()) {
+    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
+    detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
+  }
+  if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask))) {
+    if (causal) mask = causal_mask_fill(tp, T, tp.dtype(q));
+    return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+  }
+  if (roped) {
+    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
+    const std::int64_t half = tp.shape(cos)[1];
+    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
+    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
+    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
+  }
+  return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
+}
+
+}  // namespace detail
+
 /// Grouped-query attention over packed projections.
 ///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
 ///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
@@ -145,24 +177,22 @@ template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
                    bool traditional = false) {
-  const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
-  const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
-  const bool roped = cos.valid() || sin.valid();
-  if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
-  if (mask.valid()) {
-    detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
-    detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
-  }
-  if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask)))
-    return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
-  if (roped) {
-    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
-    const std::int64_t half = tp.shape(cos)[1];
-    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
-    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
-    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
-  }
-  return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale);
+  return detail::gqa_attention(tp, q, k, v, cos, sin, mask, false, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+}
+
+/// The tag that asks gqa_attention for causal attention without a mask tensor.
+struct Causal {};
+inline constexpr Causal causal{};
+
+/// Causal grouped-query attention: what gqa_attention with causal_mask_fill(T) computes (query i
+/// sees keys 0..i; masked scores get exactly 0 probability either way), with no (T, T) mask read
+/// and the products above the diagonal skipped: about half of the attention's work.
+///   gqa_attention(tp, q, k, v, cos, sin, nn::causal, T, n_heads, n_kv_heads, head_dim, scale)
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, Causal, std::int64_t T,
+                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
+                   bool traditional = false) {
+  return detail::gqa_attention(tp, q, k, v, cos, sin, GVar{}, true, T, n_heads, n_kv_heads, head_dim, scale, traditional);
 }
 
 }  // namespace nn

@@ -108,7 +108,8 @@ int apply_lora(M& model, const LoraConfig& cfg) {
 // ---- mlx-lm --------------------------------------------------------------------------------
 
 /// Writes an mlx-lm adapter directory: adapters.safetensors (model.layers.N.<key>.lora_a (in, r),
-/// .lora_b (r, out)) and adapter_config.json (fine_tune_type, num_layers, lora_parameters).
+/// .lora_b (r, out)) and adapter_config.json (fine_tune_type, num_layers, lora_parameters; an
+/// rsLoRA config is written with its effective scale).
 /// mlx_lm.load(model, adapter_path=dir) applies it.
 template <class M>
 void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg) {
@@ -118,11 +119,12 @@ void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const L
     if (p.ends_with(".lora_a") || p.ends_with(".lora_b")) t.emplace_back(p, v);
   if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
   save_safetensors(dir / "adapters.safetensors", t, {{"format", "mlx"}});
-  if (cfg.rslora)
-    nn::detail::fail("adapters", "mlx-lm has no rsLoRA: save a PEFT adapter, or use the effective scale");
+  // mlx-lm multiplies by lora_parameters.scale and has no rsLoRA flag: rsLoRA is written as its
+  // effective scale (scale / sqrt(rank)), which computes the same layer (and reads back so).
   nlohmann::json j = {{"fine_tune_type", "lora"},
                       {"num_layers", cfg.num_layers},
-                      {"lora_parameters", {{"rank", cfg.rank}, {"scale", cfg.scale}, {"dropout", cfg.dropout}, {"keys", cfg.keys}}}};
+                      {"lora_parameters",
+                       {{"rank", cfg.rank}, {"scale", cfg.effective_scale()}, {"dropout", cfg.dropout}, {"keys", cfg.keys}}}};
   detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
 }
 

@@ -222,10 +222,17 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     c.mlp_bias = r.opt_bool("mlp_bias", false);
   }
 
-  if (const nlohmann::json* rs = r.find("rope_scaling")) {
-    if (!rs->is_object()) r.bad("rope_scaling", "null or an object", *rs);
+  // RoPE's scaling: "rope_scaling" (transformers 4), or "rope_parameters" (transformers 5, which
+  // writes rope_theta there too and no top-level rope_theta).
+  const char* rope_field = r.find("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (const nlohmann::json* rs = r.find(rope_field)) {
+    if (!rs->is_object()) r.bad(rope_field, "null or an object", *rs);
     detail::ConfigReader s{*rs, label};
-    auto sub = [&](const char* k) { return std::string("rope_scaling.") + k; };
+    auto sub = [&](const char* k) { return std::string(rope_field) + "." + k; };
+    if (!r.find("rope_theta") && s.find("rope_theta")) {
+      const std::string tk = sub("rope_theta");
+      c.rope_theta = s.number(*s.find("rope_theta"), tk.c_str());
+    }
     // transformers reads "rope_type", falling back to the older "type".
     std::string type = s.opt_str("rope_type", s.opt_str("type", "default"));
     c.rope_scaling.type = type;
@@ -250,11 +257,11 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
         c.rope_scaling.original_max_position_embeddings = s.integer(need("original_max_position_embeddings"), ok.c_str());
         if (!(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor) ||
             !(c.rope_scaling.low_freq_factor > 0) || c.rope_scaling.original_max_position_embeddings <= 0)
-          nn::detail::fail("config", label, ": field \"rope_scaling\": llama3 needs high_freq_factor > low_freq_factor > 0 "
+          nn::detail::fail("config", label, ": field \"", rope_field, "\": llama3 needs high_freq_factor > low_freq_factor > 0 "
                        "and original_max_position_embeddings > 0");
       }
     } else {
-      nn::detail::fail("config", label, ": field \"rope_scaling\": rope type \"", type,
+      nn::detail::fail("config", label, ": field \"", rope_field, "\": rope type \"", type,
                    "\" is not supported (supported: default, linear, llama3)");
     }
   }

@@ -163,7 +163,6 @@ struct CausalLM {
     const std::int64_t T = ids_shape[1];
     const ModelConfig& c = config_;
     const DType dt = dtype();
-    if (!mask.valid()) mask = causal_mask_fill(tp, T, dt);
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
@@ -173,8 +172,11 @@ struct CausalLM {
       GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
       GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
       GVar v = detail::project(tp, l.self_attn.v_proj, n1);
-      GVar ctx = gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads, c.num_key_value_heads,
-                               c.head_dim, scale);  // (B, T, n_heads * hd)
+      // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+      GVar ctx = mask.valid() ? gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads,
+                                              c.num_key_value_heads, c.head_dim, scale)
+                              : gqa_attention(tp, q, k, v, rp.cos, rp.sin, nn::causal, T, c.num_attention_heads,
+                                              c.num_key_value_heads, c.head_dim, scale);  // (B, T, n_heads * hd)
       x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
       x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
     }

@@ -79,8 +79,16 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
     j["attention_bias"] = c.qkv_bias;
     j["mlp_bias"] = c.mlp_bias;
   }
-  if (c.rope_scaling.type != "default" && !c.rope_scaling.type.empty())
-    nn::detail::fail("save_hf", "writing rope_scaling '", c.rope_scaling.type, "' is not supported");
+  const RopeScaling& rs = c.rope_scaling;
+  if (rs.type == "linear") j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rs.factor}};
+  else if (rs.type == "llama3")
+    j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", rs.factor}, {"low_freq_factor", rs.low_freq_factor},
+                         {"high_freq_factor", rs.high_freq_factor},
+                         {"original_max_position_embeddings", rs.original_max_position_embeddings}};
+  else if (rs.type != "default" && !rs.type.empty())
+    nn::detail::fail("save_hf", "writing rope_scaling '", rs.type, "' is not supported");
+  if (!c.rope_freq_factors.empty())  // a GGUF's rope_freqs tensor: config.json has no field for it
+    nn::detail::fail("save_hf", "the model's RoPE frequencies come from a GGUF rope_freqs tensor, which config.json cannot express");
   for (const auto& [path, t] : model.parameters())
     if (path.ends_with(".lora_a") || path.ends_with(".lora_b"))
       nn::detail::fail("save_hf", "the model still has LoRA layers (", path, "): fuse them first");

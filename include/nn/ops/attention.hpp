@@ -14,7 +14,7 @@ namespace detail {
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd) (or the same with B and T merged),
 /// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient).
-/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale.
+/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale, attrs.flag_a = causal.
 /// saved[0] = the probabilities (B, H, T, T); saved[1] = the vjp's scratch (B * KV, T, T).
 template <class B>
 struct AttentionPrim {
@@ -22,7 +22,7 @@ struct AttentionPrim {
     const Shape& d = n.attrs.shape;
     Tensor& p = tp.scratch(n, 0, Shape{d[0], d[2], d[1], d[1]}, n.value.dtype());
     B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), d[0], d[1], d[2],
-                 d[3], d[4], n.attrs.scalar, n.value, p);
+                 d[3], d[4], n.attrs.scalar, n.value, p, n.attrs.flag_a);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const Shape& d = n.attrs.shape;
@@ -36,7 +36,7 @@ struct AttentionPrim {
     }
     Tensor& scratch = tp.scratch(n, 1, Shape{d[0] * d[3], d[1], d[1]}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, d[0], d[1], d[2], d[3], d[4],
-                     n.attrs.scalar, scratch, g[0], acc[0], g[1], acc[1], g[2], acc[2]);
+                     n.attrs.scalar, scratch, g[0], acc[0], g[1], acc[1], g[2], acc[2], n.attrs.flag_a);
   }
   static constexpr OpDef<B> def{"attention", &forward, &vjp};
 };
@@ -47,11 +47,13 @@ struct AttentionPrim {
 ///   q: (B, T, n_heads * head_dim), k, v: (B, T, n_kv_heads * head_dim) (or rows (B*T, ...))
 ///   mask: additive, broadcasting to (B, n_heads, T, T) ((T, T) causal, (B, 1, T, T) causal +
 ///         padding); GVar{} for none. It gets no gradient.
+///   causal: query i attends to keys 0..i only (on top of any mask), without a mask tensor, and
+///         the kernels skip the products above the diagonal (about half the work).
 ///   -> q's shape. Query head h reads kv head h / (n_heads / n_kv_heads) (HF's repeat_kv).
 /// RoPE, if any, is applied to q and k before (see gqa_attention).
 template <class B>
 GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64_t T, std::int64_t n_heads,
-                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale) {
+                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
   const char* op = "attention";
   detail::require_same_dtype(tp, q, k, op);
   detail::require_same_dtype(tp, q, v, op);
@@ -69,6 +71,7 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
   Attrs a;
   a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
   a.scalar = scale;
+  a.flag_a = causal;
   if (!mask.valid()) {
     GVar in[] = {q, k, v};
     return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));

@@ -657,18 +657,20 @@ __global__ void k_rope(const T* x, const T* cs, const T* ss, T* y, i64 rows, i64
   }
 }
 /// Attention's scores to probabilities in place, one block per row of P (B, H, T, T):
-/// row = softmax(scale * row + mask row) (cpu.hpp's softmax_row).
+/// row = softmax(scale * row + mask row) (cpu.hpp's softmax_row); causal: over keys 0..i only,
+/// the rest of the row 0.
 template <class T>
 __global__ void k_attn_softmax(T* P, const T* mask, i64 H, i64 Tn, i64 ms0, i64 ms1, i64 ms2, i64 ms3, T scale,
-                               i64 rows) {
+                               i64 rows, bool causal) {
   __shared__ double buf[kBlock];
   T* sh = reinterpret_cast<T*>(buf);
   NN_CU_ROWS(r, rows) {
     const i64 i = r % Tn, bh = r / Tn, h = bh % H, b = bh / H;
     T* row = P + r * Tn;
     const T* add = mask ? mask + b * ms0 + h * ms1 + i * ms2 : nullptr;
+    const i64 n = causal ? i + 1 : Tn;
     T m = -d_inf<T>();
-    for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) {
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
       const T v = add ? row[j] * scale + add[j * ms3] : row[j] * scale;
       row[j] = v;
       m = MaxOp{}(m, v);
@@ -676,14 +678,14 @@ __global__ void k_attn_softmax(T* P, const T* mask, i64 H, i64 Tn, i64 ms0, i64 
     m = block_reduce(m, sh, MaxOp{});
     if (m == -d_inf<T>()) m = 0;
     T s = 0;
-    for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) {
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
       const T e = m_exp(row[j] - m);
       row[j] = e;
       s += e;
     }
     s = block_reduce(s, sh, SumOp{});
     const T inv = T(1) / s;
-    for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) row[j] *= inv;
+    for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) row[j] = j < n ? row[j] * inv : T(0);
   }
 }
 /// dS = P * (dS - rowsum(P * dS)) * scale in place, one block per row; rows of `nb` matrices at

