@@ -10,8 +10,9 @@
 #
 # BUILD_DIR (default build) holds bench/bench_finetune. PY (default $NN_BENCH_PYTHON, else
 # python3) must import torch, transformers, peft and gguf. Defaults follow the main job: batch 4,
-# sequence 64, rank 8, scale 20, q_proj and v_proj of every layer, Adam. OMP_WAIT_POLICY=PASSIVE
-# for both. Timings mean something only on an idle machine: the load average is printed.
+# sequence 64, rank 8, scale 20, q_proj and v_proj of every layer, Adam. libgomp's default
+# OpenMP wait policy for both (see run_decoder.sh). Timings mean something only on an idle
+# machine: the load average is printed.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -41,7 +42,7 @@ if [ -z "$model" ]; then  # where examples/finetune/run_default.sh put it
 fi
 [ -f "$model" ] || { echo "no model at $model: run examples/finetune/run_default.sh once, or pass --model" >&2; exit 2; }
 
-export OMP_WAIT_POLICY=PASSIVE
+unset OMP_WAIT_POLICY
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "model: $model; batch $B x seq $T; LoRA rank 8 scale 20 on q_proj, v_proj; PyTorch attention: $attn"
