@@ -44,7 +44,7 @@ int main(int argc, char** argv) try {
   lora.keys.clear();
   std::istringstream ks(keys);
   for (std::string k; std::getline(ks, k, ',');)
-    lora.keys.push_back((k == "gate_proj" || k == "up_proj" || k == "down_proj" ? "mlp." : "self_attn.") + k);
+    if (!k.empty()) lora.keys.push_back(nn::lm::lora_key_path(k));
   bench::set_threads(threads);
 
   const long rss_start_kb = bench::proc_status_kb("VmRSS");

@@ -117,9 +117,7 @@ Args parse(int argc, char** argv) {
   std::istringstream ks(keys);
   for (std::string k; std::getline(ks, k, ',');) {
     if (k.empty()) continue;
-    a.lora.keys.push_back(k.find('.') != std::string::npos ? k
-                          : (k == "gate_proj" || k == "up_proj" || k == "down_proj") ? "mlp." + k
-                                                                                     : "self_attn." + k);
+    a.lora.keys.push_back(lora_key_path(k));
   }
   return a;
 }

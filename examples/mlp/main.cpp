@@ -6,8 +6,11 @@
 //   mlp [--epochs N] [--train N] [--batch N] [--hidden N] [--lr X] [--data DIR]
 //
 // The data are Debian's dataset-fashion-mnist (gzip'd IDX files in /usr/share/datasets/
-// fashion-mnist); --data or $NN_FASHION_MNIST_DIR point elsewhere. Exit 77: data not found.
+// fashion-mnist, read by ../fashion_mnist.hpp); --data or $NN_FASHION_MNIST_DIR point elsewhere.
+// Exit 77: data not found.
 #include <nn/nn.hpp>
+
+#include "../fashion_mnist.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -23,70 +26,7 @@
 
 namespace {
 
-/// One IDX file (LeCun's MNIST format): magic 0x000008RR (u8 data, rank RR), RR big-endian u32
-/// dims, then the bytes. Read uncompressed when present, else the .gz through `gzip -dc`: gzip is
-/// essential on every Debian system, so the example needs no zlib.
-struct Idx {
-  std::vector<std::int64_t> dims;
-  std::vector<std::uint8_t> bytes;
-};
-
-Idx read_idx(const std::filesystem::path& base) {
-  std::vector<std::uint8_t> raw;
-  auto slurp = [&raw](std::FILE* f) {
-    std::uint8_t buf[1 << 16];
-    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) raw.insert(raw.end(), buf, buf + n);
-  };
-  if (std::filesystem::exists(base)) {
-    std::FILE* f = std::fopen(base.c_str(), "rb");
-    if (!f) throw nn::Error("[mlp] cannot open " + base.string());
-    slurp(f);
-    std::fclose(f);
-  } else {
-    std::string gz = base.string() + ".gz";
-    if (gz.find('\'') != std::string::npos) throw nn::Error("[mlp] path contains a quote: " + gz);
-    std::FILE* p = popen(("gzip -dc -- '" + gz + "'").c_str(), "r");
-    if (!p) throw nn::Error("[mlp] cannot run gzip on " + gz);
-    slurp(p);
-    if (pclose(p) != 0) throw nn::Error("[mlp] gzip failed on " + gz);
-  }
-  auto be32 = [&raw](std::size_t at) {
-    return std::uint32_t(raw[at]) << 24 | std::uint32_t(raw[at + 1]) << 16 | std::uint32_t(raw[at + 2]) << 8 |
-           std::uint32_t(raw[at + 3]);
-  };
-  if (raw.size() < 4 || raw[0] != 0 || raw[1] != 0 || raw[2] != 0x08)
-    throw nn::Error("[mlp] " + base.string() + " is not a u8 IDX file");
-  Idx idx;
-  std::size_t rank = raw[3], at = 4 + 4 * rank, count = 1;
-  if (raw.size() < at) throw nn::Error("[mlp] " + base.string() + " is truncated");
-  for (std::size_t i = 0; i < rank; ++i) {
-    idx.dims.push_back(be32(4 + 4 * i));
-    count *= idx.dims.back();
-  }
-  if (raw.size() != at + count) throw nn::Error("[mlp] " + base.string() + " has the wrong size");
-  idx.bytes.assign(raw.begin() + static_cast<std::ptrdiff_t>(at), raw.end());
-  return idx;
-}
-
-/// Images scaled to [0, 1] as (N, 784) floats, labels as N int32 class ids.
-struct Split {
-  std::vector<float> x;
-  std::vector<std::int32_t> y;
-  std::int64_t n = 0;
-};
-
-Split load_split(const std::filesystem::path& dir, const char* prefix, std::int64_t limit) {
-  Idx im = read_idx(dir / (std::string(prefix) + "-images-idx3-ubyte"));
-  Idx lb = read_idx(dir / (std::string(prefix) + "-labels-idx1-ubyte"));
-  if (im.dims.size() != 3 || lb.dims.size() != 1 || im.dims[0] != lb.dims[0] || im.dims[1] * im.dims[2] != 784)
-    throw nn::Error("[mlp] unexpected shapes in " + dir.string() + "/" + prefix);
-  Split s;
-  s.n = limit > 0 ? std::min(limit, im.dims[0]) : im.dims[0];
-  s.x.resize(static_cast<std::size_t>(s.n * 784));
-  for (std::size_t i = 0; i < s.x.size(); ++i) s.x[i] = static_cast<float>(im.bytes[i]) / 255.0f;
-  s.y.assign(lb.bytes.begin(), lb.bytes.begin() + s.n);
-  return s;
-}
+using fashion_mnist::Split;
 
 /// U(-1/sqrt(in), 1/sqrt(in)), the initialisation of PyTorch's and MLX's Linear.
 nn::Tensor uniform(const nn::Shape& shape, std::int64_t fan_in, std::mt19937& rng) {
@@ -120,8 +60,8 @@ void fill_batch(const Split& s, const std::vector<std::int64_t>& idx, std::int64
   const std::int64_t B = x.dim(0);
   for (std::int64_t i = 0; i < B; ++i) {
     std::int64_t r = idx[static_cast<std::size_t>(from + i)];
-    std::copy_n(s.x.data() + r * 784, 784, x.data<float>() + i * 784);
-    y.data<std::int32_t>()[i] = s.y[static_cast<std::size_t>(r)];
+    std::copy_n(s.x.data<float>() + r * 784, 784, x.data<float>() + i * 784);
+    y.data<std::int32_t>()[i] = s.y.data<std::int32_t>()[r];
   }
 }
 
@@ -152,8 +92,7 @@ int main(int argc, char** argv) {
   int epochs = 5;
   std::int64_t train_n = 0, batch = 100, hidden = 128;  // train_n 0: the whole training set
   float lr = 0.1f;
-  std::filesystem::path dir = "/usr/share/datasets/fashion-mnist";
-  if (const char* env = std::getenv("NN_FASHION_MNIST_DIR")) dir = env;
+  std::filesystem::path dir = fashion_mnist::default_dir();
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--epochs") epochs = std::stoi(v);
@@ -167,14 +106,15 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (!std::filesystem::exists(dir / "train-images-idx3-ubyte.gz") && !std::filesystem::exists(dir / "train-images-idx3-ubyte")) {
+  if (!fashion_mnist::present(dir)) {
     std::fprintf(stderr, "Fashion-MNIST not found in %s (Debian: apt-get install dataset-fashion-mnist)\n", dir.c_str());
     return 77;
   }
 
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  Split train = load_split(dir, "train", train_n), test = load_split(dir, "t10k", 0);
+  Split train = fashion_mnist::load_split(dir, "train", train_n, "mlp");
+  Split test = fashion_mnist::load_split(dir, "t10k", 0, "mlp");
   std::printf("nn %s (%s GEMM): %lld training / %lld test images from %s, loaded in %.1f s\n", NN_VERSION_STRING,
 #if defined(NN_USE_BLAS)
               "CBLAS",

@@ -18,6 +18,8 @@
 // through `gzip -dc`, so no zlib), or --data / $NN_FASHION_MNIST_DIR. Exit 77: data not found.
 #include <nn/nn.hpp>
 
+#include "../fashion_mnist.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -34,71 +36,7 @@
 
 namespace {
 
-/// One u8 IDX file (LeCun's format): magic 0x000008RR (rank RR), RR big-endian u32 dims, bytes.
-struct Idx {
-  std::vector<std::int64_t> dims;
-  std::vector<std::uint8_t> bytes;
-};
-
-Idx read_idx(const std::filesystem::path& base) {
-  std::vector<std::uint8_t> raw;
-  auto slurp = [&raw](std::FILE* f) {
-    std::uint8_t buf[1 << 16];
-    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) raw.insert(raw.end(), buf, buf + n);
-  };
-  if (std::filesystem::exists(base)) {
-    std::FILE* f = std::fopen(base.c_str(), "rb");
-    if (!f) throw nn::Error("[mnist] cannot open " + base.string());
-    slurp(f);
-    std::fclose(f);
-  } else {
-    const std::string gz = base.string() + ".gz";
-    if (gz.find('\'') != std::string::npos) throw nn::Error("[mnist] path contains a quote: " + gz);
-    std::FILE* p = popen(("gzip -dc -- '" + gz + "'").c_str(), "r");
-    if (!p) throw nn::Error("[mnist] cannot run gzip on " + gz);
-    slurp(p);
-    if (pclose(p) != 0) throw nn::Error("[mnist] gzip failed on " + gz);
-  }
-  auto be32 = [&raw](std::size_t at) {
-    return std::uint32_t(raw[at]) << 24 | std::uint32_t(raw[at + 1]) << 16 | std::uint32_t(raw[at + 2]) << 8 |
-           std::uint32_t(raw[at + 3]);
-  };
-  if (raw.size() < 4 || raw[0] != 0 || raw[1] != 0 || raw[2] != 0x08)
-    throw nn::Error("[mnist] " + base.string() + " is not a u8 IDX file");
-  Idx idx;
-  const std::size_t rank = raw[3], at = 4 + 4 * rank;
-  if (raw.size() < at) throw nn::Error("[mnist] " + base.string() + " is truncated");
-  std::size_t count = 1;
-  for (std::size_t i = 0; i < rank; ++i) {
-    idx.dims.push_back(be32(4 + 4 * i));
-    count *= static_cast<std::size_t>(idx.dims.back());
-  }
-  if (raw.size() != at + count) throw nn::Error("[mnist] " + base.string() + " has the wrong size");
-  idx.bytes.assign(raw.begin() + static_cast<std::ptrdiff_t>(at), raw.end());
-  return idx;
-}
-
-/// Images as (N, 784) float32 in [0, 1] (mlx-examples mnist.py's scaling), labels as int32 (N).
-struct Split {
-  nn::Tensor x, y;
-  std::int64_t n = 0;
-};
-
-Split load_split(const std::filesystem::path& dir, const char* prefix, std::int64_t limit) {
-  Idx im = read_idx(dir / (std::string(prefix) + "-images-idx3-ubyte"));
-  Idx lb = read_idx(dir / (std::string(prefix) + "-labels-idx1-ubyte"));
-  if (im.dims.size() != 3 || lb.dims.size() != 1 || im.dims[0] != lb.dims[0] || im.dims[1] * im.dims[2] != 784)
-    throw nn::Error("[mnist] unexpected shapes in " + dir.string() + "/" + prefix);
-  Split s;
-  s.n = limit > 0 ? std::min(limit, im.dims[0]) : im.dims[0];
-  s.x = nn::Tensor::empty({s.n, 784}, nn::DType::f32);
-  s.y = nn::Tensor::empty({s.n}, nn::DType::i32);
-  float* x = s.x.data<float>();
-  for (std::int64_t i = 0; i < s.n * 784; ++i) x[i] = static_cast<float>(im.bytes[static_cast<std::size_t>(i)]) / 255.0f;
-  std::int32_t* y = s.y.data<std::int32_t>();
-  for (std::int64_t i = 0; i < s.n; ++i) y[i] = lb.bytes[static_cast<std::size_t>(i)];
-  return s;
-}
+using fashion_mnist::Split;
 
 /// mlx-examples' MLP: num_layers hidden Linear + ReLU layers, then a Linear to the classes.
 struct Mlp {
@@ -161,8 +99,7 @@ int main(int argc, char** argv) {
   std::int64_t hidden = 256, batch = 256, limit = 0;
   double lr = 0.1, min_accuracy = 0.0;
   std::uint64_t seed = 0;
-  std::filesystem::path dir = "/usr/share/datasets/fashion-mnist";
-  if (const char* env = std::getenv("NN_FASHION_MNIST_DIR")) dir = env;
+  std::filesystem::path dir = fashion_mnist::default_dir();
   for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
     if (i + 1 >= argc) return usage(("missing value for " + k).c_str());
@@ -184,7 +121,7 @@ int main(int argc, char** argv) {
     }
   }
   if (epochs < 0 || num_layers < 0 || hidden <= 0 || batch <= 0) return usage("sizes must be positive");
-  if (!std::filesystem::exists(dir / "train-images-idx3-ubyte.gz") && !std::filesystem::exists(dir / "train-images-idx3-ubyte")) {
+  if (!fashion_mnist::present(dir)) {
     std::fprintf(stderr, "Fashion-MNIST not found in %s (Debian: apt-get install dataset-fashion-mnist)\n", dir.c_str());
     return 77;
   }
@@ -201,7 +138,8 @@ int main(int argc, char** argv) {
 #endif
 
   using Clock = std::chrono::steady_clock;
-  const Split train = load_split(dir, "train", limit), test = load_split(dir, "t10k", 0);
+  const Split train = fashion_mnist::load_split(dir, "train", limit, "mnist");
+  const Split test = fashion_mnist::load_split(dir, "t10k", 0, "mnist");
   nn::random::seed(seed);
   Mlp model = make_mlp(num_layers, 784, hidden, 10);
   nn::Sgd<> opt(lr);

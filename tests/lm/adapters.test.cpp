@@ -164,3 +164,11 @@ TEST_CASE("a malformed adapter directory raises, naming the file") {
   std::ofstream(dir("bad") / "adapter_config.json") << "{\"fine_tune_type\": \"lora\"}";
   test::check_error([&] { load_mlx_adapters(dir("bad"), t); }, {"adapter_config.json", "lora_parameters"});
 }
+
+TEST_CASE("lora_key_path: command-line keys to their paths inside a decoder layer") {
+  CHECK(lora_key_path("q_proj") == "self_attn.q_proj");
+  CHECK(lora_key_path("o_proj") == "self_attn.o_proj");
+  CHECK(lora_key_path("down_proj") == "mlp.down_proj");
+  CHECK(lora_key_path("gate_proj") == "mlp.gate_proj");
+  CHECK(lora_key_path("mlp.up_proj") == "mlp.up_proj");  // already a path
+}

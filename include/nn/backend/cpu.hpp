@@ -1043,8 +1043,10 @@ struct cpu {
   /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
   /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
   /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). `causal`: query i sees keys
-  /// 0..i only (P is exactly 0 beyond), besides any mask; the rows are then taken in blocks of
-  /// kAttnBlock and each block's products stop at its last key, about half the work of the square.
+  /// 0..i only, besides any mask; the rows are then taken in blocks of kAttnBlock and each block's
+  /// products stop at its last key, about half the work of the square. P's row i is then exact 0
+  /// from key i + 1 to its block's end, and the rest is left unwritten (never read, here or in
+  /// the vjp).
   /// The heads run in parallel, each product a strided GEMM on its thread (no permuted copies).
   static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
                         std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
@@ -1074,7 +1076,7 @@ struct cpu {
           for (std::int64_t i = i0; i < i1; ++i) {
             const std::int64_t n = causal ? i + 1 : T_;
             detail::softmax_row(pt + i * T_, n, sc, Mk ? Mk + b * ms[0] + h * ms[1] + i * ms[2] : nullptr);
-            std::fill(pt + i * T_ + n, pt + (i + 1) * T_, T(0));
+            std::fill(pt + i * T_ + n, pt + i * T_ + kn, T(0));  // the block's keys past i (all P v and the vjp read)
           }
           detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, pt + i0 * T_, T_, vt, ks, ot + i0 * qs, qs, false);  // P v
         }
@@ -1085,7 +1087,7 @@ struct cpu {
   /// The vjp of attention, per (batch, kv head) so each kv head's gradient sums its query heads
   /// without races: dv += P^T g; dS = P * (g v^T - rowsum(P * g v^T)) * scale (in `scratch`,
   /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null. `causal`: P is
-  /// lower-triangular (attention's causal), and the products skip its zero blocks as the forward does.
+  /// attention's causal one, and the products read only the blocks the forward wrote.
   static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
                             std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
                             double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,

@@ -30,6 +30,14 @@ struct LoraConfig {
   double effective_scale() const { return rslora ? scale / std::sqrt(static_cast<double>(rank)) : scale; }
 };
 
+/// A LoRA key as the command line names it ("q_proj", "down_proj") to its path inside a
+/// decoder layer ("self_attn.q_proj", "mlp.down_proj"); a key with a dot is already a path.
+inline std::string lora_key_path(const std::string& key) {
+  if (key.find('.') != std::string::npos) return key;
+  const bool mlp = key == "gate_proj" || key == "up_proj" || key == "down_proj";
+  return (mlp ? "mlp." : "self_attn.") + key;
+}
+
 namespace detail {
 
 /// "model.layers.12.self_attn.q_proj" -> {12, "self_attn.q_proj"}; nullopt for other paths.
