@@ -44,6 +44,7 @@ while [ $# -gt 0 ]; do
     *) build="$1"; shift ;;
   esac
 done
+[[ "$repeat" =~ ^[1-9][0-9]*$ ]] || { echo "--repeat needs a positive whole number, got '$repeat'" >&2; exit 2; }
 nn_bin="$build/bench/bench_decoder"
 [ -x "$nn_bin" ] || { echo "no $nn_bin: build the bench_decoder target first" >&2; exit 2; }
 "$py" -c "import torch" 2>/dev/null || { echo "$py cannot import torch (set --python or NN_BENCH_PYTHON)" >&2; exit 2; }
