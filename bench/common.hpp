@@ -62,13 +62,16 @@ inline double cpu_seconds() {
          1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
+/// The first line of every bench's output: the CPU, its features and the GEMM nn runs on it.
+inline void print_cpu_info() { std::printf("# %s\n", nn::cpu_info().line().c_str()); }
+
 /// Sets every thread count nn's kernels read: OpenMP's, Eigen's and OpenBLAS's.
 inline void set_threads(int threads) {
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
 #endif
   Eigen::setNbThreads(threads);
-#if defined(NN_USE_BLAS)
+#if defined(NN_USE_BLAS) && defined(OPENBLAS_VERSION)
   openblas_set_num_threads(threads);
 #endif
 }

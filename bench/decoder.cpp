@@ -168,10 +168,12 @@ double step_flops(const Config& c, const std::string& mode, std::int64_t B, std:
   if (mode == "forward") return fwd;
   if (mode == "full") return 3 * fwd;  // backward: d(input) and d(weight) of every product
   // lora: backward takes d(input) only, except where nothing upstream trains (layer 0's q, k, v
-  // read the frozen embedding); the adapters add x A and (x A) B forward, their three products back.
+  // read the frozen embedding); attention's backward is four products (dP = dO V^T, dV = P^T dO,
+  // dQ = dS K, dK = dS^T Q), twice its forward's two; the adapters add x A and (x A) B forward,
+  // their three products back.
   const double r = static_cast<double>(c.lora_rank);
   const double lora = L * tok * 2 * (r * (d + q) + r * (d + kv) * 2 + r * (q + d));
-  return fwd + (2 * tok * (weights - (d * q + 2 * d * kv)) + attn) + 3 * lora;
+  return fwd + (2 * tok * (weights - (d * q + 2 * d * kv)) + 2 * attn) + 3 * lora;
 }
 
 /// GFLOP/s of independent FMA chains on every thread: the ceiling no kernel can pass. 512-bit
@@ -255,6 +257,7 @@ int main(int argc, char** argv) {
   }
   if (mode != "full" && mode != "lora" && mode != "forward") return usage("unknown mode", mode);
   if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) return usage("sizes must be positive");
+  bench::print_cpu_info();
   bench::set_threads(threads);
   if (peak) {
     fma_peak(threads);  // wakes the cores up
@@ -318,11 +321,6 @@ int main(int argc, char** argv) {
       flops / (median_ms / 1e3) / 1e9, static_cast<double>(proc_status_kb("VmHWM")) / 1024.0,
       static_cast<double>(rss_start_kb) / 1024.0, first_loss, last_loss, static_cast<long long>(model.num_params()),
       static_cast<long long>(model.num_trainable()),
-#if defined(NN_USE_BLAS)
-      "cblas",
-#else
-      "eigen",
-#endif
-      NN_VERSION_STRING);
+      nn::cpu_info().gemm_id.c_str(), NN_VERSION_STRING);
   return 0;
 }

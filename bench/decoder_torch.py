@@ -62,7 +62,7 @@ def step_flops(c, mode, B, T):
         return 3 * fwd
     r = c["rank"]
     lora = L * tok * 2 * (r * (d + q) + r * (d + kv) * 2 + r * (q + d))
-    return fwd + (2 * tok * (weights - (d * q + 2 * d * kv)) + attn) + 3 * lora
+    return fwd + (2 * tok * (weights - (d * q + 2 * d * kv)) + 2 * attn) + 3 * lora
 
 
 def main():

@@ -22,6 +22,7 @@
 #include "common.hpp"
 
 int main(int argc, char** argv) try {
+  bench::print_cpu_info();
   std::string model_path, keys = "q_proj,v_proj";
   int threads = 1, steps = 10, warmup = 2;
   std::int64_t B = 4, T = 64;

@@ -41,13 +41,7 @@ constexpr bool kHaveCblas =
     false;
 #endif
 
-const char* nn_gemm_path() {
-#if defined(NN_USE_BLAS)
-  return "CBLAS (NN_USE_BLAS)";
-#else
-  return "Eigen (nn's allocation-free driver of Eigen's GEMM kernel)";
-#endif
-}
+const char* nn_gemm_path() { return nn::cpu_info().gemm.c_str(); }
 
 /// Sets the thread count of every engine in the run: OpenBLAS, OpenMP, Eigen.
 void set_threads(int n) {
@@ -324,6 +318,7 @@ int main(int argc, char** argv) {
     }
   }
 
+  std::printf("# %s\n", nn::cpu_info().line().c_str());
   std::printf("## nn matmul benchmark\n\n");
   std::printf("- CPU: %s, %u hardware threads; load average at start: %s\n", cpu_model().c_str(),
               std::thread::hardware_concurrency(), loadavg().c_str());

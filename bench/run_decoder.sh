@@ -64,7 +64,9 @@ for t in $threads; do
   peak[$t]=$(field gflops "$("$nn_bin" --peak --threads "$t")")
 done
 torch_version=$("$py" -c "import torch; print(torch.__version__)")
-echo "PyTorch $torch_version ($py); nn $("$nn_bin" --mode forward --steps 1 --warmup 1 | sed -n 's/.* gemm=\([^ ]*\).*/\1/p') GEMM"
+probe=$("$nn_bin" --mode forward --steps 1 --warmup 1)
+grep -m1 '^# cpu:' <<<"$probe" | sed 's/^# //'
+echo "PyTorch $torch_version ($py); nn $(sed -n 's/.* gemm=\([^ ]*\).*/\1/p' <<<"$probe") GEMM"
 echo "OpenMP wait policy: nn $nn_wait, PyTorch $torch_wait"
 echo "FMA peak (measured): $(for t in $threads; do printf '%s thread(s) %s GFLOP/s  ' "$t" "${peak[$t]}"; done)"
 echo

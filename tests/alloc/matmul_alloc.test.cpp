@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // "No per-call heap allocation in the matmul path": after one warm-up, replaying a recorded tape
 // of matmuls (forward and backward; 2-D, batched, shared-operand, transposed, vector, tiny) makes
-// zero operator-new and zero malloc calls on every thread, on the GEMM path this build uses (build
-// it with and without NN_USE_BLAS), at 1 and 2 threads. The only exception, reported rather than
+// zero operator-new and zero malloc calls on every thread, on the GEMM path this build uses (nn's
+// own engine by default; build with NN_USE_BLAS for CBLAS), at 1 and 2 threads. The only exception, reported rather than
 // failed, is what OpenBLAS mallocs inside itself.
 #include <doctest/doctest.h>
 
@@ -34,13 +34,7 @@ void set_threads(int n) {
 #endif
 }
 
-std::string gemm_path() {
-#if defined(NN_USE_BLAS)
-  return "CBLAS";
-#else
-  return "Eigen";
-#endif
-}
+std::string gemm_path() { return cpu_info().gemm; }
 
 /// What this test tolerates: allocations made inside OpenBLAS itself, which nn cannot avoid.
 /// Debian's OpenBLAS 0.3.21 mallocs on some calls: its threaded level-3 driver (level3_thread.c)

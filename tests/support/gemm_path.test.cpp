@@ -1,18 +1,25 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// Guards the build: each ops test binary runs the GEMM path it was set up for (CBLAS or Eigen),
-// and that path agrees with a naive triple loop in both float widths and every transpose.
+// Guards the build: each ops test binary runs the GEMM path it was set up for (nn's engine, CBLAS
+// or Eigen), and that path agrees with a naive triple loop in both float widths and every transpose.
 #include "support/check.hpp"
 
 using namespace nn;
 
-#if defined(NN_USE_BLAS)
-static constexpr bool kBlas = true;
-#else
-static constexpr bool kBlas = false;
-#endif
-
+// NN_EXPECT_GEMM: 0 = nn's engine, 1 = CBLAS, 2 = Eigen.
 TEST_CASE("the GEMM path is the one this target was configured for") {
-  CHECK(kBlas == static_cast<bool>(NN_EXPECT_BLAS));
+  const detail::GemmChoice& g = detail::gemm_choice();
+#if NN_EXPECT_GEMM == 1
+  // CBLAS, unless OpenBLAS picked generic kernels on a better CPU: then nn's engine, and it says why
+  if (g.engine == detail::GemmEngine::nn) CHECK(g.note.find("generic") != std::string::npos);
+  else CHECK(g.engine == detail::GemmEngine::blas);
+  CHECK(!g.note.empty());
+#elif NN_EXPECT_GEMM == 2
+  CHECK(g.engine == detail::GemmEngine::eigen);
+  CHECK(cpu_info().gemm_id == "eigen");
+#else
+  CHECK(g.engine == detail::GemmEngine::nn);
+  CHECK(g.note.empty());
+#endif
 }
 
 TEST_CASE_TEMPLATE("matmul agrees with a naive loop for every transpose", T, float, double) {

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // nn::cpu: the host backend policy. Elementwise kernels are plain loops (OpenMP when built with
-// it); GEMM goes to CBLAS (OpenBLAS) when NN_USE_BLAS is defined, else to Eigen's own GEMM. Either
-// way nn's OpenMP threads do the splitting (omp_set_num_threads / OMP_NUM_THREADS set the count):
-// OpenBLAS runs each block on the calling thread.
+// it); GEMM runs on nn's own engine (backend/gemm.hpp, kernels chosen by CPUID features), or on
+// CBLAS (OpenBLAS) when NN_USE_BLAS is defined and that BLAS picked real kernels for this CPU, or
+// on Eigen's GEMM with NN_GEMM_EIGEN (and compilers without GCC vector extensions). Either way
+// nn's OpenMP threads do the splitting (omp_set_num_threads / OMP_NUM_THREADS set the count).
 #pragma once
 
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <numbers>
@@ -23,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gemm.hpp"
 #include "math.hpp"
 #include "policy.hpp"
 #include "../random.hpp"
@@ -181,26 +184,6 @@ inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer,
 // inside its own parallel loop (see gemm_serial).
 #if EIGEN_VERSION_AT_LEAST(3, 3, 90)
 
-/// This thread's GEMM packing space: at least `bytes`, 64-byte aligned. It grows only when a
-/// larger product comes, so replaying products already seen allocates nothing.
-inline void* gemm_workspace(std::size_t bytes) {
-  struct Buffer {
-    void* p = nullptr;
-    std::size_t n = 0;
-    ~Buffer() { std::free(p); }
-  };
-  thread_local Buffer buf;
-  if (buf.n < bytes) {
-    const std::size_t n = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, n);
-    if (!p) throw std::bad_alloc();
-    std::free(buf.p);
-    buf.p = p;
-    buf.n = n;
-  }
-  return buf.p;
-}
-
 /// Eigen's blocking descriptor, pointing at nn's packing space instead of owning its own.
 template <class T>
 struct GemmBlocking : Eigen::internal::level3_blocking<T, T> {
@@ -279,6 +262,59 @@ void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K
 
 #endif  // Eigen >= 3.3.90
 
+#if !defined(NN_OWN_GEMM) && !defined(NN_GEMM_EIGEN)
+#define NN_GEMM_EIGEN 1  // no GCC/Clang vector extensions: Eigen's GEMM is the portable one
+#endif
+
+/// The engine that runs matrix products in this process.
+enum class GemmEngine : std::uint8_t { nn, blas, eigen };
+
+#if defined(NN_USE_BLAS) && defined(OPENBLAS_VERSION)
+/// True when OpenBLAS runs kernels without AVX2/FMA on a CPU that has them: OpenBLAS picks its
+/// kernels from a table of CPU models, and a model newer than its table falls back to a generic
+/// core (0.3.21 runs Sapphire Rapids on "Prescott", SSE3, at a fifth of the machine's speed).
+inline bool blas_core_is_generic(const CpuFeatures& f) {
+  if (f.best_isa() == Isa::generic) return false;
+  std::string core = openblas_get_corename();
+  for (char& ch : core) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  for (const char* good : {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "excavator"})
+    if (core == good) return false;
+  return true;
+}
+#endif
+
+struct GemmChoice {
+  GemmEngine engine = GemmEngine::nn;
+  std::string note;  // why, when an external BLAS was linked
+};
+
+/// Decided once: NN_GEMM_EIGEN -> Eigen; NN_USE_BLAS -> CBLAS, unless OpenBLAS chose generic
+/// kernels on a better CPU (then nn's engine, said once on stderr); otherwise nn's engine.
+inline const GemmChoice& gemm_choice() {
+  static const GemmChoice choice = [] {
+    GemmChoice c;
+#if defined(NN_GEMM_EIGEN)
+    c.engine = GemmEngine::eigen;
+#elif defined(NN_USE_BLAS)
+    c.engine = GemmEngine::blas;
+#if defined(OPENBLAS_VERSION)
+    const CpuFeatures f = detect_cpu_features();
+    const std::string core = openblas_get_corename();
+    if (blas_core_is_generic(f)) {
+      c.engine = GemmEngine::nn;
+      c.note = "OpenBLAS chose its generic '" + core + "' kernels on this " + isa_name(f.best_isa()) +
+               " CPU; nn's own GEMM runs instead";
+      std::fprintf(stderr, "[nn] %s\n", c.note.c_str());
+    } else {
+      c.note = "OpenBLAS core " + core;
+    }
+#endif
+#endif
+    return c;
+  }();
+  return choice;
+}
+
 /// While alive, OpenBLAS runs each call on the calling thread (its thread count set to 1, then
 /// restored): a kernel that splits its own work over OpenMP threads and calls GEMM from each
 /// would otherwise have OpenBLAS's pthreads pool contend with them. A no-op for other builds.
@@ -311,15 +347,25 @@ void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
       for (std::int64_t i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
     return;
   }
+  [[maybe_unused]] const GemmEngine engine = gemm_choice().engine;
+#if defined(NN_OWN_GEMM)
+  if (engine == GemmEngine::nn) {
+    gemm::gemm_serial<T>(gemm::active_isa(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc);
+    return;
+  }
+#endif
 #if defined(NN_USE_BLAS)
-  const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
-  if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
-                static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0f : 0.0f, C, static_cast<int>(ldc));
-  else
-    cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
-                static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0 : 0.0, C, static_cast<int>(ldc));
-#else
+  if (engine == GemmEngine::blas) {
+    const auto tA = ta ? CblasTrans : CblasNoTrans, tB = tb ? CblasTrans : CblasNoTrans;
+    if constexpr (std::is_same_v<T, float>)
+      cblas_sgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
+                  static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0f : 0.0f, C, static_cast<int>(ldc));
+    else
+      cblas_dgemm(CblasRowMajor, tA, tB, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
+                  static_cast<int>(lda), B, static_cast<int>(ldb), acc ? 1.0 : 0.0, C, static_cast<int>(ldc));
+    return;
+  }
+#endif
   if (!acc)
     for (std::int64_t i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
 #if EIGEN_VERSION_AT_LEAST(3, 3, 90)
@@ -337,7 +383,6 @@ void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
   else if (ta) Cm.noalias() += Am.transpose() * Bm;
   else if (tb) Cm.noalias() += Am * Bm.transpose();
   else Cm.noalias() += Am * Bm;
-#endif
 #endif
 }
 
@@ -1062,7 +1107,7 @@ struct cpu {
       std::array<std::int64_t, kMaxRank> ms{};
       if (Mk) ms = detail::broadcast_strides(mask.shape(), Shape{Bn, H, T_, T_});
       const T sc = static_cast<T>(scale);
-      detail::BlasSerial serial;
+      [[maybe_unused]] detail::BlasSerial serial;
       detail::parallel_for(Bn * H, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
         const std::int64_t b = t / H, h = t % H, kh = h / g;
         T* pt = P + t * T_ * T_;
@@ -1116,7 +1161,7 @@ struct cpu {
       share(GQ, acc_q, GV, acc_v, gq);
       share(GK, acc_k, GV, acc_v, gk);
       const T sc = static_cast<T>(scale);
-      detail::BlasSerial serial;
+      [[maybe_unused]] detail::BlasSerial serial;
       detail::parallel_for(Bn * KV, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
         const std::int64_t b = t / KV, kh = t % KV;
         const T* kt = K + b * T_ * ks + kh * hd;
@@ -1369,12 +1414,15 @@ struct cpu {
       if (!acc) std::fill_n(C, M * N, T(0));
       return;
     }
+    const detail::GemmEngine engine = detail::gemm_choice().engine;
+    // One row or one column (a batch-1 Linear, a projection to one output) streams the matrix
+    // once: a packed GEMM would copy all of it first. Tiny products stay with coefficient loops.
+    const bool vector_like = M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
 #if defined(NN_USE_BLAS)
-    if (M == 1 || N == 1) {
-      // One row or one column (a batch-1 Linear, a projection to one output): ?gemv streams the
-      // matrix once; OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix
-      // kernel mallocs on each call. C is zeroed here rather than by beta = 0, so stale NaNs in
-      // an uninitialised output never leak through a BLAS that scales by beta.
+    if (engine == detail::GemmEngine::blas && (M == 1 || N == 1)) {
+      // ?gemv: OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix kernel
+      // mallocs on each call. C is zeroed here rather than by beta = 0, so stale NaNs in an
+      // uninitialised output never leak through a BLAS that scales by beta.
       if (!acc) std::fill_n(C, M * N, T(0));
       auto gemv = [&](bool trans, std::int64_t rows, std::int64_t cols, const T* mat, std::int64_t ld, const T* x,
                       std::int64_t incx) {
@@ -1390,13 +1438,13 @@ struct cpu {
       else gemv(!tb, tb ? N : K, tb ? K : N, Bp, ldb, A, ta ? lda : 1);             // C^T = op(B)^T a^T
       return;
     }
+    if (engine == detail::GemmEngine::blas) {
 #if defined(OPENBLAS_VERSION) && defined(_OPENMP)
-    // With OpenBLAS, nn splits a product over its own OpenMP threads (as Eigen's path below
-    // does), each block one OpenBLAS call on its thread: OpenBLAS's pthreads would otherwise
-    // spin-wait beside OpenMP's after every product and take the cores nn's elementwise
-    // kernels run on (the two-runtime slowdown in shared/REFERENCE-FACTS.md). OpenBLAS's own
-    // rule for going parallel (m n k > 64^3) and at least 16 rows (or columns) per thread.
-    {
+      // nn splits a product over its own OpenMP threads, each block one OpenBLAS call on its
+      // thread: OpenBLAS's pthreads would otherwise spin-wait beside OpenMP's after every product
+      // and take the cores nn's elementwise kernels run on (the two-runtime slowdown in
+      // shared/REFERENCE-FACTS.md). OpenBLAS's own rule for going parallel (m n k > 64^3) and at
+      // least 16 rows (or columns) per thread.
       int threads = 1;
       if (!omp_in_parallel()) {
         const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
@@ -1419,21 +1467,25 @@ struct cpu {
         }
         return;
       }
+#endif
       detail::gemm_serial<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
       return;
     }
 #endif
-    detail::gemm_serial<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
-#else
+#if defined(NN_OWN_GEMM)
+    if (engine == detail::GemmEngine::nn && !vector_like) {
+      ::nn::gemm::gemm_parallel<T>(::nn::gemm::active_isa(), ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
+      return;
+    }
+#endif
 #if EIGEN_VERSION_AT_LEAST(3, 3, 90)
-    // Matrix products go to Eigen's kernel with nn's reusable packing space (no allocation per
-    // call); vectors (GEMV) and tiny products (coefficient loops) stay with Eigen's expressions,
-    // which do not allocate for them.
-    if (M > 1 && N > 1 && M + N + K >= EIGEN_GEMM_TO_COEFFBASED_THRESHOLD) {
+    // Eigen's kernel with nn's reusable packing space (no allocation per call)
+    if (!vector_like) {
       detail::eigen_gemm<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, acc);
       return;
     }
 #endif
+    // vectors (GEMV) and tiny products: Eigen's expressions, which do not allocate for them
     using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
     Eigen::Map<Mat> Cm(C, M, N);
@@ -1447,11 +1499,32 @@ struct cpu {
     else if (ta) run(Am.transpose(), Bm);
     else if (tb) run(Am, Bm.transpose());
     else run(Am, Bm);
-#endif
   }
 };
 
 
 static_assert(BackendPolicy<cpu>);
+
+/// What this CPU offers and which GEMM nn runs on it (declared in backend/cpu_info.hpp), read
+/// once per process. The finetune example and every bench print cpu_info().line() first.
+inline const CpuInfo& cpu_info() {
+  static const CpuInfo info = [] {
+    CpuInfo i;
+    i.features = detail::detect_cpu_features();
+    const detail::GemmChoice& g = detail::gemm_choice();
+    i.note = g.note;
+#if defined(NN_OWN_GEMM)
+    i.isa = gemm::active_isa();
+    if (g.engine == detail::GemmEngine::nn) {
+      i.gemm = gemm::describe(i.isa);
+      i.gemm_id = std::string("nn-") + isa_name(i.isa);
+    }
+#endif
+    if (g.engine == detail::GemmEngine::blas) i.gemm = "CBLAS", i.gemm_id = "cblas";
+    if (g.engine == detail::GemmEngine::eigen) i.gemm = "Eigen's GEMM", i.gemm_id = "eigen";
+    return i;
+  }();
+  return info;
+}
 
 }  // namespace nn

@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// nn's GEMM engine on the products a training step really runs -- the reference decoder's layer
+// products, its 8192-wide head, the SmolLM2 finetune's 576-wide products and 49152-wide tied head,
+// attention's per-head blocks, and the transposed forms backward uses -- under every kernel set this
+// CPU can run, beside OpenBLAS's sgemm on the same operands (when linked). Prints one markdown
+// table per thread count, with the CPU line first. OpenBLAS runs the kernels it chose for this CPU;
+// OPENBLAS_CORETYPE=SkylakeX (or Haswell) in the environment shows it with a kernel forced.
+//
+// Usage: bench_gemm [--threads 1,2] [--seconds S] [--rounds R] [--f64]
+// Each figure is the median over R interleaved rounds (each at least S seconds of calls), so a
+// 2-vCPU VM's drift falls on all engines alike.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+
+#if defined(NN_BENCH_CBLAS) && !defined(NN_USE_BLAS)
+#include <cblas.h>
+#endif
+
+namespace {
+
+struct Case {
+  const char* what;
+  std::int64_t M, N, K;
+  bool ta, tb;
+};
+
+// (M, N, K): C[M x N] = op(A)[M x K] op(B)[K x N]. A Linear y = x W^T is (tokens, out, in) with
+// tb; its backward is dX = dY W (tokens, in, out) and dW = dY^T X (out, in, tokens) with ta.
+const Case kCases[] = {
+    {"decoder q/o proj fwd", 1024, 256, 256, false, true},
+    {"decoder k/v proj fwd", 1024, 64, 256, false, true},
+    {"decoder mlp up fwd", 1024, 704, 256, false, true},
+    {"decoder mlp down fwd", 1024, 256, 704, false, true},
+    {"decoder mlp down dX", 1024, 704, 256, false, false},
+    {"decoder mlp up dW", 704, 256, 1024, true, false},
+    {"decoder head fwd (8192)", 1024, 8192, 256, false, true},
+    {"decoder head dX", 1024, 256, 8192, false, false},
+    {"decoder head dW", 8192, 256, 1024, true, false},
+    {"attn q k^T block (hd 32)", 32, 256, 32, false, true},
+    {"attn P v block (hd 32)", 32, 32, 256, false, false},
+    {"smollm2 q/o proj fwd", 256, 576, 576, false, true},
+    {"smollm2 k/v proj fwd", 256, 192, 576, false, true},
+    {"smollm2 mlp up fwd", 256, 1536, 576, false, true},
+    {"smollm2 mlp down fwd", 256, 576, 1536, false, true},
+    {"smollm2 mlp dX", 256, 1536, 576, false, false},
+    {"smollm2 head fwd (49152)", 256, 49152, 576, false, true},
+    {"smollm2 head dX", 256, 576, 49152, false, false},
+    {"attn q k^T block (hd 64)", 32, 64, 64, false, true},
+};
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+/// Calls per second of fn over at least `secs` (after one warm-up call).
+double rate(const std::function<void()>& fn, double secs) {
+  fn();
+  const double t0 = seconds_now();
+  long n = 0;
+  double el = 0;
+  do {
+    fn();
+    ++n;
+    el = seconds_now() - t0;
+  } while (el < secs);
+  return static_cast<double>(n) / el;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> out;
+  for (const char* p = s; *p;) {
+    out.push_back(std::atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p) ++p;
+  }
+  return out;
+}
+
+template <class T>
+void run_table(int threads, double secs, int rounds) {
+  bench::set_threads(threads);
+#if defined(NN_BENCH_CBLAS) && defined(OPENBLAS_VERSION)
+  openblas_set_num_threads(threads);
+#endif
+  const nn::Isa best = nn::cpu_info().features.best_isa();
+  std::vector<nn::Isa> isas;
+  for (nn::Isa i : {nn::Isa::avx512, nn::Isa::avx2, nn::Isa::generic})
+    if (static_cast<int>(i) <= static_cast<int>(best)) isas.push_back(i);
+  const bool blas =
+#if defined(NN_BENCH_CBLAS)
+      true;
+#else
+      false;
+#endif
+  std::printf("\n### %s, %d thread%s\n\n| product | M x N x K | ", sizeof(T) == 4 ? "float32" : "float64", threads,
+              threads == 1 ? "" : "s");
+  for (nn::Isa i : isas) std::printf("nn %s | ", nn::isa_name(i));
+  if (blas) std::printf("OpenBLAS | nn %s / OpenBLAS |", nn::isa_name(isas[0]));
+  std::printf("\n|---|---|");
+  for (std::size_t i = 0; i < isas.size() + (blas ? 2 : 0); ++i) std::printf("---|");
+  std::printf("\n");
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (const Case& c : kCases) {
+    std::vector<T> A(static_cast<std::size_t>(c.M * c.K)), B(static_cast<std::size_t>(c.K * c.N)),
+        C(static_cast<std::size_t>(c.M * c.N));
+    for (T& x : A) x = static_cast<T>(u(gen));
+    for (T& x : B) x = static_cast<T>(u(gen));
+    const std::int64_t lda = c.ta ? c.M : c.K, ldb = c.tb ? c.K : c.N;
+    std::vector<std::function<void()>> engines;
+    for (nn::Isa i : isas)
+      engines.push_back([&, i] {
+        nn::gemm::gemm_parallel<T>(i, c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C.data(), c.N, false);
+      });
+#if defined(NN_BENCH_CBLAS)
+    engines.push_back([&] {
+      const auto tA = c.ta ? CblasTrans : CblasNoTrans, tB = c.tb ? CblasTrans : CblasNoTrans;
+      const int M = static_cast<int>(c.M), N = static_cast<int>(c.N), K = static_cast<int>(c.K);
+      if constexpr (sizeof(T) == 4)
+        cblas_sgemm(CblasRowMajor, tA, tB, M, N, K, 1.0f, A.data(), static_cast<int>(lda), B.data(),
+                    static_cast<int>(ldb), 0.0f, C.data(), N);
+      else
+        cblas_dgemm(CblasRowMajor, tA, tB, M, N, K, 1.0, A.data(), static_cast<int>(lda), B.data(),
+                    static_cast<int>(ldb), 0.0, C.data(), N);
+    });
+#endif
+    std::vector<std::vector<double>> g(engines.size());
+    const double flop = 2.0 * static_cast<double>(c.M) * static_cast<double>(c.N) * static_cast<double>(c.K);
+    for (int r = 0; r < rounds; ++r)
+      for (std::size_t e = 0; e < engines.size(); ++e) g[e].push_back(flop * rate(engines[e], secs) / 1e9);
+    std::printf("| %s%s%s | %lld x %lld x %lld |", c.what, c.ta ? " (A^T)" : "", c.tb ? " (B^T)" : "",
+                static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K));
+    for (std::size_t e = 0; e < engines.size(); ++e) std::printf(" %.1f |", median(g[e]));
+    if (blas) std::printf(" %.2fx |", median(g[0]) / median(g.back()));
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> threads{1, 2};
+  double secs = 0.1;
+  int rounds = 5;
+  bool f64 = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = parse_list(argv[++i]);
+    else if (!std::strcmp(argv[i], "--seconds") && i + 1 < argc) secs = std::atof(argv[++i]);
+    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--f64")) f64 = true;
+    else {
+      std::fprintf(stderr, "usage: %s [--threads 1,2] [--seconds S] [--rounds R] [--f64]\n", argv[0]);
+      return 2;
+    }
+  }
+  bench::print_cpu_info();
+#if defined(NN_BENCH_CBLAS) && defined(OPENBLAS_VERSION)
+  std::printf("# OpenBLAS: %s(core %s)\n", openblas_get_config(), openblas_get_corename());
+#endif
+  std::printf("## nn GEMM engine vs OpenBLAS, GFLOP/s (median of %d interleaved rounds)\n", rounds);
+  for (int t : threads) {
+    if (f64) run_table<double>(t, secs, rounds);
+    else run_table<float>(t, secs, rounds);
+  }
+  return 0;
+}

@@ -1,0 +1,158 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// nn's GEMM engine (include/nn/backend/gemm.hpp) against a naive triple loop in long double, for
+// every kernel set this CPU runs, both float widths, every transpose, accumulate or overwrite,
+// and shapes that cross every block edge (MR, NR, KC, NB, MB); the packing hook; the threaded
+// split; and the engine the ops actually run.
+#include "support/check.hpp"
+
+#include <cstdlib>
+#include <limits>
+#include <tuple>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+using namespace nn;
+
+namespace {
+
+std::vector<Isa> runnable_isas() {
+  std::vector<Isa> out;
+  for (Isa i : {Isa::generic, Isa::avx2, Isa::avx512})
+    if (static_cast<int>(i) <= static_cast<int>(detail::detect_cpu_features().best_isa())) out.push_back(i);
+  return out;
+}
+
+template <class T>
+std::vector<T> random_values(std::size_t n, unsigned seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<T> v(n);
+  for (T& x : v) x = static_cast<T>(u(g));
+  return v;
+}
+
+/// max |C - reference| / sqrt(K), with the reference summed in long double from the same inputs.
+template <class T>
+double gemm_error(Isa isa, bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, bool acc,
+                  std::int64_t ldc_pad = 0) {
+  const std::vector<T> A = random_values<T>(static_cast<std::size_t>(M * K), 1);
+  const std::vector<T> B = random_values<T>(static_cast<std::size_t>(K * N), 2);
+  const std::int64_t ldc = N + ldc_pad;
+  std::vector<T> C = random_values<T>(static_cast<std::size_t>(M * ldc), 3);
+  if (!acc)  // an output buffer's stale contents must never be read when overwriting
+    for (std::int64_t i = 0; i < M; ++i)
+      for (std::int64_t j = 0; j < N; ++j) C[i * ldc + j] = std::numeric_limits<T>::quiet_NaN();
+  const std::vector<T> C0 = C;
+  const std::int64_t lda = ta ? M : K, ldb = tb ? K : N;
+  gemm::gemm_serial<T>(isa, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, C.data(), ldc, acc);
+  double worst = 0;
+  for (std::int64_t i = 0; i < M; ++i) {
+    for (std::int64_t j = 0; j < N; ++j) {
+      long double s = acc ? C0[i * ldc + j] : 0.0L;
+      for (std::int64_t k = 0; k < K; ++k)
+        s += static_cast<long double>(ta ? A[k * lda + i] : A[i * lda + k]) *
+             static_cast<long double>(tb ? B[j * ldb + k] : B[k * ldb + j]);
+      const double d = std::abs(static_cast<double>(C[i * ldc + j] - s));
+      worst = std::max(worst, std::isnan(d) ? INFINITY : d);
+    }
+    for (std::int64_t j = N; j < ldc; ++j)  // the padding past N is never written
+      if (!(C[i * ldc + j] == C0[i * ldc + j])) worst = INFINITY;
+  }
+  return worst / std::sqrt(static_cast<double>(std::max<std::int64_t>(K, 1)));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("nn's GEMM matches a long-double loop on every kernel set, transpose and edge", T, float, double) {
+  const double tol = std::is_same_v<T, float> ? 2e-6 : 4e-15;
+  using S3 = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
+  // 1x1x1; ragged tiles; K past KC (384) so several slices accumulate; N past NB (384/512) so B
+  // blocks repeat; M past MB (960/1536) so A blocks repeat.
+  const std::vector<S3> shapes = {{1, 1, 1},  {13, 37, 5}, {6, 32, 1},   {25, 65, 800},
+                                  {7, 530, 9}, {100, 33, 400}, {1601, 3, 2}, {2, 1000, 3}};
+  for (Isa isa : runnable_isas())
+    for (auto [M, N, K] : shapes)
+      for (int ta = 0; ta < 2; ++ta)
+        for (int tb = 0; tb < 2; ++tb)
+          for (int acc = 0; acc < 2; ++acc) {
+            const double e = gemm_error<T>(isa, ta, tb, M, N, K, acc, acc ? 3 : 0);
+            CHECK_MESSAGE(e < tol, isa_name(isa) << " ta=" << ta << " tb=" << tb << " acc=" << acc << " " << M << "x"
+                                                 << N << "x" << K << ": " << e);
+          }
+}
+
+TEST_CASE("a K of zero zeroes or keeps C; an empty M or N touches nothing") {
+  for (Isa isa : runnable_isas()) {
+    std::vector<float> C(6, 5.0f);
+    gemm::gemm_serial<float>(isa, false, false, 2, 3, 0, nullptr, 0, nullptr, 3, C.data(), 3, true);
+    CHECK(C == std::vector<float>(6, 5.0f));
+    gemm::gemm_serial<float>(isa, false, false, 2, 3, 0, nullptr, 0, nullptr, 3, C.data(), 3, false);
+    CHECK(C == std::vector<float>(6, 0.0f));
+    gemm::gemm_serial<float>(isa, false, false, 0, 3, 4, nullptr, 4, nullptr, 3, C.data(), 3, false);
+    gemm::gemm_serial<float>(isa, false, false, 2, 0, 4, nullptr, 4, nullptr, 0, C.data(), 0, false);
+    CHECK(C == std::vector<float>(6, 0.0f));
+  }
+}
+
+TEST_CASE("a caller-supplied B packer (weights made on the fly) gives the dense product") {
+  // B's values come from integer codes and a per-column scale, as a quantized weight's would:
+  // the packer writes them straight into the panels, no dense B ever exists.
+  const std::int64_t M = 29, N = 70, K = 450;  // ragged in every blocked dimension
+  const std::vector<float> A = random_values<float>(static_cast<std::size_t>(M * K), 5);
+  std::vector<int> codes(static_cast<std::size_t>(K * N));
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<int>((i * 7919) % 15) - 7;
+  std::vector<float> scale(static_cast<std::size_t>(N));
+  for (std::int64_t j = 0; j < N; ++j) scale[j] = 0.01f * static_cast<float>(j + 1);
+  std::vector<float> dense(static_cast<std::size_t>(K * N));
+  for (std::int64_t k = 0; k < K; ++k)
+    for (std::int64_t j = 0; j < N; ++j) dense[k * N + j] = static_cast<float>(codes[k * N + j]) * scale[j];
+
+  using S = gemm::Shape<float, Isa::generic>;
+  auto pack_codes = [&](float* dst, std::int64_t j0, std::int64_t nc, std::int64_t k0, std::int64_t kc) {
+    for (std::int64_t q = 0; q < nc; q += S::NR, dst += kc * S::NR)
+      for (std::int64_t k = 0; k < kc; ++k)
+        for (std::int64_t c = 0; c < S::NR; ++c) {
+          const std::int64_t j = j0 + q + c;
+          dst[k * S::NR + c] = j < j0 + nc ? static_cast<float>(codes[(k0 + k) * N + j]) * scale[j] : 0.0f;
+        }
+  };
+  std::vector<float> got(static_cast<std::size_t>(M * N)), want(got.size());
+  gemm::gemm_blocked<float, S>(gemm::micro_kernels<float, Isa::generic>(), M, N, K,
+                               gemm::DensePackA<S::MR, float>{{A.data(), K, false}}, pack_codes, got.data(), N, false);
+  gemm::gemm_serial<float>(Isa::generic, false, false, M, N, K, A.data(), K, dense.data(), N, want.data(), N, false);
+  CHECK(got == want);  // same panels, same kernel, same order: bit for bit
+}
+
+TEST_CASE("the threaded split (shared B panels, or columns when rows are few) gives the serial result bit for bit") {
+#if defined(_OPENMP)
+  const int prev = omp_get_max_threads();
+  omp_set_num_threads(2);
+#endif
+  for (auto [M, N, K, ta, tb] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool>{300, 70, 200, false, true},
+                                 {40, 500, 130, true, false}, {97, 97, 97, true, true},
+                                 {20, 3000, 50, false, true}, {130, 600, 800, false, false}}) {
+    const std::vector<float> A = random_values<float>(static_cast<std::size_t>(M * K), 8);
+    const std::vector<float> B = random_values<float>(static_cast<std::size_t>(K * N), 9);
+    std::vector<float> c1(static_cast<std::size_t>(M * N)), c2(c1.size());
+    const std::int64_t lda = ta ? M : K, ldb = tb ? K : N;
+    gemm::gemm_serial<float>(gemm::active_isa(), ta, tb, M, N, K, A.data(), lda, B.data(), ldb, c1.data(), N, false);
+    gemm::gemm_parallel<float>(gemm::active_isa(), ta, tb, M, N, K, A.data(), lda, B.data(), ldb, c2.data(), N, false);
+    CHECK(c1 == c2);
+  }
+#if defined(_OPENMP)
+  omp_set_num_threads(prev);
+#endif
+}
+
+TEST_CASE("matmul on the tape runs nn's engine with the kernel set cpu_info() names") {
+  const CpuInfo& info = cpu_info();
+  CHECK(info.gemm_id == std::string("nn-") + isa_name(info.isa));
+  CHECK(info.gemm.find(isa_name(info.isa)) != std::string::npos);
+  CHECK(info.line().find("gemm: nn " + std::string(isa_name(info.isa))) != std::string::npos);
+  // NN_CPU_ISA (set by the ops_avx2 / ops_generic CTest runs) lowers the kernel set, never raises it
+  const char* env = std::getenv("NN_CPU_ISA");
+  if (env && std::string(env) == "generic") CHECK(info.isa == Isa::generic);
+  if (!env) CHECK(info.isa == info.features.best_isa());
+}
