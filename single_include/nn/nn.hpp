@@ -1540,10 +1540,10 @@ inline void pack_panel(const T* src, index ld, bool contiguous, index n, index k
       // 16 depths at a time: each line's 16 values are one cache line
       index k = 0;
       for (; k + 16 <= kc; k += 16)
-        for (int l = 0; l < L; ++l) {
-          const T* s = src + l * ld + k;
-          NN_GEMM_UNROLL(16)
-          for (int u = 0; u < 16; ++u) dst[(k + u) * L + l] = s[u];
+        for (int u = 0; u < 16; ++u) {
+          T* d = dst + (k + u) * L;
+          NN_GEMM_UNROLL(32)
+          for (int l = 0; l < L; ++l) d[l] = src[l * ld + k + u];
         }
       for (; k < kc; ++k)
         for (int l = 0; l < L; ++l) dst[k * L + l] = src[l * ld + k];
