@@ -1107,6 +1107,8 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
   B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y, acc);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p, causal)
   B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc, causal)
+  // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
+  // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
   B::swiglu(x, x, y);                            // (gate, up, y)
   B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
@@ -1376,16 +1378,17 @@ struct CpuInfo {
 namespace nn {
 namespace detail {
 
-/// This thread's GEMM packing space number `slot` (0: its own panels, 1: B panels it shares with
-/// its team): at least `bytes`, 64-byte aligned. It grows only when a larger product comes, so
-/// replaying products already seen allocates nothing.
+/// This thread's working space number `slot` (0: its own GEMM panels, 1: B panels it shares with
+/// its team, 2: a kernel's tiles around its GEMM calls, such as flash attention's scores): at
+/// least `bytes`, 64-byte aligned. It grows only when a larger request comes, so replaying
+/// kernels already seen allocates nothing.
 inline void* gemm_workspace(std::size_t bytes, int slot = 0) {
   struct Buffer {
     void* p = nullptr;
     std::size_t n = 0;
     ~Buffer() { std::free(p); }
   };
-  thread_local Buffer bufs[2];
+  thread_local Buffer bufs[3];
   Buffer& buf = bufs[slot];
   if (buf.n < bytes) {
     const std::size_t n = (bytes + 63) / 64 * 64;
@@ -2013,6 +2016,27 @@ inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
 /// Elementwise loops run in parallel only past this size: below it thread start-up costs more
 /// than it saves.
 inline constexpr std::int64_t kParallelGrain = 1 << 15;
+
+/// One tensor passed as two of attention's inputs (k = v, self-attention's q = k = v) has one
+/// gradient buffer: the tape hands its first slot acc = false and the later ones acc = true, but
+/// the vjps interleave their writes, so such a buffer is zeroed once and every write to it
+/// accumulates.
+inline void share_grad_buffers(Tensor* gq, bool& acc_q, Tensor* gk, bool& acc_k, Tensor* gv, bool& acc_v) {
+  auto share = [](Tensor* a, bool& acc_a, Tensor* b, bool& acc_b) {
+    if (!a || !b || a->raw() != b->raw() || (acc_a && acc_b)) return;
+    std::memset(a->raw(), 0, a->nbytes());
+    acc_a = acc_b = true;
+  };
+  share(gq, acc_q, gk, acc_k);
+  share(gq, acc_q, gv, acc_v);
+  share(gk, acc_k, gv, acc_v);
+}
+
+/// Flash attention's tile: kFlashRows queries against kFlashCols keys. A tile's scores (64 KiB in
+/// f32) stay in L2 beside the q, k and v rows they come from. Measured on bench_attention at
+/// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
+/// each product's operands, not multiplying them.
+inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
 
 /// Causal attention's row (and key) block: the products of a block of queries stop at its last
 /// key, so the work above the diagonal left undone is all but half a block wide.
@@ -3078,18 +3102,7 @@ struct cpu {
       T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
       T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
       T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
-      // One tensor passed as two inputs (k = v, self-attention's q = k = v) has one gradient
-      // buffer: the tape hands its first slot acc = false and the later ones acc = true, but
-      // the loop below interleaves the writes, so such a buffer is zeroed once and every write
-      // to it accumulates.
-      auto share = [](T* a, bool& acc_a, T* b, bool& acc_b, const Tensor* t) {
-        if (!a || a != b || (acc_a && acc_b)) return;
-        std::memset(a, 0, t->nbytes());
-        acc_a = acc_b = true;
-      };
-      share(GQ, acc_q, GK, acc_k, gq);
-      share(GQ, acc_q, GV, acc_v, gq);
-      share(GK, acc_k, GV, acc_v, gk);
+      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
       const T sc = static_cast<T>(scale);
       [[maybe_unused]] detail::BlasSerial serial;
       detail::parallel_for(Bn * KV, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
@@ -3123,6 +3136,147 @@ struct cpu {
           }
         }
       }, /*uneven=*/true);
+    });
+  }
+
+  /// Flash attention (Dao et al. 2022; FlashAttention-2's loop order, Dao 2023): what attention
+  /// computes without a mask tensor, without ever storing the (T, T) probabilities. Per (batch,
+  /// query head, block of kFlashRows queries), the keys are read kFlashCols at a time; a tile's
+  /// scores s = scale q k^T live in the thread's workspace, and an online softmax keeps per query row the
+  /// running max m and sum l: out = sum_j exp(s_j - m) v_j / l, rescaled by exp(m_old - m_new)
+  /// whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
+  /// sees keys 0..i; key blocks past a query block's last row are never touched.
+  /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
+  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t Bn, std::int64_t T_,
+                              std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
+                              Tensor& lse, bool causal) {
+    detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
+      constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
+      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      T* O = static_cast<T*>(out.raw());
+      T* L = static_cast<T*>(lse.raw());
+      const T sc = static_cast<T>(scale);
+      [[maybe_unused]] detail::BlasSerial serial;
+      const bool wide = Bn * H * T_ * (causal ? T_ / 2 + 1 : T_) * hd > detail::kParallelGrain;
+      detail::parallel_for(Bn * H * nqb, wide, [&](std::int64_t t) {
+        const std::int64_t bh = t / nqb, b = bh / H, h = bh % H, kh = h / g;
+        const std::int64_t i0 = (t % nqb) * Br, r = std::min(T_, i0 + Br) - i0, kend = causal ? i0 + r : T_;
+        const T* qt = Q + (b * T_ + i0) * qs + h * hd;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ot = O + (b * T_ + i0) * qs + h * hd;
+        // the tile's scores, then its exp(s - m): (r, c), row stride Bc; then m and l per row
+        T* s = static_cast<T*>(detail::gemm_workspace(sizeof(T) * (Br * Bc + 2 * Br), 2));
+        T *m = s + Br * Bc, *l = m + Br;
+        for (std::int64_t j0 = 0; j0 < kend; j0 += Bc) {
+          const std::int64_t c = std::min(kend, j0 + Bc) - j0;
+          detail::gemm_serial<T>(false, true, r, c, hd, qt, qs, kt + j0 * ks, ks, s, Bc, false);  // q k^T
+          for (std::int64_t i = 0; i < r; ++i) {
+            // keys j0..j0+n-1 of this tile are visible to query i0 + i; the first tile (j0 = 0)
+            // always has one, a later one on the diagonal may have none
+            const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+            detail::ArrayMap<T> row(s + i * Bc, c);
+            row.tail(c - n).setZero();
+            if (n == 0) continue;
+            row.head(n) *= sc;
+            const T mx = row.head(n).maxCoeff();
+            const T mnew = j0 == 0 ? mx : std::max(m[i], mx);
+            row.head(n) -= mnew;
+            detail::exp_inplace(s + i * Bc, n);
+            const T sum = row.head(n).sum();
+            if (j0 == 0) {
+              l[i] = sum;
+            } else {
+              const T alpha = std::exp(m[i] - mnew);  // the earlier tiles' terms, re-based on the new max
+              l[i] = l[i] * alpha + sum;
+              if (alpha != T(1)) detail::ArrayMap<T>(ot + i * qs, hd) *= alpha;
+            }
+            m[i] = mnew;
+          }
+          detail::gemm_serial<T>(false, false, r, hd, c, s, Bc, vt + j0 * ks, ks, ot, qs, j0 > 0);  // (+)= p v
+        }
+        T* lt = L + bh * T_ + i0;
+        for (std::int64_t i = 0; i < r; ++i) {
+          detail::ArrayMap<T>(ot + i * qs, hd) *= T(1) / l[i];
+          lt[i] = m[i] + std::log(l[i]);
+        }
+      }, /*uneven=*/causal);
+    });
+  }
+
+  /// The vjp of flash_attention, recomputing each tile's probabilities p = exp(scale q k^T - lse)
+  /// instead of reading stored ones. With dlt_i = rowsum(g_i * out_i) (in `delta`, (B, H, T)):
+  /// dv_j += p^T g, ds = p * (g v_j^T - dlt) * scale, dq_i += ds k_j, dk_j += ds^T q_i. Per
+  /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
+  /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
+  static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse, const Tensor& g, std::int64_t Bn, std::int64_t T_, std::int64_t H,
+                                  std::int64_t KV, std::int64_t hd, double scale, Tensor& delta, Tensor* gq,
+                                  bool acc_q, Tensor* gk, bool acc_k, Tensor* gv, bool acc_v, bool causal) {
+    detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
+      constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
+      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* O = static_cast<const T*>(out.raw());
+      const T* L = static_cast<const T*>(lse.raw());
+      const T* G = static_cast<const T*>(g.raw());
+      T* D = static_cast<T*>(delta.raw());
+      T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
+      T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
+      T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
+      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
+      const T sc = static_cast<T>(scale);
+      [[maybe_unused]] detail::BlasSerial serial;
+      const bool wide = Bn * H * T_ * (causal ? T_ / 2 + 1 : T_) * hd > detail::kParallelGrain;
+      detail::parallel_for(Bn * H * T_, Bn * H * T_ * hd > detail::kParallelGrain, [&](std::int64_t t) {
+        const std::int64_t b = t / (H * T_), h = t / T_ % H, i = t % T_, o = (b * T_ + i) * qs + h * hd;
+        D[t] = (detail::ConstArrayMap<T>(G + o, hd) * detail::ConstArrayMap<T>(O + o, hd)).sum();  // t = (b, h, i)
+      });
+      detail::parallel_for(Bn * KV, wide, [&](std::int64_t t) {
+        const std::int64_t b = t / KV, kh = t % KV;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* p = static_cast<T*>(detail::gemm_workspace(sizeof(T) * 2 * Br * Bc, 2));  // a tile's probabilities (r, c)
+        T* ds = p + Br * Bc;                                                           // and score gradients
+        for (std::int64_t j0 = 0; j0 < T_; j0 += Bc) {
+          const std::int64_t c = std::min(T_, j0 + Bc) - j0;
+          bool first_k = !acc_k, first_v = !acc_v;  // the first write to this key block overwrites
+          for (std::int64_t jh = 0; jh < grp; ++jh) {
+            const std::int64_t h = kh * grp + jh, bh = b * H + h;
+            // causal: the first query block holding a row that sees key j0
+            for (std::int64_t i0 = causal ? j0 / Br * Br : 0; i0 < T_; i0 += Br) {
+              const std::int64_t r = std::min(T_, i0 + Br) - i0, o = (b * T_ + i0) * qs + h * hd;
+              detail::gemm_serial<T>(false, true, r, c, hd, Q + o, qs, kt + j0 * ks, ks, p, Bc, false);  // q k^T
+              for (std::int64_t i = 0; i < r; ++i) {
+                const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+                detail::ArrayMap<T> row(p + i * Bc, c);
+                row.head(n) = row.head(n) * sc - L[bh * T_ + i0 + i];
+                detail::exp_inplace(p + i * Bc, n);
+                row.tail(c - n).setZero();
+              }
+              if (GV) detail::gemm_serial<T>(true, false, c, hd, r, p, Bc, G + o, qs, GV + (b * T_ + j0) * ks + kh * hd,
+                                             ks, !first_v);  // p^T g
+              first_v = false;
+              if (!GQ && !GK) continue;
+              detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
+              for (std::int64_t i = 0; i < r; ++i) {
+                detail::ArrayMap<T> d(ds + i * Bc, c);
+                d = detail::ConstArrayMap<T>(p + i * Bc, c) * (d - D[bh * T_ + i0 + i]) * sc;
+              }
+              if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
+                                             acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
+              if (GK) detail::gemm_serial<T>(true, false, c, hd, r, ds, Bc, Q + o, qs, GK + (b * T_ + j0) * ks + kh * hd,
+                                             ks, !first_k);  // ds^T q
+              first_k = false;
+            }
+          }
+        }
+      }, /*uneven=*/causal);
     });
   }
 
@@ -4889,11 +5043,29 @@ GVar fused_rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = fal
 // permutes), adds the mask and takes the softmax in place, and keeps only the probabilities for
 // the vjp. Its composite reference is nn::reference::gqa_attention (layers/attention.hpp);
 // tests/ops/fused.test.cpp checks that the two agree, values and gradients.
+// flash_attention: the same math (without a mask tensor) tiled with an online softmax, so the
+// (T, T) probabilities are never stored; tests/ops/flash.test.cpp checks it against both.
 
 
 namespace nn {
 
 namespace detail {
+
+/// The gradient buffers of an attention node's q, k and v (null where none is needed) and
+/// whether each accumulates into what is there.
+template <class B>
+struct QkvGrads {
+  Tensor* g[3] = {nullptr, nullptr, nullptr};
+  bool acc[3] = {false, false, false};
+  QkvGrads(GTape<B>& tp, Node<B>& n) {
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (!tp.needs_grad(n, k)) continue;
+      GradSlot s = tp.grad_slot(n, k);
+      g[k] = &s.g;
+      acc[k] = s.acc;
+    }
+  }
+};
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd) (or the same with B and T merged),
 /// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient).
@@ -4909,19 +5081,68 @@ struct AttentionPrim {
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const Shape& d = n.attrs.shape;
-    Tensor* g[3] = {nullptr, nullptr, nullptr};
-    bool acc[3] = {false, false, false};
-    for (std::size_t k = 0; k < 3; ++k) {
-      if (!tp.needs_grad(n, k)) continue;
-      GradSlot s = tp.grad_slot(n, k);
-      g[k] = &s.g;
-      acc[k] = s.acc;
-    }
+    QkvGrads<B> gr(tp, n);
     Tensor& scratch = tp.scratch(n, 1, Shape{d[0] * d[3], d[1], d[1]}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, d[0], d[1], d[2], d[3], d[4],
-                     n.attrs.scalar, scratch, g[0], acc[0], g[1], acc[1], g[2], acc[2], n.attrs.flag_a);
+                     n.attrs.scalar, scratch, gr.g[0], gr.acc[0], gr.g[1], gr.acc[1], gr.g[2], gr.acc[2],
+                     n.attrs.flag_a);
   }
   static constexpr OpDef<B> def{"attention", &forward, &vjp};
+};
+
+/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); attrs as AttentionPrim's (no mask).
+/// saved[0] = the rows' log-sum-exp (B, H, T); saved[1] = the vjp's rowsum(g * out) (B, H, T).
+/// The vjp reads the output (n.value), as the unary ops' vjps do.
+template <class B>
+struct FlashAttentionPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Shape& d = n.attrs.shape;
+    Tensor& lse = tp.scratch(n, 0, Shape{d[0], d[2], d[1]}, n.value.dtype());
+    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), d[0], d[1], d[2], d[3], d[4], n.attrs.scalar, n.value,
+                       lse, n.attrs.flag_a);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const Shape& d = n.attrs.shape;
+    QkvGrads<B> gr(tp, n);
+    Tensor& delta = tp.scratch(n, 1, Shape{d[0], d[2], d[1]}, n.value.dtype());
+    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, d[0], d[1], d[2], d[3],
+                           d[4], n.attrs.scalar, delta, gr.g[0], gr.acc[0], gr.g[1], gr.acc[1], gr.g[2], gr.acc[2],
+                           n.attrs.flag_a);
+  }
+  static constexpr OpDef<B> def{"flash_attention", &forward, &vjp};
+};
+
+/// The checks fused_attention and flash_attention share; returns B (q's rows / T).
+template <class B>
+std::int64_t check_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
+                             std::int64_t n_kv_heads, std::int64_t head_dim, const char* op) {
+  require_same_dtype(tp, q, k, op);
+  require_same_dtype(tp, q, v, op);
+  const Shape &qs = tp.shape(q), &ks = tp.shape(k), &vs = tp.shape(v);
+  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
+    fail(op, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
+         ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
+  if (!ranks_ok || qs.dim(-1) != n_heads * head_dim || ks.dim(-1) != n_kv_heads * head_dim || !(ks == vs) ||
+      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
+      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1))
+    fail(op, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
+         ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
+  return qs.prod(0, qs.rank() - 1) / T;
+}
+
+/// gqa_attention runs flash_attention (when it has no mask tensor) from this context length on.
+/// Below it the whole (T, T) tile is one or two GEMM blocks, and the probabilities kernel's
+/// backward, which reads the stored softmax instead of recomputing q k^T, is faster
+/// (bench_attention: 0.8-0.9x at T = 64, 1.1x at 128, 1.5-1.8x at 1024 and 4096).
+inline constexpr std::int64_t kFlashMinT = 128;
+
+/// True when backend B has the flash kernels (the CPU backend does; others run the
+/// probabilities kernel instead).
+template <class B>
+concept HasFlashAttention = requires(const Tensor& x, Tensor& y, Tensor* gp, std::int64_t i, double s, bool f) {
+  B::flash_attention(x, x, x, i, i, i, i, i, s, y, y, f);
+  B::flash_attention_vjp(x, x, x, x, x, x, i, i, i, i, i, s, y, gp, f, gp, f, gp, f, f);
 };
 
 }  // namespace detail
@@ -4938,19 +5159,8 @@ template <class B>
 GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64_t T, std::int64_t n_heads,
                      std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
   const char* op = "attention";
-  detail::require_same_dtype(tp, q, k, op);
-  detail::require_same_dtype(tp, q, v, op);
-  const Shape &qs = tp.shape(q), &ks = tp.shape(k), &vs = tp.shape(v);
-  if (T <= 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads != 0)
-    detail::fail(op, "needs T, head_dim > 0 and n_heads a positive multiple of n_kv_heads, got T = ", T,
-                 ", n_heads = ", n_heads, ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
-  const bool ranks_ok = (qs.rank() == 2 || qs.rank() == 3) && ks.rank() == qs.rank() && vs.rank() == qs.rank();
-  if (!ranks_ok || qs.dim(-1) != n_heads * head_dim || ks.dim(-1) != n_kv_heads * head_dim || !(ks == vs) ||
-      (qs.rank() == 3 && qs[1] != T) || qs.prod(0, qs.rank() - 1) % T != 0 ||
-      ks.prod(0, ks.rank() - 1) != qs.prod(0, qs.rank() - 1))
-    detail::fail(op, "q ", qs.str(), ", k ", ks.str(), ", v ", vs.str(), " do not fit T = ", T, ", n_heads = ", n_heads,
-                 ", n_kv_heads = ", n_kv_heads, ", head_dim = ", head_dim);
-  const std::int64_t Bn = qs.prod(0, qs.rank() - 1) / T;
+  const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
+  const Shape& qs = tp.shape(q);
   Attrs a;
   a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
   a.scalar = scale;
@@ -4967,6 +5177,28 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
   if (tp.requires_grad(mask)) detail::fail(op, "the mask cannot require a gradient in the fused primitive");
   GVar in[] = {q, k, v, mask};
   return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));
+}
+
+/// fused_attention without a mask tensor, as flash attention: the same values and gradients (up
+/// to rounding), with O(T) memory in place of the (B, n_heads, T, T) probabilities and their vjp
+/// scratch (B, n_kv_heads, T, T), which at T = 4096 is what decides whether a step fits.
+///   q: (B, T, n_heads * head_dim), k, v: (B, T, n_kv_heads * head_dim) (or rows (B*T, ...))
+///   causal: query i attends to keys 0..i only; the tiles above the diagonal are skipped.
+///   -> q's shape.
+/// The backward recomputes each tile's probabilities from the saved log-sum-exp: one more
+/// q k^T product per tile, in exchange for never reading a (T, T) buffer.
+template <class B>
+  requires detail::HasFlashAttention<B>
+GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
+                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
+  const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, "flash_attention");
+  const Shape& qs = tp.shape(q);
+  Attrs a;
+  a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
+  a.scalar = scale;
+  a.flag_a = causal;
+  GVar in[] = {q, k, v};
+  return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
 }
 
 }  // namespace nn
@@ -5721,6 +5953,9 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
     q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
     k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
   }
+  if constexpr (detail::HasFlashAttention<B>)
+    if (!mask.valid() && T >= detail::kFlashMinT)
+      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal);
   return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
 }
 
@@ -5738,7 +5973,8 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 ///
 /// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
 /// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
-/// permutes); `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
+/// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
+/// flash_attention, which never stores the (T, T) probabilities; `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
 /// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
 /// `traditional` selects the interleaved RoPE.
 template <class B>

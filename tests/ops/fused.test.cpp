@@ -179,6 +179,99 @@ TEST_CASE_TEMPLATE("causal attention (no mask tensor, blocked products) agrees w
   CHECK(worst(run(in, call(true)), run(in, call(false))) <= tol(dt));
 }
 
+TEST_CASE_TEMPLATE("flash attention agrees with the probabilities kernel and the composite, causal or not", T, float,
+                   double) {
+  const DType dt = detail::dtype_of<T>();
+  // T = 300: two full tiles of 128 (rows and keys) and a ragged one of 44; 128: exactly one;
+  // 37 and 1: one partial
+  static_assert(detail::kFlashRows == 128 && detail::kFlashCols == 128);
+  const std::int64_t Bn = 2, nh = 4, hd = 8;
+  for (std::int64_t Tn : {1, 37, 128, 300}) {
+    Tensor causal = causal_mask_fill(Tn, dt);
+    for (std::int64_t nkv : {4, 2, 1})
+      for (bool is_causal : {true, false}) {
+        std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 40, -2, 2),
+                               test::random_tensor({Bn, Tn, nkv * hd}, dt, 41, -2, 2),
+                               test::random_tensor({Bn, Tn, nkv * hd}, dt, 42)};
+        Run flash = run(in, [&](auto& tp, auto& v) {
+          return flash_attention(tp, v[0], v[1], v[2], Tn, nh, nkv, hd, 0.35, is_causal);
+        });
+        Run probs = run(in, [&](auto& tp, auto& v) {
+          return fused_attention(tp, v[0], v[1], v[2], GVar{}, Tn, nh, nkv, hd, 0.35, is_causal);
+        });
+        Run ref = run(in, [&](auto& tp, auto& v) {
+          return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, is_causal ? tp.constant(causal) : GVar{},
+                                          Tn, nh, nkv, hd, 0.35);
+        });
+        const double e = std::max(worst(flash, probs), worst(flash, ref));
+        if (e > tol(dt)) MESSAGE("T " << Tn << " nkv " << nkv << " causal " << is_causal << ": " << e);
+        CHECK(e <= tol(dt));
+      }
+  }
+  // one tensor as q, k and v (MHA self-attention) and as k and v, in the rows layout: the vjp's
+  // writes into the one gradient buffer all accumulate
+  const std::int64_t Tn = 140;
+  std::vector<Tensor> x{test::random_tensor({Bn * Tn, nh * hd}, dt, 43)};
+  auto self = [&](bool flash) {
+    return [&, flash](auto& tp, auto& v) {
+      if (flash) return flash_attention(tp, v[0], v[0], v[0], Tn, nh, nh, hd, 0.5, true);
+      return fused_attention(tp, v[0], v[0], v[0], GVar{}, Tn, nh, nh, hd, 0.5, true);
+    };
+  };
+  CHECK(worst(run(x, self(true)), run(x, self(false))) <= tol(dt));
+  std::vector<Tensor> qk{test::random_tensor({Bn * Tn, nh * hd}, dt, 44), test::random_tensor({Bn * Tn, 2 * hd}, dt, 45)};
+  auto kv = [&](bool flash) {
+    return [&, flash](auto& tp, auto& v) {
+      if (flash) return flash_attention(tp, v[0], v[1], v[1], Tn, nh, 2, hd, 0.5, false);
+      return fused_attention(tp, v[0], v[1], v[1], GVar{}, Tn, nh, 2, hd, 0.5, false);
+    };
+  };
+  CHECK(worst(run(qk, kv(true)), run(qk, kv(false))) <= tol(dt));
+}
+
+TEST_CASE("gqa_attention without a mask tensor runs flash attention from kFlashMinT on, and agrees with the composite") {
+  const DType dt = DType::f64;
+  const std::int64_t Bn = 1, nh = 4, nkv = 2, hd = 8;
+  for (std::int64_t Tn : {detail::kFlashMinT - 1, detail::kFlashMinT}) {
+    RopeTable tab = rope_fill(Tn, hd, 10000.0, 1.0, 0, dt);
+    std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 50), test::random_tensor({Bn, Tn, nkv * hd}, dt, 51),
+                           test::random_tensor({Bn, Tn, nkv * hd}, dt, 52)};
+    Tensor causal = causal_mask_fill(Tn, dt);
+    std::string kernel;
+    Run fused = run(in, [&](auto& tp, auto& v) {
+      GVar y = gqa_attention(tp, v[0], v[1], v[2], tp.constant(tab.cos), tp.constant(tab.sin), nn::causal, Tn, nh, nkv,
+                             hd, 0.3);
+      kernel = tp.node(y).name();
+      return y;
+    });
+    Run ref = run(in, [&](auto& tp, auto& v) {
+      return reference::gqa_attention(tp, v[0], v[1], v[2], tp.constant(tab.cos), tp.constant(tab.sin),
+                                      tp.constant(causal), Tn, nh, nkv, hd, 0.3);
+    });
+    CHECK(kernel == (Tn >= detail::kFlashMinT ? "flash_attention" : "attention"));
+    CHECK(worst(fused, ref) <= tol(dt));
+  }
+}
+
+TEST_CASE("flash attention keeps O(T) for its vjp, not the (T, T) probabilities") {
+  // T = 256, H = 4: the probabilities kernel keeps B*H*T*T + B*KV*T*T values; flash keeps two
+  // (B, H, T) rows of statistics.
+  const std::int64_t Bn = 1, Tn = 256, nh = 4, nkv = 2, hd = 8;
+  auto kept = [&](bool flash) {
+    Tensor qt = test::random_tensor({Bn, Tn, nh * hd}, DType::f32, 46), kt = test::random_tensor({Bn, Tn, nkv * hd}, DType::f32, 47);
+    GTape<cpu> tp;  // params are bound by address: the tensors outlive the tape
+    GVar q = tp.param(qt), k = tp.param(kt);
+    GVar y = flash ? flash_attention(tp, q, k, k, Tn, nh, nkv, hd, 0.3, true)
+                   : fused_attention(tp, q, k, k, GVar{}, Tn, nh, nkv, hd, 0.3, true);
+    tp.backward(sum(tp, y));
+    std::int64_t n = 0;
+    for (const Tensor& t : tp.node(y).saved) n += t.numel();
+    return n;
+  };
+  CHECK(kept(true) == 2 * Bn * nh * Tn);
+  CHECK(kept(false) == Bn * nh * Tn * Tn + Bn * nkv * Tn * Tn);
+}
+
 TEST_CASE("fused primitives pass central differences in float64") {
   const DType dt = DType::f64;
   Tensor causal = causal_mask_fill(4, dt);
@@ -205,6 +298,14 @@ TEST_CASE("fused primitives pass central differences in float64") {
                         [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
                           return sq(tp, fused_attention(tp, v[0], v[1], v[2], GVar{}, 37, 2, 1, 2, 0.6, true));
                         }) <= 1e-7);
+  // flash attention across tiles (T = 140: one of 128 and one of 12), GQA, causal and not
+  for (bool is_causal : {true, false})
+    CHECK(test::gradcheck(is_causal ? "causal flash attention" : "flash attention",
+                          {test::random_tensor({1, 140, 4}, dt, 31), test::random_tensor({1, 140, 2}, dt, 32),
+                           test::random_tensor({1, 140, 2}, dt, 33)},
+                          [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
+                            return sq(tp, flash_attention(tp, v[0], v[1], v[2], 140, 2, 1, 2, 0.6, is_causal));
+                          }) <= 1e-7);
 }
 
 TEST_CASE("fused primitives: errors name the op and the shapes") {
@@ -218,5 +319,7 @@ TEST_CASE("fused primitives: errors name the op and the shapes") {
   GVar bad = tp.constant(Tensor::zeros({3, 4}, DType::f64));
   test::check_error([&] { fused_attention(tp, x, k, k, bad, 4, 3, 1, 2, 1.0); }, {"[attention]", "mask (3, 4)"});
   test::check_error([&] { fused_attention(tp, x, k, k, GVar{}, 4, 3, 1, 3, 1.0); }, {"[attention]", "head_dim = 3"});
+  test::check_error([&] { flash_attention(tp, x, k, k, 4, 3, 1, 3, 1.0); }, {"[flash_attention]", "head_dim = 3"});
+  test::check_error([&] { flash_attention(tp, x, k, k, 4, 3, 2, 2, 1.0); }, {"[flash_attention]", "n_kv_heads = 2"});
   test::check_error([&] { fused_swiglu(tp, x, k); }, {"[swiglu]", "(2, 4, 6)", "(2, 4, 2)"});
 }

@@ -47,16 +47,17 @@
 namespace nn {
 namespace detail {
 
-/// This thread's GEMM packing space number `slot` (0: its own panels, 1: B panels it shares with
-/// its team): at least `bytes`, 64-byte aligned. It grows only when a larger product comes, so
-/// replaying products already seen allocates nothing.
+/// This thread's working space number `slot` (0: its own GEMM panels, 1: B panels it shares with
+/// its team, 2: a kernel's tiles around its GEMM calls, such as flash attention's scores): at
+/// least `bytes`, 64-byte aligned. It grows only when a larger request comes, so replaying
+/// kernels already seen allocates nothing.
 inline void* gemm_workspace(std::size_t bytes, int slot = 0) {
   struct Buffer {
     void* p = nullptr;
     std::size_t n = 0;
     ~Buffer() { std::free(p); }
   };
-  thread_local Buffer bufs[2];
+  thread_local Buffer bufs[3];
   Buffer& buf = bufs[slot];
   if (buf.n < bytes) {
     const std::size_t n = (bytes + 63) / 64 * 64;

@@ -109,6 +109,8 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
   B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y, acc);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p, causal)
   B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc, causal)
+  // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
+  // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
   B::swiglu(x, x, y);                            // (gate, up, y)
   B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors

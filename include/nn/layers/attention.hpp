@@ -153,6 +153,9 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
     q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
     k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
   }
+  if constexpr (detail::HasFlashAttention<B>)
+    if (!mask.valid() && T >= detail::kFlashMinT)
+      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal);
   return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
 }
 
@@ -170,7 +173,8 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 ///
 /// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
 /// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
-/// permutes); `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
+/// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
+/// flash_attention, which never stores the (T, T) probabilities; `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
 /// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
 /// `traditional` selects the interleaved RoPE.
 template <class B>
