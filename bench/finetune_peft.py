@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--scale", type=float, default=20.0)
     ap.add_argument("--keys", default="q_proj,v_proj")
     ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
+    ap.add_argument("--precision", choices=("f32", "bf16"), default="f32",
+                    help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = ap.parse_args()
     for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[v] = str(args.threads)
@@ -60,8 +62,9 @@ def main():
 
     def run(i):
         ids, tg = data[i % len(data)]
-        logits = model(input_ids=ids).logits
-        loss = loss_fn(logits.reshape(-1, V), tg.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = model(input_ids=ids).logits
+            loss = loss_fn(logits.reshape(-1, V).float(), tg.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,8 +85,8 @@ def main():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"RESULT impl=torch threads={args.threads} tok_s={args.batch * args.seq / (med / 1e3):.1f} "
           f"median_ms={med:.2f} min_ms={ms[0]:.2f} cpu_ms={cpu_ms:.2f} rss_peak_mb={rss_kb('VmHWM') / 1024:.1f} "
-          f"rss_start_mb={rss_start / 1024:.1f} loss_first={first:.4f} loss_last={last:.4f} trainable={trainable} "
-          f"attn={args.attn} version={torch.__version__}/peft-{peft.__version__}/transformers-{transformers.__version__}")
+          f"rss_start_mb={rss_start / 1024:.1f} rss_now_mb={rss_kb('VmRSS') / 1024:.1f} loss_first={first:.4f} "
+          f"loss_last={last:.4f} trainable={trainable} precision={args.precision} attn={args.attn} version={torch.__version__}/peft-{peft.__version__}/transformers-{transformers.__version__}")
 
 
 if __name__ == "__main__":

@@ -6,17 +6,18 @@
 # as one table: tokens/s, ratio, peak RSS.
 #
 #   bench/run_finetune.sh [BUILD_DIR] [--model PATH] [--threads "1 2"] [--steps N] [--batch B]
-#                         [--seq T] [--python PY] [--attn sdpa|eager]
+#                         [--seq T] [--python PY] [--attn sdpa|eager] [--precision f32|bf16]
 #
 # BUILD_DIR (default build) holds bench/bench_finetune. PY (default $NN_BENCH_PYTHON, else
 # python3) must import torch, transformers, peft and gguf. Defaults follow the main job: batch 4,
 # sequence 64, rank 8, scale 20, q_proj and v_proj of every layer, Adam. libgomp's default
-# OpenMP wait policy for both (see run_decoder.sh). Timings mean something only on an idle
-# machine: the load average is printed.
+# OpenMP wait policy for both (see run_decoder.sh). --precision bf16: nn's frozen base in bfloat16
+# (set_precision) against PyTorch's forward under torch.autocast("cpu", dtype=torch.bfloat16).
+# Timings mean something only on an idle machine: the load average is printed.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
-build=build threads="1 2" steps=8 B=4 T=64 attn=sdpa model=""
+build=build threads="1 2" steps=8 B=4 T=64 attn=sdpa model="" precision=f32
 py="${NN_BENCH_PYTHON:-python3}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -27,6 +28,7 @@ while [ $# -gt 0 ]; do
     --seq) T="$2"; shift 2 ;;
     --python) py="$2"; shift 2 ;;
     --attn) attn="$2"; shift 2 ;;
+    --precision) precision="$2"; shift 2 ;;
     -h|--help) sed -n '3,15p' "$0"; exit 0 ;;
     *) build="$1"; shift ;;
   esac
@@ -45,21 +47,22 @@ fi
 unset OMP_WAIT_POLICY
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "model: $model; batch $B x seq $T; LoRA rank 8 scale 20 on q_proj, v_proj; PyTorch attention: $attn"
+echo "model: $model; batch $B x seq $T; LoRA rank 8 scale 20 on q_proj, v_proj; PyTorch attention: $attn; precision $precision"
 echo
-echo "| threads | nn tok/s | PyTorch+PEFT tok/s | ratio | nn peak RSS MB | PyTorch peak RSS MB |"
-echo "|---|---|---|---|---|---|"
+echo "| threads | nn tok/s | PyTorch+PEFT tok/s | ratio | nn peak RSS MB | PyTorch peak RSS MB | RSS after the steps nn / PyTorch MB |"
+echo "|---|---|---|---|---|---|---|"
 version=""
 for t in $threads; do
-  out=$(OMP_NUM_THREADS=$t "$nn_bin" --model "$model" --threads "$t" --steps "$steps" --batch "$B" --seq "$T")
+  out=$(OMP_NUM_THREADS=$t "$nn_bin" --model "$model" --threads "$t" --steps "$steps" --batch "$B" --seq "$T" \
+         --precision "$precision")
   nn=$(grep '^RESULT' <<<"$out")
   cpu=$(grep -m1 '^# cpu:' <<<"$out" | sed 's/^# //')
   th=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t "$py" "$here/finetune_peft.py" --model "$model" --threads "$t" \
-         --steps "$steps" --batch "$B" --seq "$T" --attn "$attn" 2>/dev/null | grep '^RESULT')
+         --steps "$steps" --batch "$B" --seq "$T" --attn "$attn" --precision "$precision" 2>/dev/null | grep '^RESULT')
   a=$(field tok_s "$nn") b=$(field tok_s "$th")
   version=$(field version "$th")
-  printf '| %s | %s | %s | %.2fx | %s | %s |\n' "$t" "$a" "$b" "$(awk "BEGIN{print $a/$b}")" \
-    "$(field rss_peak_mb "$nn")" "$(field rss_peak_mb "$th")"
+  printf '| %s | %s | %s | %.2fx | %s | %s | %s / %s |\n' "$t" "$a" "$b" "$(awk "BEGIN{print $a/$b}")" \
+    "$(field rss_peak_mb "$nn")" "$(field rss_peak_mb "$th")" "$(field rss_now_mb "$nn")" "$(field rss_now_mb "$th")"
 done
 echo
 echo "$cpu"

@@ -27,7 +27,7 @@ using namespace nn::lm;
 namespace {
 
 struct Args {
-  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse, logits_out;
+  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse, logits_out, precision = "f32";
   LoraConfig lora;
   double lr = 1e-4;
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
@@ -46,6 +46,8 @@ const char* kUsage =
     "  --lr 1e-4 --schedule cosine|constant --warmup N --iters 100 --batch 4 --seq 256 --grad-accum 1\n"
     "  --val-every 25 --val-batches 4 --save-every 50 --resume --adapter-path adapters --no-peft\n"
     "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n"
+    "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
+    "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
     "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
 
 Args parse(int argc, char** argv) {
@@ -86,6 +88,7 @@ Args parse(int argc, char** argv) {
   str("prompt", a.prompt);
   str("fuse", a.fuse);
   str("logits-out", a.logits_out);
+  str("precision", a.precision);
   num("rank", a.lora.rank);
   num("scale", a.lora.scale);
   num("dropout", a.lora.dropout);
@@ -111,6 +114,8 @@ Args parse(int argc, char** argv) {
   if (a.model.empty() || a.data.empty()) nn::detail::fail("finetune", "--model and --data are required\n", kUsage);
   if (!a.logits_out.empty() && a.prompt.empty()) nn::detail::fail("finetune", "--logits-out needs --prompt");
   if (a.schedule != "cosine" && a.schedule != "constant") nn::detail::fail("finetune", "--schedule is cosine or constant");
+  if (a.precision != "f32" && a.precision != "bf16")
+    nn::detail::fail("finetune", "--precision is f32 or bf16, got '", a.precision, "'");
   if (a.iters <= 0 || a.batch <= 0 || a.seq < 2 || a.grad_accum <= 0 || a.warmup < 0 || a.warmup >= a.iters + 1)
     nn::detail::fail("finetune", "need iters > 0, batch > 0, seq >= 2, grad-accum > 0, 0 <= warmup <= iters");
   a.lora.keys.clear();
@@ -204,6 +209,12 @@ int run(const Args& a) {
   std::printf("LoRA rank %lld scale %g on %d projections: %s trainable of %s\n", static_cast<long long>(a.lora.rank),
               a.lora.effective_scale(), converted, nn::detail::with_commas(model.num_trainable()).c_str(),
               nn::detail::with_commas(model.num_params()).c_str());
+
+  if (a.precision == "bf16") {
+    const int n = set_precision(model, Precision::bf16);
+    std::printf("precision bf16: %d frozen matrices stored in bfloat16, bf16 products %s\n", n,
+                cpu_info().bf16.c_str());
+  }
 
   Adam opt(make_schedule(a));
   opt.init(model);
@@ -304,6 +315,7 @@ int run(const Args& a) {
     std::printf("logits of the prompt written to %s\n", a.logits_out.c_str());
   }
   if (!a.fuse.empty()) {
+    set_precision(model, Precision::f32);  // the fused weights: the (bf16-rounded) base + the adapters, in f32
     model.map_modules<LoraLinear>([](const std::string&) { return true; },
                                   [](const std::string&, const LoraLinear& l) { return l.fused(); });
     save_hf(a.fuse, model);

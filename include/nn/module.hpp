@@ -390,6 +390,35 @@ std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
   return {tp.value(loss), std::move(grads)};
 }
 
+/// How a model's frozen weights are stored. Precision::bf16 keeps every frozen matrix (Linear
+/// weights, embedding tables, a LoRA base) in bfloat16, half the memory; products read them as
+/// bf16 operands (activations rounded to bf16) with f32 accumulation, natively on AVX512_BF16 or
+/// emulated on the f32 kernels (backend/gemm.hpp), and the embedding lookup widens its rows. What
+/// trains (trainable Params, the optimizer's state), vectors (norm gains, biases), Buffers and
+/// every reduction stay float32. PyTorch's bf16 autocast makes the same choice for a product.
+enum class Precision { f32, bf16 };
+
+/// Precision::bf16: every frozen float32 Param of rank 2 is stored in bfloat16 (rounded to
+/// nearest even). Precision::f32: every bfloat16 Param back in float32 (exact). Returns how many
+/// were converted. The tensors are replaced, not written in place: a tape or compiled step
+/// recorded before must be recorded again.
+template <class X>
+int set_precision(X& m, Precision p) {
+  int n = 0;
+  detail::for_each(m, [&](const std::string&, Param& prm) {
+    Tensor& t = prm.value;
+    if (!t.defined()) return;
+    if (p == Precision::bf16 && !prm.trainable && t.rank() == 2 && t.dtype() == DType::f32) {
+      t = t.to(DType::bf16);
+      ++n;
+    } else if (p == Precision::f32 && t.dtype() == DType::bf16) {
+      t = t.to(DType::f32);
+      ++n;
+    }
+  });
+  return n;
+}
+
 }  // namespace nn
 
 // Applies NN_DETAIL_VISIT_FIELD to each of up to 64 arguments.

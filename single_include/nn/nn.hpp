@@ -1166,6 +1166,7 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 // -m flags on the user's command line.
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -1174,6 +1175,7 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 #include <new>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -1332,6 +1334,7 @@ struct CpuInfo {
   std::string gemm;        ///< the GEMM engine and micro-kernels in use, e.g. "nn avx512 12x32 f32 / 12x16 f64"
   std::string gemm_id;     ///< the same as one word: "nn-avx512", "nn-avx2", "nn-generic", "cblas" or "eigen"
   std::string note;        ///< why an external BLAS is or is not used (empty when none is linked)
+  std::string bf16;        ///< how bf16 products run: "amx tdpbf16ps", "native vdpbf16ps" or "emulated (f32 kernels)"
 
   /// One line for logs: "cpu: <brand> (<vendor> family F model M) | avx2 fma avx512f ... | gemm: ...".
   std::string line() const {
@@ -1354,12 +1357,21 @@ struct CpuInfo {
     if (!any) s += " (baseline only)";
     s += " | gemm: " + gemm;
     if (!note.empty()) s += " (" + note + ")";
+    if (!bf16.empty()) s += " | bf16: " + bf16;
     return s;
   }
 };
 
 }  // namespace nn
 // ---- end nn/backend/cpu_info.hpp ----
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__GNUC__) || defined(__clang__)
 #define NN_OWN_GEMM 1
@@ -1533,12 +1545,23 @@ constexpr Kernels<T> micro_kernels() {
 /// the strip's L values at depth k lie side by side (src + k*ld), else each of its L lines runs
 /// along k (src + l*ld + k). Lines past `n` are zero. This is both pack_a and pack_b: a panel of
 /// op(A) rows and a panel of op(B) columns are the same thing seen from either side.
-template <int L, class T>
-inline void pack_panel(const T* src, index ld, bool contiguous, index n, index kc, T* dst) {
+/// An element of a source matrix as the packed type: bf16 bits (std::uint16_t) widened exactly to
+/// f32, anything else as it is.
+template <class T, class S>
+inline T widen(S s) {
+  if constexpr (std::is_same_v<S, std::uint16_t>) return half::bf16_to_f32(s);
+  else return static_cast<T>(s);
+}
+
+template <int L, class S, class T>
+inline void pack_panel(const S* src, index ld, bool contiguous, index n, index kc, T* dst) {
   if (n == L) {
     // full panels (all but the edge): constant trip counts the compiler unrolls and vectorises
-    if (contiguous) {
+    if (contiguous && std::is_same_v<S, T>) {
       for (index k = 0; k < kc; ++k) std::memcpy(dst + k * L, src + k * ld, sizeof(T) * L);
+    } else if (contiguous) {
+      for (index k = 0; k < kc; ++k)
+        for (int l = 0; l < L; ++l) dst[k * L + l] = widen<T>(src[k * ld + l]);
     } else {
       // 16 depths at a time: each line's 16 values are one cache line
       index k = 0;
@@ -1546,16 +1569,16 @@ inline void pack_panel(const T* src, index ld, bool contiguous, index n, index k
         for (int u = 0; u < 16; ++u) {
           T* d = dst + (k + u) * L;
           NN_GEMM_UNROLL(32)
-          for (int l = 0; l < L; ++l) d[l] = src[l * ld + k + u];
+          for (int l = 0; l < L; ++l) d[l] = widen<T>(src[l * ld + k + u]);
         }
       for (; k < kc; ++k)
-        for (int l = 0; l < L; ++l) dst[k * L + l] = src[l * ld + k];
+        for (int l = 0; l < L; ++l) dst[k * L + l] = widen<T>(src[l * ld + k]);
     }
     return;
   }
   for (index k = 0; k < kc; ++k) {
     T* d = dst + k * L;
-    for (index l = 0; l < n; ++l) d[l] = contiguous ? src[k * ld + l] : src[l * ld + k];
+    for (index l = 0; l < n; ++l) d[l] = widen<T>(contiguous ? src[k * ld + l] : src[l * ld + k]);
     for (index l = n; l < L; ++l) d[l] = T(0);
   }
 }
@@ -1571,13 +1594,14 @@ void pack_a(const Matrix<T>& A, index i0, index mc, index k0, index kc, T* dst) 
   }
 }
 
-/// Packs op(B)[k0 : k0+kc, j0 : j0+nc] into NR-column panels at dst.
-template <int NR, class T>
-void pack_b(const Matrix<T>& B, index k0, index kc, index j0, index nc, T* dst) {
+/// Packs op(B)[k0 : k0+kc, j0 : j0+nc] into NR-column panels at dst (of T; B's elements widened
+/// to it, see widen()).
+template <int NR, class S, class T>
+void pack_b(const Matrix<S>& B, index k0, index kc, index j0, index nc, T* dst) {
   for (index q = 0; q < nc; q += NR, dst += kc * NR) {
     const index cols = std::min<index>(NR, nc - q);
     // op(B) = X^T (a Linear's weight): column c of the panel is row j0+q+c of X, running along k
-    const T* src = B.trans ? B.p + (j0 + q) * B.ld + k0 : B.p + k0 * B.ld + j0 + q;
+    const S* src = B.trans ? B.p + (j0 + q) * B.ld + k0 : B.p + k0 * B.ld + j0 + q;
     pack_panel<NR>(src, B.ld, !B.trans, cols, kc, dst);
   }
 }
@@ -1644,9 +1668,9 @@ index a_ld(const PackA& p) {
   if constexpr (requires { p.ld(); }) return p.ld();
   else return 0;
 }
-template <int NR, class T>
+template <int NR, class T, class S = T>
 struct DensePackB {
-  Matrix<T> m;
+  Matrix<S> m;
   void operator()(T* dst, index j0, index nc, index k0, index kc) const { pack_b<NR>(m, k0, kc, j0, nc, dst); }
 };
 
@@ -1740,21 +1764,60 @@ inline Isa active_isa() {
   return isa;
 }
 
+/// f.template operator()<I>() for the run-time ISA `isa`: one instantiation per kernel set.
+template <class F>
+decltype(auto) with_isa(Isa isa, F&& f) {
+  switch (isa) {
+    case Isa::avx512: return f.template operator()<Isa::avx512>();
+    case Isa::avx2: return f.template operator()<Isa::avx2>();
+    case Isa::generic: break;
+  }
+  return f.template operator()<Isa::generic>();
+}
+
 /// Row-major C[M x N] (row stride ldc) (+)= op(A) @ op(B) with the dense packers, on the calling
 /// thread, with the micro-kernel of `isa`.
 template <class T>
 void gemm_serial(Isa isa, bool ta, bool tb, index M, index N, index K, const T* A, index lda, const T* B, index ldb,
                  T* C, index ldc, bool acc) {
   const Matrix<T> a{A, lda, ta}, b{B, ldb, tb};
-  auto run = [&]<Isa I>() {
+  with_isa(isa, [&]<Isa I>() {
     using S = Shape<T, I>;
     gemm_blocked<T, S>(micro_kernels<T, I>(), M, N, K, DensePackA<S::MR, T>{a}, DensePackB<S::NR, T>{b}, C, ldc, acc);
-  };
-  switch (isa) {
-    case Isa::avx512: run.template operator()<Isa::avx512>(); return;
-    case Isa::avx2: run.template operator()<Isa::avx2>(); return;
-    case Isa::generic: run.template operator()<Isa::generic>(); return;
+  });
+}
+
+/// The OpenMP team a product of M x N x K pays for from the calling thread: one thread per 2^18
+/// multiply-adds (below that a team costs more than it saves), and at least two 12-row tiles (or
+/// one 64-column strip) per thread; 1 inside a parallel region.
+inline int team_threads(index M, index N, index K) {
+#if defined(_OPENMP)
+  if (omp_in_parallel() || M <= 0 || N <= 0 || K <= 0) return 1;
+  const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+  return std::max(1, static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+                                                        static_cast<double>(std::max(M / 24, N / 64))})));
+#else
+  (void)M, (void)N, (void)K;
+  return 1;
+#endif
+}
+
+/// part(d0, d1) for column ranges of whole 32-wide tiles, one per thread of a team of `threads`:
+/// how a short, wide product (too few rows to share out) is split, each thread packing its own.
+template <class F>
+void split_columns(int threads, index N, F&& part) {
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+    const index nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const index per = ((N + nt - 1) / nt + 31) / 32 * 32;
+    const index d0 = std::min(N, t * per), d1 = std::min(N, d0 + per);
+    if (d0 < d1) part(d0, d1);
   }
+#else
+  (void)threads;
+  part(index(0), N);
+#endif
 }
 
 /// The same, on a team of OpenMP threads (when not already inside a parallel region, and the
@@ -1763,57 +1826,420 @@ void gemm_serial(Isa isa, bool ta, bool tb, index M, index N, index K, const T* 
 template <class T>
 void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T* A, index lda, const T* B, index ldb,
                    T* C, index ldc, bool acc) {
-#if defined(_OPENMP)
-  int threads = 1;
-  if (!omp_in_parallel() && M > 0 && N > 0 && K > 0) {
-    // a thread per 2^18 multiply-adds (below that the team costs more than it saves), and at least
-    // two 12-row tiles per thread
-    const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-    threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
-                                                 static_cast<double>(std::max(M / 24, N / 64))}));
-  }
+  const int threads = team_threads(M, N, K);
   if (threads > 1 && M < 24 * threads) {
-    // too few rows to share out (a short, wide product): columns in whole 32-wide tiles instead,
-    // each thread packing its own panels
-#pragma omp parallel num_threads(threads)
-    {
-      const index nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const index per = ((N + nt - 1) / nt + 31) / 32 * 32;
-      const index d0 = std::min(N, t * per), d1 = std::min(N, d0 + per);
-      if (d0 < d1) gemm_serial<T>(isa, ta, tb, M, d1 - d0, K, A, lda, B + (tb ? d0 * ldb : d0), ldb, C + d0, ldc, acc);
-    }
+    split_columns(threads, N, [&](index d0, index d1) {
+      gemm_serial<T>(isa, ta, tb, M, d1 - d0, K, A, lda, B + (tb ? d0 * ldb : d0), ldb, C + d0, ldc, acc);
+    });
     return;
   }
+#if defined(_OPENMP)
   if (threads > 1) {
     const Matrix<T> a{A, lda, ta}, b{B, ldb, tb};
-    auto run = [&]<Isa I>() {
+    with_isa(isa, [&]<Isa I>() {
       using S = Shape<T, I>;
       gemm_team<T, S>(threads, micro_kernels<T, I>(), M, N, K, DensePackA<S::MR, T>{a}, DensePackB<S::NR, T>{b}, C,
                       ldc, acc);
-    };
-    switch (isa) {
-      case Isa::avx512: run.template operator()<Isa::avx512>(); return;
-      case Isa::avx2: run.template operator()<Isa::avx2>(); return;
-      case Isa::generic: run.template operator()<Isa::generic>(); return;
-    }
+    });
+    return;
   }
 #endif
   gemm_serial<T>(isa, ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc);
 }
 
+// ---- bf16 operands, f32 accumulation -------------------------------------------------------
+// Precision::bf16 stores frozen weights in bfloat16 (raw bits in std::uint16_t) and multiplies
+// activations rounded to bf16 by them with f32 accumulation: PyTorch's bf16 autocast contract for
+// a product. Two ways to run it, equal up to the order of f32 additions:
+//  - native, where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16 (two depths per
+//    32-bit lane) into f32 lanes, twice the multiply-adds of an f32 FMA per instruction. A and B
+//    panels hold pairs of depths: word (kp, i) = bf16(X(i, 2kp)) | bf16(X(i, 2kp + 1)) << 16.
+//  - emulated, on every CPU: the f32 micro-kernels on panels whose A values are rounded to bf16
+//    and whose B values are widened from bf16 while packing; bit-identical to the f32 product of
+//    the rounded operands.
+// Both reuse the f32 driver (gemm_blocked / gemm_team): a pair panel of kc depths uses the first
+// half of the kc x MR floats the driver sets aside for it.
+
+using bf16 = std::uint16_t;
+
+inline float bf16_round(float x) { return half::bf16_to_f32(half::f32_to_bf16(x)); }
+
+/// Emulated: op(A) packed as f32, then rounded to bf16 values in the panel.
+template <int MR>
+struct Bf16RoundPackA {
+  Matrix<float> m;
+  void operator()(float* dst, index i0, index mc, index k0, index kc) const {
+    pack_a<MR>(m, i0, mc, k0, kc, dst);
+    const index n = (mc + MR - 1) / MR * MR * kc;
+    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
+  }
+};
+
+typedef std::uint32_t pair_word __attribute__((may_alias));  // two bf16 read as one 32-bit lane
+
+/// Native: op(A) rows as bf16 pairs, zero past the edge (rows, and the odd last depth).
+template <int MR>
+struct Bf16PairPackA {
+  Matrix<float> m;
+  void operator()(float* dst, index i0, index mc, index k0, index kc) const {
+    const index pairs = (kc + 1) / 2;
+    for (index p = 0; p < mc; p += MR, dst += kc * MR) {
+      auto* w = reinterpret_cast<pair_word*>(dst);
+      const index rows = std::min<index>(MR, mc - p);
+      for (index kp = 0; kp < pairs; ++kp)
+        for (index i = 0; i < MR; ++i) {
+          std::uint32_t lo = 0, hi = 0;
+          if (i < rows) {
+            const index r = i0 + p + i, k = k0 + 2 * kp;
+            lo = half::f32_to_bf16(m.at(r, k));
+            if (2 * kp + 1 < kc) hi = half::f32_to_bf16(m.at(r, k + 1));
+          }
+          w[kp * MR + i] = lo | hi << 16;
+        }
+    }
+  }
+};
+
+/// Native: op(B) columns as bf16 pairs. A Linear's weight read transposed (op(B)[k][j] =
+/// W[j][k]) already holds each pair side by side, so its panels are a transposing copy of 32-bit
+/// words (pack_panel); the other layouts interleave two rows.
+template <int NR>
+struct Bf16PairPackB {
+  Matrix<bf16> m;
+  void operator()(float* dst, index j0, index nc, index k0, index kc) const {
+    const index pairs = (kc + 1) / 2, even = kc / 2;
+    for (index q = 0; q < nc; q += NR, dst += kc * NR) {
+      auto* w = reinterpret_cast<pair_word*>(dst);
+      const index cols = std::min<index>(NR, nc - q);
+      index kp = 0;
+      if (m.trans && m.ld % 2 == 0 && k0 % 2 == 0) {
+        const auto* src = reinterpret_cast<const pair_word*>(m.p + (j0 + q) * m.ld + k0);
+        pack_panel<NR>(src, m.ld / 2, false, cols, even, w);
+        kp = even;
+      }
+      for (; kp < pairs; ++kp)
+        for (index j = 0; j < NR; ++j) {
+          const index k = k0 + 2 * kp, c = j0 + q + j;
+          const std::uint32_t lo = j < cols ? m.at(k, c) : 0;
+          const std::uint32_t hi = j < cols && 2 * kp + 1 < kc ? m.at(k + 1, c) : 0;
+          w[kp * NR + j] = lo | hi << 16;
+        }
+    }
+  }
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+/// The native micro-kernel: a 12 x 32 f32 tile of C from pair panels, 2 x 12 vdpbf16ps per pair.
+[[gnu::target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma")]] inline void micro_avx512_bf16(
+    index kc, const float* a, index, const float* b, float* c, index ldc, bool overwrite) {
+  constexpr int MR = Shape<float, Isa::avx512>::MR, NR = Shape<float, Isa::avx512>::NR;
+  static_assert(NR == 32);
+  const auto* aw = reinterpret_cast<const pair_word*>(a);
+  const auto* bw = reinterpret_cast<const pair_word*>(b);
+  __m512 acc[MR][2];
+  NN_GEMM_UNROLL(16)
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const index pairs = (kc + 1) / 2;
+  for (index kp = 0; kp < pairs; ++kp) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bw + kp * NR);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bw + kp * NR + 16);
+    NN_GEMM_UNROLL(16)
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(aw[kp * MR + i]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+    }
+  }
+  NN_GEMM_UNROLL(16)
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2; ++j) {
+      __m512 v = acc[i][j];
+      if (!overwrite) v = _mm512_add_ps(v, _mm512_loadu_ps(c + i * ldc + 16 * j));
+      _mm512_storeu_ps(c + i * ldc + 16 * j, v);
+    }
+}
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+// ---- AMX: bf16 tiles (Sapphire Rapids and later) --------------------------------------------
+// A core's AMX unit multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 f32 in one
+// instruction (tdpbf16ps): 16 times the multiply-adds of an AVX-512 FMA. The micro-tile is 32 x
+// 32 of C in four accumulator tiles, fed per 32 depths by two A tiles (16 rows x 16 pairs each,
+// row-major pairs: word (r, kp) = bf16(A(r, 2kp)) | bf16(A(r, 2kp + 1)) << 16) and two B tiles
+// (16 pairs x 16 columns: Bf16PairPackB's panel layout, 32 columns per panel row).
+namespace amx {
+
+inline constexpr index MR = 32, NR = 32, KC = 512, NB = 256, MB = 256;  // KC: depths, a multiple of 32
+
+/// Linux grants the AMX tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+/// XFEATURE_XTILEDATA), once per process for all its threads. False when the CPU or the OS (XCR0)
+/// has no AMX-BF16, or the request is refused.
+inline bool available() {
+  static const bool ok = [] {
+    const CpuFeatures f = detail::detect_cpu_features();
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return f.amx_tile && f.amx_bf16 && f.avx512_bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+/// Tiles 0-3: C (16 rows x 16 f32), 4-5: A, 6-7: B (16 rows x 64 bytes), set once per thread (the
+/// configuration is thread state).
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+[[gnu::target("amx-tile")]] inline void configure_thread() {
+  // Static storage, not a local: GCC 12 does not see ldtilecfg read its operand and drops the
+  // stores that fill a local configuration (the instruction then faults on garbage).
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    return c;
+  }();
+  thread_local bool done = false;
+  if (done) return;
+  if (!available()) detail::fail("gemm", "AMX tiles are not available in this process (CPU, OS or permission)");
+  _tile_loadconfig(&config);
+  done = true;
+}
+
+/// C[32 x 32] (row stride ldc) (+)= A panel (32 rows x `pairs` words, row-major) @ B panel
+/// (`pairs` x 32 words); pairs is a multiple of 16 (zero pairs pad the depth).
+[[gnu::target("amx-tile,amx-bf16")]] inline void micro(index pairs, const pair_word* a, const pair_word* b, float* c,
+                                                         index ldc, bool overwrite) {
+  const long cs = ldc * 4, as = pairs * 4;
+  if (overwrite) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, cs);
+    _tile_loadd(1, c + 16, cs);
+    _tile_loadd(2, c + 16 * ldc, cs);
+    _tile_loadd(3, c + 16 * ldc + 16, cs);
+  }
+  for (index k = 0; k < pairs; k += 16) {
+    _tile_loadd(4, a + k, as);
+    _tile_loadd(5, a + 16 * pairs + k, as);
+    _tile_loadd(6, b + k * NR, NR * 4);
+    _tile_loadd(7, b + k * NR + 16, NR * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, cs);
+  _tile_stored(1, c + 16, cs);
+  _tile_stored(2, c + 16 * ldc, cs);
+  _tile_stored(3, c + 16 * ldc + 16, cs);
+}
+
+/// Packs op(A)[i0 : i0+mc, k0 : k0+kc] as row-major pair panels of 32 rows x p16 words, zero past
+/// the edges. Full rows of an untransposed A convert 32 floats at a time (vcvtne2ps2bf16, round
+/// to nearest even; like every AVX512_BF16 conversion it flushes float32 denormals to zero).
+[[gnu::target("avx512f,avx512bw,avx512vl,avx512bf16")]] inline void pack_a(const Matrix<float>& m, index i0, index mc,
+                                                                           index k0, index kc, index p16,
+                                                                           pair_word* dst) {
+  for (index p = 0; p < mc; p += MR, dst += MR * p16)
+    for (index r = 0; r < MR; ++r) {
+      pair_word* w = dst + r * p16;
+      if (p + r >= mc) {
+        std::fill_n(w, p16, 0u);
+        continue;
+      }
+      const index row = i0 + p + r;
+      index kp = 0;
+      if (!m.trans)
+        for (const float* src = m.p + row * m.ld + k0; 2 * kp + 32 <= kc; kp += 16) {
+          const __m512 lo = _mm512_loadu_ps(src + 2 * kp), hi = _mm512_loadu_ps(src + 2 * kp + 16);
+          _mm512_storeu_si512(w + kp, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      for (; kp < p16; ++kp) {
+        const index k = 2 * kp;
+        const std::uint32_t lo = k < kc ? half::f32_to_bf16(m.at(row, k0 + k)) : 0;
+        const std::uint32_t hi = k + 1 < kc ? half::f32_to_bf16(m.at(row, k0 + k + 1)) : 0;
+        w[kp] = lo | hi << 16;
+      }
+    }
+}
+
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B) on the calling thread: A blocks of MB rows,
+/// K in KC slices (A packed), B blocks of NB columns (packed), 32 x 32 micro-tiles; an edge tile
+/// is computed whole into a scratch tile and its valid part copied.
+inline void gemm(bool ta, bool tb, index M, index N, index K, const float* A, index lda, const bf16* B, index ldb,
+                 float* C, index ldc, bool acc) {
+  configure_thread();
+  const Matrix<float> am{A, lda, ta};
+  const Bf16PairPackB<NR> pack_b{Matrix<bf16>{B, ldb, tb}};
+  const index kcap = std::min<index>(KC, (K + 31) / 32 * 32), pcap = kcap / 2;
+  const index mb = std::min<index>(MB, (M + MR - 1) / MR * MR), nb = std::min<index>(NB, (N + NR - 1) / NR * NR);
+  auto* a_blk = static_cast<pair_word*>(
+      detail::gemm_workspace(sizeof(pair_word) * static_cast<std::size_t>(mb * pcap + pcap * nb + MR * NR)));
+  pair_word* b_blk = a_blk + mb * pcap;
+  float* tile = reinterpret_cast<float*>(b_blk + pcap * nb);
+  for (index i0 = 0; i0 < M; i0 += mb) {
+    const index mc = std::min(mb, M - i0);
+    for (index k0 = 0; k0 < K; k0 += kcap) {
+      const index kc = std::min(kcap, K - k0), pairs = (kc + 1) / 2, p16 = (pairs + 15) / 16 * 16;
+      const bool overwrite = !acc && k0 == 0;
+      pack_a(am, i0, mc, k0, kc, p16, a_blk);
+      for (index j0 = 0; j0 < N; j0 += nb) {
+        const index nc = std::min(nb, N - j0);
+        for (index q = 0; q < nc; q += NR) {
+          pair_word* bp = b_blk + q * p16;
+          pack_b(reinterpret_cast<float*>(bp), j0 + q, std::min(NR, nc - q), k0, kc);
+          std::fill(bp + pairs * NR, bp + p16 * NR, 0u);
+        }
+        for (index ir = 0; ir < mc; ir += MR)
+          for (index jr = 0; jr < nc; jr += NR) {
+            const pair_word *ap = a_blk + ir * p16, *bp = b_blk + jr * p16;
+            const index rows = std::min(MR, mc - ir), cols = std::min(NR, nc - jr);
+            float* c = C + (i0 + ir) * ldc + j0 + jr;
+            if (rows == MR && cols == NR) {
+              micro(p16, ap, bp, c, ldc, overwrite);
+              continue;
+            }
+            micro(p16, ap, bp, tile, NR, true);
+            for (index r = 0; r < rows; ++r)
+              for (index x = 0; x < cols; ++x)
+                c[r * ldc + x] = overwrite ? tile[r * NR + x] : c[r * ldc + x] + tile[r * NR + x];
+          }
+      }
+    }
+  }
+}
+
+}  // namespace amx
+#endif
+
+/// The bf16 product kernels: the f32 kernels on rounded/widened panels (every CPU), vdpbf16ps
+/// (AVX512_BF16 with the AVX-512 set in use), AMX tiles (AMX-BF16, granted by the OS).
+enum class Bf16Kernel : std::uint8_t { emulated, avx512_bf16, amx };
+
+inline const char* bf16_kernel_name(Bf16Kernel k) {
+  switch (k) {
+    case Bf16Kernel::amx: return "amx tdpbf16ps";
+    case Bf16Kernel::avx512_bf16: return "native vdpbf16ps";
+    case Bf16Kernel::emulated: break;
+  }
+  return "emulated (f32 kernels)";
+}
+
+/// True when kernel k can run here (NN_CPU_ISA=avx2 or generic rules out both native ones).
+inline bool bf16_kernel_available(Bf16Kernel k) {
+  const bool avx512 = active_isa() == Isa::avx512 && detail::detect_cpu_features().avx512_bf16;
+  switch (k) {
+    case Bf16Kernel::emulated: return true;
+    case Bf16Kernel::avx512_bf16: return avx512;
+    case Bf16Kernel::amx:
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+      return avx512 && amx::available();
+#else
+      return false;
+#endif
+  }
+  return false;
+}
+
+inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A,
+                      index lda, const bf16* B, index ldb, float* C, index ldc, bool acc, bool parallel);
+
+/// The bf16 kernel this process runs, decided once by measurement, not by CPU model: every kernel
+/// that can run here times one L2-resident product (64 x 256 x 512, best of 5, well under a
+/// millisecond each) and the fastest is kept. On the Sapphire Rapids kind AMX wins by far, and
+/// vdpbf16ps loses to the emulation (0.6-0.7x the f32 FMA rate). NN_BF16=amx|native|emulated
+/// fixes the choice where that kernel can run.
+inline Bf16Kernel bf16_kernel() {
+  static const Bf16Kernel chosen = [] {
+    std::vector<Bf16Kernel> cands;
+    for (Bf16Kernel k : {Bf16Kernel::emulated, Bf16Kernel::avx512_bf16, Bf16Kernel::amx})
+      if (bf16_kernel_available(k)) cands.push_back(k);
+    if (const char* e = std::getenv("NN_BF16")) {
+      const std::string want = e;
+      for (Bf16Kernel k : cands)
+        if ((want == "amx" && k == Bf16Kernel::amx) || (want == "native" && k == Bf16Kernel::avx512_bf16) ||
+            (want == "emulated" && k == Bf16Kernel::emulated))
+          return k;
+    }
+    if (cands.size() == 1) return cands[0];
+    constexpr index M = 64, N = 256, K = 512;
+    std::vector<float> a(M * K, 0.5f), c(M * N);
+    std::vector<bf16> b(K * N, 0x3f00);  // 0.5
+    auto best = [&](Bf16Kernel k) {
+      double t = 1e30;
+      for (int r = 0; r < 6; ++r) {  // the first run warms the packing space and the caches
+        const auto t0 = std::chrono::steady_clock::now();
+        gemm_bf16(active_isa(), k, false, true, M, N, K, a.data(), K, b.data(), K, c.data(), N, false, false);
+        if (r > 0) t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      return t;
+    };
+    Bf16Kernel pick = cands[0];
+    double t_pick = best(pick);
+    for (std::size_t i = 1; i < cands.size(); ++i) {
+      const double t = best(cands[i]);
+      if (t < t_pick) pick = cands[i], t_pick = t;
+    }
+    return pick;
+  }();
+  return chosen;
+}
+
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 (rounded to bf16 while packing), B
+/// bf16, f32 accumulation, on up to team_threads() threads when `parallel`, with `kernel` (one
+/// bf16_kernel_available() says can run; the emulation runs on `isa`'s f32 kernels).
+inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A,
+                      index lda, const bf16* B, index ldb, float* C, index ldc, bool acc, bool parallel) {
+  const int threads = parallel ? team_threads(M, N, K) : 1;
+  // AMX packs its own B columns per thread (each thread's share of the weight), so it always
+  // splits by columns; the others share B panels over the team unless C is short and wide.
+  if (threads > 1 && (M < 24 * threads || kernel == Bf16Kernel::amx)) {
+    split_columns(threads, N, [&](index d0, index d1) {
+      gemm_bf16(isa, kernel, ta, tb, M, d1 - d0, K, A, lda, B + (tb ? d0 * ldb : d0), ldb, C + d0, ldc, acc, false);
+    });
+    return;
+  }
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!acc)
+      for (index i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, 0.0f);
+    return;
+  }
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+  if (kernel == Bf16Kernel::amx) return amx::gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc);
+#endif
+  const Matrix<float> a{A, lda, ta};
+  const Matrix<bf16> b{B, ldb, tb};
+  auto run = [&]<class S>(const Kernels<float>& kern, const auto& pack_a_fn, const auto& pack_b_fn) {
+#if defined(_OPENMP)
+    if (threads > 1) return gemm_team<float, S>(threads, kern, M, N, K, pack_a_fn, pack_b_fn, C, ldc, acc);
+#endif
+    gemm_blocked<float, S>(kern, M, N, K, pack_a_fn, pack_b_fn, C, ldc, acc);
+  };
+#if defined(__x86_64__) || defined(__i386__)
+  if (kernel == Bf16Kernel::avx512_bf16) {
+    using S = Shape<float, Isa::avx512>;
+    const Kernels<float> kern{&micro_avx512_bf16, &micro_avx512_bf16};
+    run.template operator()<S>(kern, Bf16PairPackA<S::MR>{a}, Bf16PairPackB<S::NR>{b});
+    return;
+  }
+#endif
+  with_isa(isa, [&]<Isa I>() {
+    using S = Shape<float, I>;
+    run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+  });
+}
+
 /// "nn avx512 12x32 f32 / 12x16 f64": the engine and tile shapes for an ISA.
 inline std::string describe(Isa isa) {
-  auto shapes = [&]<Isa I>() {
+  return with_isa(isa, [&]<Isa I>() {
     return "nn " + std::string(isa_name(I)) + " " + std::to_string(Shape<float, I>::MR) + "x" +
            std::to_string(Shape<float, I>::NR) + " f32 / " + std::to_string(Shape<double, I>::MR) + "x" +
            std::to_string(Shape<double, I>::NR) + " f64";
-  };
-  switch (isa) {
-    case Isa::avx512: return shapes.template operator()<Isa::avx512>();
-    case Isa::avx2: return shapes.template operator()<Isa::avx2>();
-    case Isa::generic: return shapes.template operator()<Isa::generic>();
-  }
-  return "?";
+  });
 }
 
 }  // namespace gemm
@@ -2288,6 +2714,43 @@ struct BlasSerial {
   BlasSerial& operator=(const BlasSerial&) = delete;
 };
 
+/// How bf16 products run in this process (gemm::bf16_kernel on nn's engine; CBLAS and Eigen
+/// multiply f32 copies).
+inline std::string gemm_bf16_kernel() {
+#if defined(NN_OWN_GEMM)
+  if (gemm_choice().engine == GemmEngine::nn) return gemm::bf16_kernel_name(gemm::bf16_kernel());
+#endif
+  return "f32 copies";
+}
+
+template <class T>
+void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                 const T* B, std::int64_t ldb, T* C, std::int64_t ldc, bool acc);
+
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 rounded to bf16, B bf16 (a frozen
+/// weight, Precision::bf16), f32 accumulation. nn's engine packs straight from the bf16 weight
+/// (gemm::gemm_bf16); the CBLAS and Eigen engines get f32 copies of the rounded operands (an
+/// allocation per call: those engines have no packing hook).
+inline void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
+                      std::int64_t lda, const std::uint16_t* B, std::int64_t ldb, float* C, std::int64_t ldc,
+                      bool acc, bool parallel) {
+#if defined(NN_OWN_GEMM)
+  if (gemm_choice().engine == GemmEngine::nn) {
+    gemm::gemm_bf16(gemm::active_isa(), gemm::bf16_kernel(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc, parallel);
+    return;
+  }
+#endif
+  (void)parallel;
+  const std::int64_t ar = ta ? K : M, br = tb ? N : K, bc = tb ? K : N;
+  std::vector<float> a(static_cast<std::size_t>(ar * (ta ? M : K))), b(static_cast<std::size_t>(br * bc));
+  for (std::int64_t r = 0; r < ar; ++r)
+    for (std::int64_t c = 0; c < (ta ? M : K); ++c)
+      a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_to_f32(half::f32_to_bf16(A[r * lda + c]));
+  for (std::int64_t r = 0; r < br; ++r)
+    for (std::int64_t c = 0; c < bc; ++c) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(B[r * ldb + c]);
+  gemm_serial<float>(ta, tb, M, N, K, a.data(), ta ? M : K, b.data(), bc, C, ldc, acc);
+}
+
 /// Row-major C[M,N] with row stride ldc (+)= op(A) @ op(B) on the calling thread, for products
 /// that a kernel runs many of at once from its own parallel loop (attention's per-head
 /// products: strided views into (B, T, n * head_dim), no copies). With CBLAS, hold a
@@ -2643,7 +3106,12 @@ struct cpu {
   /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
   /// their batch, or 1 to sum the products over the batch.
   /// op(x) = x^T when the flag is set: read transposed, never copied.
+  /// Products whose right operand is a bf16 weight (Precision::bf16) run on bf16 operands with
+  /// f32 accumulation (see matmul_bf16).
+  static constexpr bool bf16_weights = true;
+
   static void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    if (b.dtype() == DType::bf16) return matmul_bf16(a, ta, b, tb, c, acc);
     detail::dispatch_float(c.dtype(), "matmul", [&]<class T>() {
       const Shape &sa = a.shape(), &sb = b.shape(), &sc = c.shape();
       const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = sb.dim(-2), bc = sb.dim(-1);
@@ -2659,6 +3127,22 @@ struct cpu {
         gemm<T>(ta, tb, M, N, K, A + (ba == 1 ? 0 : i * ar * ac), ac, Bp + (bb == 1 ? 0 : i * br * bc), bc,
                 C + (bcnt == 1 ? 0 : i * M * N), acc || (bcnt == 1 && i > 0));
     });
+  }
+
+  /// c (+)= bf16(op(a)) @ op(b) for a bf16 matrix b and f32 a (..., M, K) (its batch shares b;
+  /// ops/matmul.hpp folds it into rows): a rounded to bf16, f32 accumulation, c f32.
+  static void matmul_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    if (a.dtype() != DType::f32 || c.dtype() != DType::f32 || b.rank() != 2)
+      detail::fail("matmul", "a bf16 operand must be a matrix beside float32 ones, got a ", dtype_name(a.dtype()), " ",
+                   a.shape().str(), ", b ", dtype_name(b.dtype()), " ", b.shape().str());
+    const Shape& sa = a.shape();
+    const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = b.dim(0), bc = b.dim(1);
+    const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc, batch = sa.prod(0, sa.rank() - 2);
+    const float* A = static_cast<const float*>(a.raw());
+    const auto* Bp = static_cast<const std::uint16_t*>(b.raw());
+    float* C = static_cast<float*>(c.raw());
+    for (std::int64_t i = 0; i < batch; ++i)
+      detail::gemm_bf16(ta, tb, M, N, K, A + i * ar * ac, ac, Bp, bc, C + i * M * N, N, acc, true);
   }
 
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
@@ -2715,8 +3199,10 @@ struct cpu {
   }
 
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
+  /// y[i, :] = table[ids[i], :]; a bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
     const std::int64_t D = table.dim(-1), n = ids.numel();
+    const bool widen = table.dtype() == DType::bf16 && y.dtype() == DType::f32;
     const std::size_t row = static_cast<std::size_t>(D) * dtype_size(table.dtype());
     const auto* ts = static_cast<const char*>(table.raw());
     auto* ys = static_cast<char*>(y.raw());
@@ -2725,7 +3211,13 @@ struct cpu {
       const std::int64_t id = detail::load_index(ids, i);
       if (id < 0 || id >= N)
         detail::fail("gather_rows", "id ", id, " at position ", i, " is out of range for a table of ", N, " rows");
-      std::memcpy(ys + static_cast<std::size_t>(i) * row, ts + static_cast<std::size_t>(id) * row, row);
+      if (widen) {
+        const auto* src = reinterpret_cast<const std::uint16_t*>(ts + static_cast<std::size_t>(id) * row);
+        float* dst = reinterpret_cast<float*>(ys) + i * D;
+        for (std::int64_t j = 0; j < D; ++j) dst[j] = half::bf16_to_f32(src[j]);
+      } else {
+        std::memcpy(ys + static_cast<std::size_t>(i) * row, ts + static_cast<std::size_t>(id) * row, row);
+      }
     }
   }
 
@@ -3604,6 +4096,7 @@ inline const CpuInfo& cpu_info() {
       i.gemm_id = std::string("nn-") + isa_name(i.isa);
     }
 #endif
+    i.bf16 = detail::gemm_bf16_kernel();
     if (g.engine == detail::GemmEngine::blas) i.gemm = "CBLAS", i.gemm_id = "cblas";
     if (g.engine == detail::GemmEngine::eigen) i.gemm = "Eigen's GEMM", i.gemm_id = "eigen";
     return i;
@@ -3999,6 +4492,18 @@ void require_same_dtype(const GTape<B>& tp, GVar a, GVar b, const char* op) {
          " ", tp.shape(b).str());
 }
 
+/// Precision::bf16: `w` is a weight stored in bfloat16 beside float32 activations `x`, which the
+/// products (matmul's right operand) and the embedding lookup read directly. Such a weight must be
+/// frozen: bf16 is a storage type here, and what trains stays float32.
+template <class B>
+bool bf16_weight(const GTape<B>& tp, GVar x, GVar w, const char* op) {
+  if (tp.dtype(w) != DType::bf16 || tp.dtype(x) != DType::f32) return false;
+  if (tp.requires_grad(w))
+    fail(op, "a bfloat16 weight ", tp.shape(w).str(), " must be frozen (bf16 stores frozen weights; what trains ",
+         "stays float32)");
+  return true;
+}
+
 /// The broadcast of two shapes (NumPy rules, aligned right), or an error naming both.
 inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   const int r = std::max(a.rank(), b.rank());
@@ -4362,10 +4867,20 @@ struct MatmulPrim {
 /// never copied). a: (..., M, K) — or (..., K, M) with trans_a; b: (..., K, N) — or (..., N, K)
 /// with trans_b. Leading (batch) dims must be equal, or one operand is a plain matrix shared by
 /// every batch element. Result: (..., M, N).
+/// b may be a frozen bfloat16 matrix beside a float32 a (Precision::bf16): the product then runs
+/// on bf16 operands (a rounded) with f32 accumulation, and so does a's gradient (g op(b)^T).
 template <class B>
 GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
-  detail::require_same_dtype(tp, a, b, "matmul");
   const Shape &sa = tp.shape(a), &sb = tp.shape(b);
+  if (detail::bf16_weight(tp, a, b, "matmul")) {
+    if constexpr (!requires { B::bf16_weights; })
+      detail::fail("matmul", "this backend has no bf16 products (b is a bfloat16 ", sb.str(), ")");
+    if (sb.rank() != 2 || trans_a)
+      detail::fail("matmul", "a bfloat16 operand must be the right-hand matrix of a product with a untransposed, got ",
+                   sa.str(), trans_a ? "^T" : "", " @ ", sb.str());
+  } else {
+    detail::require_same_dtype(tp, a, b, "matmul");
+  }
   if (sa.rank() < 2 || sb.rank() < 2)
     detail::fail("matmul", "operands need rank >= 2, got ", sa.str(), " and ", sb.str());
   const std::int64_t M = trans_a ? sa.dim(-1) : sa.dim(-2), Ka = trans_a ? sa.dim(-2) : sa.dim(-1);
@@ -4678,17 +5193,22 @@ void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
 
 /// Rows of `table` (N, D) selected by integer `ids` of any shape: out = ids.shape + (D). The
 /// vjp scatter-adds into the table's gradient, so a repeated id accumulates. Out-of-range ids
-/// raise nn::Error (checked by the kernel on every run, replays included).
+/// raise nn::Error (checked by the kernel on every run, replays included). A frozen bfloat16
+/// table (Precision::bf16) gives float32 rows.
 template <class B>
 GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
-  detail::require_float(tp, table, "gather_rows");
+  const bool bf16 = tp.dtype(table) == DType::bf16;
+  if (bf16 && tp.requires_grad(table))
+    detail::fail("gather_rows", "a bfloat16 table ", tp.shape(table).str(), " must be frozen (bf16 stores frozen ",
+                 "weights; what trains stays float32)");
+  if (!bf16) detail::require_float(tp, table, "gather_rows");
   detail::require_ids(tp, ids, "gather_rows");
   const Shape& ts = tp.shape(table);
   if (ts.rank() != 2) detail::fail("gather_rows", "table must be (N, D), got ", ts.str());
   Shape out = tp.shape(ids);
   out.push_back(ts[1]);
   GVar in[] = {table, ids};
-  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, tp.dtype(table));
+  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, bf16 ? DType::f32 : tp.dtype(table));
 }
 
 /// out[i] = x[i, idx[i]] for x (..., V) and integer idx (...); an index < 0 picks 0 and passes no
@@ -5346,7 +5866,7 @@ namespace detail {
 
 template <class B>
 void check_linear(const GTape<B>& tp, GVar x, GVar w, const char* layer) {
-  layer_same_dtype(tp, x, w, layer, "x", "weight");
+  if (!bf16_weight(tp, x, w, layer)) layer_same_dtype(tp, x, w, layer, "x", "weight");
   const Shape &xs = tp.shape(x), &ws = tp.shape(w);
   if (ws.rank() != 2) fail(layer, "weight must be (out, in), got ", ws.str(), " (x ", xs.str(), ")");
   if (xs.rank() < 1 || xs.dim(-1) != ws[1])
@@ -5355,7 +5875,8 @@ void check_linear(const GTape<B>& tp, GVar x, GVar w, const char* layer) {
 
 template <class B>
 void check_bias(const GTape<B>& tp, GVar w, GVar b, const char* layer) {
-  layer_same_dtype(tp, w, b, layer, "weight", "bias");
+  if (tp.dtype(w) == DType::bf16) layer_float(tp, b, layer, "bias");  // a bf16 weight's bias stays f32
+  else layer_same_dtype(tp, w, b, layer, "weight", "bias");
   const Shape &ws = tp.shape(w), &bs = tp.shape(b);
   if (bs.rank() != 1 || bs[0] != ws[0])
     fail(layer, "bias ", bs.str(), " does not match weight ", ws.str(), ": bias must be (out) = (", ws[0], ")");
@@ -6012,7 +6533,7 @@ namespace nn {
 /// gather_rows primitive); an id outside [0, vocab) raises on every run, replays included.
 template <class B>
 GVar embedding(GTape<B>& tp, GVar ids, GVar table) {
-  detail::layer_float(tp, table, "embedding", "table");
+  if (tp.dtype(table) != DType::bf16) detail::layer_float(tp, table, "embedding", "table");
   DType it = tp.dtype(ids);
   if (it != DType::i32 && it != DType::i64)
     detail::fail("embedding", "ids must be int32 or int64, got ", detail::desc(tp, ids));
@@ -7662,6 +8183,35 @@ std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
     }
   }
   return {tp.value(loss), std::move(grads)};
+}
+
+/// How a model's frozen weights are stored. Precision::bf16 keeps every frozen matrix (Linear
+/// weights, embedding tables, a LoRA base) in bfloat16, half the memory; products read them as
+/// bf16 operands (activations rounded to bf16) with f32 accumulation, natively on AVX512_BF16 or
+/// emulated on the f32 kernels (backend/gemm.hpp), and the embedding lookup widens its rows. What
+/// trains (trainable Params, the optimizer's state), vectors (norm gains, biases), Buffers and
+/// every reduction stay float32. PyTorch's bf16 autocast makes the same choice for a product.
+enum class Precision { f32, bf16 };
+
+/// Precision::bf16: every frozen float32 Param of rank 2 is stored in bfloat16 (rounded to
+/// nearest even). Precision::f32: every bfloat16 Param back in float32 (exact). Returns how many
+/// were converted. The tensors are replaced, not written in place: a tape or compiled step
+/// recorded before must be recorded again.
+template <class X>
+int set_precision(X& m, Precision p) {
+  int n = 0;
+  detail::for_each(m, [&](const std::string&, Param& prm) {
+    Tensor& t = prm.value;
+    if (!t.defined()) return;
+    if (p == Precision::bf16 && !prm.trainable && t.rank() == 2 && t.dtype() == DType::f32) {
+      t = t.to(DType::bf16);
+      ++n;
+    } else if (p == Precision::f32 && t.dtype() == DType::bf16) {
+      t = t.to(DType::f32);
+      ++n;
+    }
+  });
+  return n;
 }
 
 }  // namespace nn
@@ -9495,7 +10045,12 @@ struct CausalLM {
   static CausalLM uninitialised(const ModelConfig& cfg, DType dtype = DType::f32) { return CausalLM(cfg, dtype, false); }
 
   const ModelConfig& config() const { return config_; }
-  DType dtype() const { return model.embed_tokens.weight.value.dtype(); }
+  /// The dtype the model computes in (float32 when its frozen weights are stored in bfloat16,
+  /// set_precision(model, Precision::bf16)).
+  DType dtype() const {
+    const DType t = model.embed_tokens.weight.value.dtype();
+    return t == DType::bf16 ? DType::f32 : t;
+  }
 
   /// The final hidden states (after the last RMSNorm).
   ///   ids: (B, T) int32/int64 token ids (usually an input slot, so a replay can swap batches)

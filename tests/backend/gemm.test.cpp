@@ -156,3 +156,84 @@ TEST_CASE("matmul on the tape runs nn's engine with the kernel set cpu_info() na
   if (env && std::string(env) == "generic") CHECK(info.isa == Isa::generic);
   if (!env) CHECK(info.isa == info.features.best_isa());
 }
+
+namespace {
+
+/// bf16 bits of n values in [-1, 1).
+std::vector<std::uint16_t> random_bf16(std::size_t n, unsigned seed) {
+  std::vector<std::uint16_t> out;
+  for (float v : random_values<float>(n, seed)) out.push_back(half::f32_to_bf16(v));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 products: the emulation is the f32 product of the rounded operands, bit for bit; vdpbf16ps and AMX "
+          "within f32 accumulation error; threaded = serial") {
+  using S3 = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
+  using gemm::Bf16Kernel;
+  // odd K (a half pair at the end), K past KC (several slices, the later ones starting on an
+  // even depth), K past AMX's 512-depth slice, ragged M and N (edge tiles), a short wide product
+  // (column split when threaded)
+  const std::vector<S3> shapes = {{1, 1, 1},    {13, 37, 5},   {25, 65, 801}, {100, 33, 400},
+                                  {7, 530, 64}, {300, 70, 576}, {64, 96, 1100}};
+  std::vector<Bf16Kernel> hw;
+  for (Bf16Kernel k : {Bf16Kernel::avx512_bf16, Bf16Kernel::amx})
+    if (gemm::bf16_kernel_available(k)) hw.push_back(k);
+    else MESSAGE("this CPU (or NN_CPU_ISA) cannot run " << std::string(gemm::bf16_kernel_name(k)) << ": not checked here");
+  MESSAGE("bf16 products in this process: " << std::string(gemm::bf16_kernel_name(gemm::bf16_kernel())));
+  for (auto [M, N, K] : shapes)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (int acc = 0; acc < 2; ++acc) {
+          const std::int64_t lda = ta ? M : K, ldb = tb ? K : N, ldc = N + 2;
+          const std::vector<float> A = random_values<float>(static_cast<std::size_t>(M * K), 11);
+          const std::vector<std::uint16_t> B = random_bf16(static_cast<std::size_t>(K * N), 12);
+          const std::vector<float> C0 = random_values<float>(static_cast<std::size_t>(M * ldc), 13);
+          // the reference operands: A rounded to bf16, B widened, both f32
+          std::vector<float> Ar(A.size()), Bw(B.size());
+          for (std::size_t i = 0; i < A.size(); ++i) Ar[i] = gemm::bf16_round(A[i]);
+          for (std::size_t i = 0; i < B.size(); ++i) Bw[i] = half::bf16_to_f32(B[i]);
+          for (Isa isa : runnable_isas()) {
+            std::vector<float> ref = C0, emu = C0, emu_team = C0;
+            gemm::gemm_serial<float>(isa, ta, tb, M, N, K, Ar.data(), lda, Bw.data(), ldb, ref.data(), ldc, acc);
+            gemm::gemm_bf16(isa, Bf16Kernel::emulated, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, emu.data(), ldc,
+                            acc, false);
+            gemm::gemm_bf16(isa, Bf16Kernel::emulated, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, emu_team.data(),
+                            ldc, acc, true);
+            const bool same = std::memcmp(ref.data(), emu.data(), sizeof(float) * ref.size()) == 0 &&
+                              std::memcmp(ref.data(), emu_team.data(), sizeof(float) * ref.size()) == 0;
+            if (!same) MESSAGE(isa_name(isa) << " " << M << "x" << N << "x" << K << " ta " << ta << " tb " << tb);
+            CHECK(same);
+          }
+          for (Bf16Kernel kern : hw) {
+            const std::string kname = gemm::bf16_kernel_name(kern);
+            CAPTURE(kname);
+            std::vector<float> out = C0, team = C0;
+            gemm::gemm_bf16(Isa::avx512, kern, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, out.data(), ldc, acc, false);
+            gemm::gemm_bf16(Isa::avx512, kern, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, team.data(), ldc, acc, true);
+            CHECK(std::memcmp(out.data(), team.data(), sizeof(float) * out.size()) == 0);
+            // |C - exact| <= (K + 2) u sum_k |a_k b_k| (+ |C0|): the f32 summation bound, u = 2^-24
+            // (products of two bf16 are exact in f32)
+            double worst = 0;
+            for (std::int64_t i = 0; i < M; ++i)
+              for (std::int64_t j = 0; j < N; ++j) {
+                long double s = acc ? C0[i * ldc + j] : 0.0L, mag = acc ? std::abs(C0[i * ldc + j]) : 0.0L;
+                for (std::int64_t k = 0; k < K; ++k) {
+                  const long double p = static_cast<long double>(ta ? Ar[k * lda + i] : Ar[i * lda + k]) *
+                                        (tb ? Bw[j * ldb + k] : Bw[k * ldb + j]);
+                  s += p;
+                  mag += std::abs(p);
+                }
+                const double bound = static_cast<double>((K + 2) * std::ldexp(1.0L, -24) * mag) + 1e-30;
+                worst = std::max(worst, static_cast<double>(std::abs(out[i * ldc + j] - s)) / bound);
+              }
+            if (worst > 1)
+              MESSAGE(kname << " " << M << "x" << N << "x" << K << " ta " << ta << " tb " << tb
+                                                   << ": " << worst);
+            CHECK(worst <= 1);
+            for (std::int64_t i = 0; i < M; ++i)  // the padding past N is never written
+              for (std::int64_t j = N; j < ldc; ++j) CHECK(out[i * ldc + j] == C0[i * ldc + j]);
+          }
+        }
+}

@@ -80,3 +80,54 @@ TEST_CASE("matmul errors name the op and both shapes") {
   test::check_error([&] { matmul(tp, ba, bc); }, {"[matmul]", "batch dims differ", "(2, 3, 4)", "(1, 2, 4, 5)"});
   test::check_error([&] { matmul(tp, i, i2); }, {"[matmul]", "int32", "(2, 3)"});
 }
+
+namespace {
+
+/// t's values rounded to bf16 (as the bf16 products round their float32 operand), in float64.
+Tensor bf16_rounded(const Tensor& t) { return t.to(DType::bf16).to(DType::f64); }
+
+}  // namespace
+
+TEST_CASE("matmul with a frozen bf16 weight: the f64 product of the bf16-rounded operands, value and x's gradient") {
+  // x (3, 7, 45) @ W^T (W (19, 45) bf16): the Linear case (x's batch folds into rows); then
+  // x (21, 45) @ W (45, 19), untransposed (the layout of x's gradient); K = 45 is odd.
+  for (bool tb : {true, false}) {
+    CAPTURE(tb);
+    Tensor X = test::random_tensor({3, 7, 45}, DType::f32, 70), W = test::random_tensor(tb ? Shape{19, 45} : Shape{45, 19}, DType::f32, 71);
+    Tensor Wb = W.to(DType::bf16), G = test::random_tensor({3, 7, 19}, DType::f32, 72);
+    Tape tp;
+    GVar x = tp.param(X), w = tp.param(Wb, false);
+    GVar y = matmul(tp, x, w, false, tb);
+    CHECK(tp.dtype(y) == DType::f32);
+    tp.backward(y, G);
+    // the reference: float64 products of the rounded operands (x and the cotangent rounded to bf16)
+    Tape rt;
+    GVar xr = rt.constant(bf16_rounded(X)), wr = rt.constant(Wb.to(DType::f64)), gr = rt.constant(bf16_rounded(G));
+    Tensor y_ref = rt.value(matmul(rt, xr, wr, false, tb));
+    Tensor gx_ref = rt.value(matmul(rt, gr, wr, false, !tb));
+    const double ey = test::rel_err(tp.value(y), y_ref), eg = test::rel_err(tp.grad(x), gx_ref);
+    MESSAGE("bf16 matmul (" << std::string(tb ? "W^T" : "W") << "): value " << ey << ", x grad " << eg << " (" << cpu_info().bf16 << ")");
+    CHECK(ey <= 2e-6);  // f32 accumulation over K = 45 (or 19) exact products
+    CHECK(eg <= 2e-6);
+  }
+}
+
+TEST_CASE("bf16 weights: the embedding lookup widens rows exactly; linear keeps an f32 bias; errors") {
+  Tensor E = test::random_tensor({11, 6}, DType::f32, 73).to(DType::bf16);
+  Tensor ids = Tensor::from<std::int32_t>({2, 2}, {3, 0, 10, 3});
+  Tape tp;
+  GVar e = tp.param(E, false), rows = embedding(tp, tp.constant(ids), e);
+  CHECK(tp.dtype(rows) == DType::f32);
+  const Tensor wide = E.to(DType::f32);
+  for (std::int64_t i = 0; i < 4; ++i)
+    for (std::int64_t j = 0; j < 6; ++j) CHECK(tp.value(rows).item(i * 6 + j) == wide.item(ids.item(i) * 6 + j));
+  Tensor X = test::random_tensor({4, 6}, DType::f32, 74), Bias = test::random_tensor({11}, DType::f32, 75);
+  GVar x = tp.param(X), y = linear(tp, x, e, tp.param(Bias));
+  CHECK(tp.shape(y) == Shape{4, 11});
+  Tensor Et = E.to(DType::f32).to(DType::bf16);  // a second bf16 tensor, bound trainable
+  GVar trained = tp.param(Et);
+  test::check_error([&] { matmul(tp, x, trained, false, true); }, {"[matmul]", "bfloat16 weight (11, 6) must be frozen"});
+  test::check_error([&] { embedding(tp, tp.constant(ids), trained); }, {"[gather_rows]", "bfloat16 table (11, 6) must be frozen"});
+  test::check_error([&] { matmul(tp, x, e, true, false); }, {"[matmul]", "right-hand matrix", "(4, 6)^T"});
+  test::check_error([&] { matmul(tp, e, x, false, true); }, {"[matmul]", "bfloat16", "(11, 6)"});
+}

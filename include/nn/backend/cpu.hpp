@@ -355,6 +355,43 @@ struct BlasSerial {
   BlasSerial& operator=(const BlasSerial&) = delete;
 };
 
+/// How bf16 products run in this process (gemm::bf16_kernel on nn's engine; CBLAS and Eigen
+/// multiply f32 copies).
+inline std::string gemm_bf16_kernel() {
+#if defined(NN_OWN_GEMM)
+  if (gemm_choice().engine == GemmEngine::nn) return gemm::bf16_kernel_name(gemm::bf16_kernel());
+#endif
+  return "f32 copies";
+}
+
+template <class T>
+void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                 const T* B, std::int64_t ldb, T* C, std::int64_t ldc, bool acc);
+
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 rounded to bf16, B bf16 (a frozen
+/// weight, Precision::bf16), f32 accumulation. nn's engine packs straight from the bf16 weight
+/// (gemm::gemm_bf16); the CBLAS and Eigen engines get f32 copies of the rounded operands (an
+/// allocation per call: those engines have no packing hook).
+inline void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
+                      std::int64_t lda, const std::uint16_t* B, std::int64_t ldb, float* C, std::int64_t ldc,
+                      bool acc, bool parallel) {
+#if defined(NN_OWN_GEMM)
+  if (gemm_choice().engine == GemmEngine::nn) {
+    gemm::gemm_bf16(gemm::active_isa(), gemm::bf16_kernel(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc, parallel);
+    return;
+  }
+#endif
+  (void)parallel;
+  const std::int64_t ar = ta ? K : M, br = tb ? N : K, bc = tb ? K : N;
+  std::vector<float> a(static_cast<std::size_t>(ar * (ta ? M : K))), b(static_cast<std::size_t>(br * bc));
+  for (std::int64_t r = 0; r < ar; ++r)
+    for (std::int64_t c = 0; c < (ta ? M : K); ++c)
+      a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_to_f32(half::f32_to_bf16(A[r * lda + c]));
+  for (std::int64_t r = 0; r < br; ++r)
+    for (std::int64_t c = 0; c < bc; ++c) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(B[r * ldb + c]);
+  gemm_serial<float>(ta, tb, M, N, K, a.data(), ta ? M : K, b.data(), bc, C, ldc, acc);
+}
+
 /// Row-major C[M,N] with row stride ldc (+)= op(A) @ op(B) on the calling thread, for products
 /// that a kernel runs many of at once from its own parallel loop (attention's per-head
 /// products: strided views into (B, T, n * head_dim), no copies). With CBLAS, hold a
@@ -710,7 +747,12 @@ struct cpu {
   /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
   /// their batch, or 1 to sum the products over the batch.
   /// op(x) = x^T when the flag is set: read transposed, never copied.
+  /// Products whose right operand is a bf16 weight (Precision::bf16) run on bf16 operands with
+  /// f32 accumulation (see matmul_bf16).
+  static constexpr bool bf16_weights = true;
+
   static void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    if (b.dtype() == DType::bf16) return matmul_bf16(a, ta, b, tb, c, acc);
     detail::dispatch_float(c.dtype(), "matmul", [&]<class T>() {
       const Shape &sa = a.shape(), &sb = b.shape(), &sc = c.shape();
       const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = sb.dim(-2), bc = sb.dim(-1);
@@ -726,6 +768,22 @@ struct cpu {
         gemm<T>(ta, tb, M, N, K, A + (ba == 1 ? 0 : i * ar * ac), ac, Bp + (bb == 1 ? 0 : i * br * bc), bc,
                 C + (bcnt == 1 ? 0 : i * M * N), acc || (bcnt == 1 && i > 0));
     });
+  }
+
+  /// c (+)= bf16(op(a)) @ op(b) for a bf16 matrix b and f32 a (..., M, K) (its batch shares b;
+  /// ops/matmul.hpp folds it into rows): a rounded to bf16, f32 accumulation, c f32.
+  static void matmul_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    if (a.dtype() != DType::f32 || c.dtype() != DType::f32 || b.rank() != 2)
+      detail::fail("matmul", "a bf16 operand must be a matrix beside float32 ones, got a ", dtype_name(a.dtype()), " ",
+                   a.shape().str(), ", b ", dtype_name(b.dtype()), " ", b.shape().str());
+    const Shape& sa = a.shape();
+    const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = b.dim(0), bc = b.dim(1);
+    const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc, batch = sa.prod(0, sa.rank() - 2);
+    const float* A = static_cast<const float*>(a.raw());
+    const auto* Bp = static_cast<const std::uint16_t*>(b.raw());
+    float* C = static_cast<float*>(c.raw());
+    for (std::int64_t i = 0; i < batch; ++i)
+      detail::gemm_bf16(ta, tb, M, N, K, A + i * ar * ac, ac, Bp, bc, C + i * M * N, N, acc, true);
   }
 
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
@@ -782,8 +840,10 @@ struct cpu {
   }
 
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
+  /// y[i, :] = table[ids[i], :]; a bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
     const std::int64_t D = table.dim(-1), n = ids.numel();
+    const bool widen = table.dtype() == DType::bf16 && y.dtype() == DType::f32;
     const std::size_t row = static_cast<std::size_t>(D) * dtype_size(table.dtype());
     const auto* ts = static_cast<const char*>(table.raw());
     auto* ys = static_cast<char*>(y.raw());
@@ -792,7 +852,13 @@ struct cpu {
       const std::int64_t id = detail::load_index(ids, i);
       if (id < 0 || id >= N)
         detail::fail("gather_rows", "id ", id, " at position ", i, " is out of range for a table of ", N, " rows");
-      std::memcpy(ys + static_cast<std::size_t>(i) * row, ts + static_cast<std::size_t>(id) * row, row);
+      if (widen) {
+        const auto* src = reinterpret_cast<const std::uint16_t*>(ts + static_cast<std::size_t>(id) * row);
+        float* dst = reinterpret_cast<float*>(ys) + i * D;
+        for (std::int64_t j = 0; j < D; ++j) dst[j] = half::bf16_to_f32(src[j]);
+      } else {
+        std::memcpy(ys + static_cast<std::size_t>(i) * row, ts + static_cast<std::size_t>(id) * row, row);
+      }
     }
   }
 
@@ -1671,6 +1737,7 @@ inline const CpuInfo& cpu_info() {
       i.gemm_id = std::string("nn-") + isa_name(i.isa);
     }
 #endif
+    i.bf16 = detail::gemm_bf16_kernel();
     if (g.engine == detail::GemmEngine::blas) i.gemm = "CBLAS", i.gemm_id = "cblas";
     if (g.engine == detail::GemmEngine::eigen) i.gemm = "Eigen's GEMM", i.gemm_id = "eigen";
     return i;

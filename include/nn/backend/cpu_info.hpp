@@ -152,6 +152,7 @@ struct CpuInfo {
   std::string gemm;        ///< the GEMM engine and micro-kernels in use, e.g. "nn avx512 12x32 f32 / 12x16 f64"
   std::string gemm_id;     ///< the same as one word: "nn-avx512", "nn-avx2", "nn-generic", "cblas" or "eigen"
   std::string note;        ///< why an external BLAS is or is not used (empty when none is linked)
+  std::string bf16;        ///< how bf16 products run: "amx tdpbf16ps", "native vdpbf16ps" or "emulated (f32 kernels)"
 
   /// One line for logs: "cpu: <brand> (<vendor> family F model M) | avx2 fma avx512f ... | gemm: ...".
   std::string line() const {
@@ -174,6 +175,7 @@ struct CpuInfo {
     if (!any) s += " (baseline only)";
     s += " | gemm: " + gemm;
     if (!note.empty()) s += " (" + note + ")";
+    if (!bf16.empty()) s += " | bf16: " + bf16;
     return s;
   }
 };

@@ -12,7 +12,7 @@ namespace nn {
 /// gather_rows primitive); an id outside [0, vocab) raises on every run, replays included.
 template <class B>
 GVar embedding(GTape<B>& tp, GVar ids, GVar table) {
-  detail::layer_float(tp, table, "embedding", "table");
+  if (tp.dtype(table) != DType::bf16) detail::layer_float(tp, table, "embedding", "table");
   DType it = tp.dtype(ids);
   if (it != DType::i32 && it != DType::i64)
     detail::fail("embedding", "ids must be int32 or int64, got ", detail::desc(tp, ids));

@@ -13,7 +13,7 @@ namespace detail {
 
 template <class B>
 void check_linear(const GTape<B>& tp, GVar x, GVar w, const char* layer) {
-  layer_same_dtype(tp, x, w, layer, "x", "weight");
+  if (!bf16_weight(tp, x, w, layer)) layer_same_dtype(tp, x, w, layer, "x", "weight");
   const Shape &xs = tp.shape(x), &ws = tp.shape(w);
   if (ws.rank() != 2) fail(layer, "weight must be (out, in), got ", ws.str(), " (x ", xs.str(), ")");
   if (xs.rank() < 1 || xs.dim(-1) != ws[1])
@@ -22,7 +22,8 @@ void check_linear(const GTape<B>& tp, GVar x, GVar w, const char* layer) {
 
 template <class B>
 void check_bias(const GTape<B>& tp, GVar w, GVar b, const char* layer) {
-  layer_same_dtype(tp, w, b, layer, "weight", "bias");
+  if (tp.dtype(w) == DType::bf16) layer_float(tp, b, layer, "bias");  // a bf16 weight's bias stays f32
+  else layer_same_dtype(tp, w, b, layer, "weight", "bias");
   const Shape &ws = tp.shape(w), &bs = tp.shape(b);
   if (bs.rank() != 1 || bs[0] != ws[0])
     fail(layer, "bias ", bs.str(), " does not match weight ", ws.str(), ": bias must be (out) = (", ws[0], ")");

@@ -146,7 +146,12 @@ struct CausalLM {
   static CausalLM uninitialised(const ModelConfig& cfg, DType dtype = DType::f32) { return CausalLM(cfg, dtype, false); }
 
   const ModelConfig& config() const { return config_; }
-  DType dtype() const { return model.embed_tokens.weight.value.dtype(); }
+  /// The dtype the model computes in (float32 when its frozen weights are stored in bfloat16,
+  /// set_precision(model, Precision::bf16)).
+  DType dtype() const {
+    const DType t = model.embed_tokens.weight.value.dtype();
+    return t == DType::bf16 ? DType::f32 : t;
+  }
 
   /// The final hidden states (after the last RMSNorm).
   ///   ids: (B, T) int32/int64 token ids (usually an input slot, so a replay can swap batches)

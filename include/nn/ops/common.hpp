@@ -22,6 +22,18 @@ void require_same_dtype(const GTape<B>& tp, GVar a, GVar b, const char* op) {
          " ", tp.shape(b).str());
 }
 
+/// Precision::bf16: `w` is a weight stored in bfloat16 beside float32 activations `x`, which the
+/// products (matmul's right operand) and the embedding lookup read directly. Such a weight must be
+/// frozen: bf16 is a storage type here, and what trains stays float32.
+template <class B>
+bool bf16_weight(const GTape<B>& tp, GVar x, GVar w, const char* op) {
+  if (tp.dtype(w) != DType::bf16 || tp.dtype(x) != DType::f32) return false;
+  if (tp.requires_grad(w))
+    fail(op, "a bfloat16 weight ", tp.shape(w).str(), " must be frozen (bf16 stores frozen weights; what trains ",
+         "stays float32)");
+  return true;
+}
+
 /// The broadcast of two shapes (NumPy rules, aligned right), or an error naming both.
 inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   const int r = std::max(a.rank(), b.rank());

@@ -50,17 +50,22 @@ void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
 
 /// Rows of `table` (N, D) selected by integer `ids` of any shape: out = ids.shape + (D). The
 /// vjp scatter-adds into the table's gradient, so a repeated id accumulates. Out-of-range ids
-/// raise nn::Error (checked by the kernel on every run, replays included).
+/// raise nn::Error (checked by the kernel on every run, replays included). A frozen bfloat16
+/// table (Precision::bf16) gives float32 rows.
 template <class B>
 GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
-  detail::require_float(tp, table, "gather_rows");
+  const bool bf16 = tp.dtype(table) == DType::bf16;
+  if (bf16 && tp.requires_grad(table))
+    detail::fail("gather_rows", "a bfloat16 table ", tp.shape(table).str(), " must be frozen (bf16 stores frozen ",
+                 "weights; what trains stays float32)");
+  if (!bf16) detail::require_float(tp, table, "gather_rows");
   detail::require_ids(tp, ids, "gather_rows");
   const Shape& ts = tp.shape(table);
   if (ts.rank() != 2) detail::fail("gather_rows", "table must be (N, D), got ", ts.str());
   Shape out = tp.shape(ids);
   out.push_back(ts[1]);
   GVar in[] = {table, ids};
-  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, tp.dtype(table));
+  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, bf16 ? DType::f32 : tp.dtype(table));
 }
 
 /// out[i] = x[i, idx[i]] for x (..., V) and integer idx (...); an index < 0 picks 0 and passes no

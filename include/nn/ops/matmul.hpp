@@ -56,10 +56,20 @@ struct MatmulPrim {
 /// never copied). a: (..., M, K) — or (..., K, M) with trans_a; b: (..., K, N) — or (..., N, K)
 /// with trans_b. Leading (batch) dims must be equal, or one operand is a plain matrix shared by
 /// every batch element. Result: (..., M, N).
+/// b may be a frozen bfloat16 matrix beside a float32 a (Precision::bf16): the product then runs
+/// on bf16 operands (a rounded) with f32 accumulation, and so does a's gradient (g op(b)^T).
 template <class B>
 GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
-  detail::require_same_dtype(tp, a, b, "matmul");
   const Shape &sa = tp.shape(a), &sb = tp.shape(b);
+  if (detail::bf16_weight(tp, a, b, "matmul")) {
+    if constexpr (!requires { B::bf16_weights; })
+      detail::fail("matmul", "this backend has no bf16 products (b is a bfloat16 ", sb.str(), ")");
+    if (sb.rank() != 2 || trans_a)
+      detail::fail("matmul", "a bfloat16 operand must be the right-hand matrix of a product with a untransposed, got ",
+                   sa.str(), trans_a ? "^T" : "", " @ ", sb.str());
+  } else {
+    detail::require_same_dtype(tp, a, b, "matmul");
+  }
   if (sa.rank() < 2 || sb.rank() < 2)
     detail::fail("matmul", "operands need rank >= 2, got ", sa.str(), " and ", sb.str());
   const std::int64_t M = trans_a ? sa.dim(-1) : sa.dim(-2), Ka = trans_a ? sa.dim(-2) : sa.dim(-1);
