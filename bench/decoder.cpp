@@ -4,6 +4,9 @@
 // and bench/run_decoder.sh runs both and prints the ratios.
 //
 //   bench_decoder [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
+//                 [--precision f32|bf16]
+// --precision bf16 stores the frozen weights in bfloat16 (set_precision): the LoRA base, and in
+// forward mode every weight (nothing trains there). The full step has none, so it stays float32.
 //   bench_decoder --peak [--threads N]      (the FMA peak of this machine, GFLOP/s)
 //
 // Model: vocab 8192, d_model 256, 4 layers, 8 query heads, 2 KV heads, head dim 32, SwiGLU hidden
@@ -230,7 +233,7 @@ double fma_peak(int threads) {
 int usage(const char* what, const std::string& arg = "") {
   std::fprintf(stderr,
                "%s%s%s\nusage: bench_decoder [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N] "
-               "[--batch B] [--seq T]\n       bench_decoder --peak [--threads N]\n",
+               "[--batch B] [--seq T] [--precision f32|bf16]\n       bench_decoder --peak [--threads N]\n",
                what, arg.empty() ? "" : " ", arg.c_str());
   return 2;
 }
@@ -238,7 +241,7 @@ int usage(const char* what, const std::string& arg = "") {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string mode = "full";
+  std::string mode = "full", precision = "f32";
   int threads = 1, steps = 10, warmup = 2;
   std::int64_t B = 4, T = 256;
   bool peak = false;
@@ -253,9 +256,11 @@ int main(int argc, char** argv) {
     else if (k == "--warmup") warmup = std::stoi(v);
     else if (k == "--batch") B = std::stoll(v);
     else if (k == "--seq") T = std::stoll(v);
+    else if (k == "--precision") precision = v;
     else return usage("unknown option", k);
   }
   if (mode != "full" && mode != "lora" && mode != "forward") return usage("unknown mode", mode);
+  if (precision != "f32" && precision != "bf16") return usage("unknown precision", precision);
   if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) return usage("sizes must be positive");
   bench::print_cpu_info();
   bench::set_threads(threads);
@@ -270,6 +275,8 @@ int main(int argc, char** argv) {
   nn::random::seed(0);
   Decoder model = make_decoder(cfg);
   if (mode == "lora") apply_lora(model);
+  if (mode == "forward" && precision == "bf16") model.freeze();
+  if (precision == "bf16") nn::set_precision(model, nn::Precision::bf16);
   nn::AdamW<> opt(1e-4);
   opt.bias_correction();  // torch.optim.AdamW's update
   std::vector<std::pair<nn::Tensor, nn::Tensor>> data;
@@ -316,11 +323,11 @@ int main(int argc, char** argv) {
   std::printf(
       "RESULT impl=nn mode=%s threads=%d tok_s=%.1f median_ms=%.2f mean_ms=%.2f min_ms=%.2f cpu_ms=%.2f gflops=%.1f "
       "rss_peak_mb=%.1f rss_start_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld gemm=%s "
-      "version=%s\n",
+      "precision=%s version=%s\n",
       mode.c_str(), threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, total_s * 1e3 / steps, sorted[0], cpu_ms,
       flops / (median_ms / 1e3) / 1e9, static_cast<double>(proc_status_kb("VmHWM")) / 1024.0,
       static_cast<double>(rss_start_kb) / 1024.0, first_loss, last_loss, static_cast<long long>(model.num_params()),
       static_cast<long long>(model.num_trainable()),
-      nn::cpu_info().gemm_id.c_str(), NN_VERSION_STRING);
+      nn::cpu_info().gemm_id.c_str(), precision.c_str(), NN_VERSION_STRING);
   return 0;
 }

@@ -74,6 +74,8 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
+    ap.add_argument("--precision", choices=("f32", "bf16"), default="f32",
+                    help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = ap.parse_args()
     for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[v] = str(args.threads)
@@ -198,10 +200,11 @@ def main():
 
     def run(i):
         ids, tg = data[i % len(data)]
-        if args.mode == "forward":
-            with torch.no_grad():
-                return model(ids, tg).item()
-        loss = model(ids, tg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            if args.mode == "forward":
+                with torch.no_grad():
+                    return model(ids, tg).item()
+            loss = model(ids, tg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

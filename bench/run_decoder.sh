@@ -6,6 +6,7 @@
 #
 #   bench/run_decoder.sh [BUILD_DIR] [--modes "full lora forward"] [--threads "1 2"] [--steps N]
 #                        [--python PY] [--sdpa] [--nn-wait POLICY] [--torch-wait POLICY] [--repeat N]
+#                        [--precision f32|bf16]
 #
 # BUILD_DIR (default build) holds bench/bench_decoder. PY (default $NN_BENCH_PYTHON, else python3)
 # must import torch. Each run is its own process (so each peak RSS is that workload's own). Both
@@ -16,7 +17,9 @@
 # with F.scaled_dot_product_attention as a further column. --repeat N (default 1) runs each cell
 # as N back-to-back nn/PyTorch pairs and prints the medians: tokens/s, GFLOP/s and RSS per side,
 # and the median of the N pair ratios with their range (a 2-vCPU VM drifts by up to 15% between
-# runs; a pair shares the conditions of its moment). Timings mean something only on an idle
+# runs; a pair shares the conditions of its moment). --precision bf16: nn with its frozen weights in
+# bfloat16 (the LoRA base; every weight in forward mode; none in the full step) against PyTorch
+# under torch.autocast("cpu", dtype=torch.bfloat16). Timings mean something only on an idle
 # machine: the load average is printed before and after.
 set -euo pipefail
 
@@ -30,6 +33,7 @@ sdpa=0
 nn_wait=default
 torch_wait=default
 repeat=1
+precision=f32
 while [ $# -gt 0 ]; do
   case "$1" in
     --modes) modes="$2"; shift 2 ;;
@@ -40,6 +44,7 @@ while [ $# -gt 0 ]; do
     --nn-wait) nn_wait="$2"; shift 2 ;;
     --torch-wait) torch_wait="$2"; shift 2 ;;
     --repeat) repeat="$2"; shift 2 ;;
+    --precision) precision="$2"; shift 2 ;;
     -h|--help) sed -n '3,19p' "$0"; exit 0 ;;
     *) build="$1"; shift ;;
   esac
@@ -67,7 +72,7 @@ torch_version=$("$py" -c "import torch; print(torch.__version__)")
 probe=$("$nn_bin" --mode forward --steps 1 --warmup 1)
 grep -m1 '^# cpu:' <<<"$probe" | sed 's/^# //'
 echo "PyTorch $torch_version ($py); nn $(sed -n 's/.* gemm=\([^ ]*\).*/\1/p' <<<"$probe") GEMM"
-echo "OpenMP wait policy: nn $nn_wait, PyTorch $torch_wait"
+echo "OpenMP wait policy: nn $nn_wait, PyTorch $torch_wait; precision $precision (bf16: nn's frozen weights in bfloat16, PyTorch under torch.autocast)"
 echo "FMA peak (measured): $(for t in $threads; do printf '%s thread(s) %s GFLOP/s  ' "$t" "${peak[$t]}"; done)"
 echo
 header="| mode | threads | nn tok/s | torch tok/s | ratio | nn GFLOP/s (% peak) | torch GFLOP/s (% peak) | nn peak RSS MB | torch peak RSS MB |"
@@ -78,8 +83,8 @@ for mode in $modes; do
   for t in $threads; do
     declare -a nts=() tts=() ngs=() tgs=() nrs=() trs=() ratios=()
     for ((r = 0; r < repeat; r++)); do
-      nn=$(OMP_NUM_THREADS=$t run_nn "$nn_bin" --mode "$mode" --threads "$t" --steps "$steps" | grep '^RESULT')
-      th=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t run_torch "$py" "$here/decoder_torch.py" --mode "$mode" --threads "$t" --steps "$steps" | grep '^RESULT')
+      nn=$(OMP_NUM_THREADS=$t run_nn "$nn_bin" --mode "$mode" --threads "$t" --steps "$steps" --precision "$precision" | grep '^RESULT')
+      th=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t run_torch "$py" "$here/decoder_torch.py" --mode "$mode" --threads "$t" --steps "$steps" --precision "$precision" | grep '^RESULT')
       nts+=("$(field tok_s "$nn")"); tts+=("$(field tok_s "$th")")
       ngs+=("$(field gflops "$nn")"); tgs+=("$(field gflops "$th")")
       nrs+=("$(field rss_peak_mb "$nn")"); trs+=("$(field rss_peak_mb "$th")")
