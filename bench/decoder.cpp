@@ -6,7 +6,8 @@
 //   bench_decoder [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
 //                 [--precision f32|bf16]
 // --precision bf16 stores the frozen weights in bfloat16 (set_precision): the LoRA base, and in
-// forward mode every weight (nothing trains there). The full step has none, so it stays float32.
+// forward mode every weight (nothing trains there); and the tape runs every product of a float32
+// weight on bf16-rounded operands (GTape::set_autocast), as torch.autocast does.
 //   bench_decoder --peak [--threads N]      (the FMA peak of this machine, GFLOP/s)
 //
 // Model: vocab 8192, d_model 256, 4 layers, 8 query heads, 2 KV heads, head dim 32, SwiGLU hidden
@@ -282,7 +283,11 @@ int main(int argc, char** argv) {
   std::vector<std::pair<nn::Tensor, nn::Tensor>> data;
   for (std::uint64_t i = 0; i < 4; ++i) data.push_back(batch(i, B, T, cfg.vocab));
 
-  auto loss_fn = [](nn::GTape<nn::cpu>& tp, const Decoder& m, nn::GVar ids, nn::GVar tg) { return m.loss(tp, ids, tg); };
+  const bool bf16 = precision == "bf16";
+  auto loss_fn = [bf16](nn::GTape<nn::cpu>& tp, const Decoder& m, nn::GVar ids, nn::GVar tg) {
+    if (bf16) tp.set_autocast(nn::DType::bf16);
+    return m.loss(tp, ids, tg);
+  };
   auto step = nn::compile<2>(model, opt, loss_fn);
   nn::GTape<nn::cpu> fwd;  // forward mode: recorded on the first call, replayed after
   nn::GVar ids_in, tg_in, loss_out;
@@ -290,6 +295,7 @@ int main(int argc, char** argv) {
     const auto& [ids, tg] = data[static_cast<std::size_t>(i) % data.size()];
     if (mode != "forward") return step(ids, tg).item();
     if (!loss_out.valid()) {
+      if (bf16) fwd.set_autocast(nn::DType::bf16);
       ids_in = fwd.input(ids);
       tg_in = fwd.input(tg);
       loss_out = model.loss(fwd, ids_in, tg_in);

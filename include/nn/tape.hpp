@@ -201,7 +201,23 @@ class GTape {
     params_.clear();
     key_slots_.clear();
     loss_ = -1;
+    autocast_ = DType::f32;
   }
+
+  /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
+  /// Linear's weight, a LoRA adapter) run on bf16-rounded operands with f32 accumulation, and so
+  /// do the products of their input's gradient (torch.autocast("cpu", dtype=torch.bfloat16) for
+  /// matmul). The weight's own gradient stays a float32 product of float32 operands (more exact
+  /// than autocast's, and faster here: its operand is read transposed, which the bf16 packers
+  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32 (the default; also after
+  /// clear()) records products in their own dtype. Each product keeps the choice it was recorded
+  /// with, so a replay does what the recording did.
+  void set_autocast(DType t) {
+    if (t != DType::f32 && t != DType::bf16)
+      detail::fail("tape", "autocast is float32 (off) or bfloat16, got ", dtype_name(t));
+    autocast_ = t;
+  }
+  DType autocast() const { return autocast_; }
 
   // ---- backward ----------------------------------------------------------------------------
 
@@ -320,6 +336,7 @@ class GTape {
   }
 
  private:
+  DType autocast_ = DType::f32;  // set_autocast
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
     nodes_.back().leaf = k;

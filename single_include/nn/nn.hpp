@@ -1900,31 +1900,100 @@ struct Bf16PairPackA {
   }
 };
 
-/// Native: op(B) columns as bf16 pairs. A Linear's weight read transposed (op(B)[k][j] =
-/// W[j][k]) already holds each pair side by side, so its panels are a transposing copy of 32-bit
-/// words (pack_panel); the other layouts interleave two rows.
+/// The bf16 bits of a B element: bf16 as stored, f32 rounded to nearest even (autocast).
+template <class S>
+inline std::uint32_t bf16_bits(S v) {
+  if constexpr (std::is_same_v<S, bf16>) return v;
+  else return half::f32_to_bf16(v);
+}
+
+/// Emulated, B in f32 (autocast): op(B) packed as f32, then rounded to bf16 values in the panel.
 template <int NR>
-struct Bf16PairPackB {
-  Matrix<bf16> m;
+struct Bf16RoundPackB {
+  Matrix<float> m;
   void operator()(float* dst, index j0, index nc, index k0, index kc) const {
-    const index pairs = (kc + 1) / 2, even = kc / 2;
-    for (index q = 0; q < nc; q += NR, dst += kc * NR) {
-      auto* w = reinterpret_cast<pair_word*>(dst);
-      const index cols = std::min<index>(NR, nc - q);
-      index kp = 0;
-      if (m.trans && m.ld % 2 == 0 && k0 % 2 == 0) {
-        const auto* src = reinterpret_cast<const pair_word*>(m.p + (j0 + q) * m.ld + k0);
-        pack_panel<NR>(src, m.ld / 2, false, cols, even, w);
+    pack_b<NR>(m, k0, kc, j0, nc, dst);
+    const index n = (nc + NR - 1) / NR * NR * kc;
+    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
+  }
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+/// One Bf16PairPackB panel (NR = 32 columns j0.., depths k0..k0+kc) with AVX-512: word (kp, j) =
+/// bits(op(B)(k0 + 2kp, j)) | bits(op(B)(k0 + 2kp + 1, j)) << 16, zero past the edges.
+///  - op(B) = X^T (a Linear's weight, X[j][k]): each column's pairs lie side by side in X's row j.
+///    bf16 rows are already pair words; f32 rows convert 32 floats to 16 words at a time
+///    (vcvtne2ps2bf16: round to nearest even, denormals flushed) into a column-major scratch.
+///    Either way a transposing copy of 32-bit words (pack_panel) lays the panel out.
+///  - op(B) = X (X[k][j]): a pair interleaves rows k and k + 1, 16 columns at a time.
+template <class S>
+[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]] inline void pack_pair_panel(
+    const Matrix<S>& m, index j0, index cols, index k0, index kc, pair_word* w) {
+  constexpr int NR = 32;
+  const index pairs = (kc + 1) / 2, even = kc / 2;
+  auto bits = [&](index k, index c) -> std::uint32_t { return k < k0 + kc && c < j0 + cols ? bf16_bits(m.at(k, c)) : 0; };
+  index kp = 0;
+  if (m.trans && cols == NR) {
+    if constexpr (std::is_same_v<S, bf16>) {
+      if (m.ld % 2 == 0 && k0 % 2 == 0) {
+        pack_panel<NR>(reinterpret_cast<const pair_word*>(m.p + j0 * m.ld + k0), m.ld / 2, false, cols, even, w);
         kp = even;
       }
-      for (; kp < pairs; ++kp)
+    } else {
+      // column j's words for pairs 0..full-1 (full: whole 16-word groups), then transposed
+      const index full = even / 16 * 16;
+      alignas(64) pair_word tmp[NR * 256];
+      if (full > 0 && full <= 256) {
         for (index j = 0; j < NR; ++j) {
-          const index k = k0 + 2 * kp, c = j0 + q + j;
-          const std::uint32_t lo = j < cols ? m.at(k, c) : 0;
-          const std::uint32_t hi = j < cols && 2 * kp + 1 < kc ? m.at(k + 1, c) : 0;
-          w[kp * NR + j] = lo | hi << 16;
+          const float* src = m.p + (j0 + j) * m.ld + k0;
+          for (index q = 0; q < full; q += 16) {
+            const __m512 lo = _mm512_loadu_ps(src + 2 * q), hi = _mm512_loadu_ps(src + 2 * q + 16);
+            _mm512_store_si512(tmp + j * full + q, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
         }
+        pack_panel<NR>(tmp, full, false, NR, full, w);
+        kp = full;
+      }
     }
+  } else if (!m.trans) {
+    for (; kp < even; ++kp) {
+      const index k = k0 + 2 * kp;
+      index j = 0;
+      for (; j + 16 <= cols; j += 16) {
+        __m512i lo, hi;
+        if constexpr (std::is_same_v<S, bf16>) {
+          lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + k * m.ld + j0 + j)));
+          hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + (k + 1) * m.ld + j0 + j)));
+        } else {
+          lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + k * m.ld + j0 + j)));
+          hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + (k + 1) * m.ld + j0 + j)));
+        }
+        _mm512_storeu_si512(w + kp * NR + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      for (; j < NR; ++j) w[kp * NR + j] = bits(k, j0 + j) | bits(k + 1, j0 + j) << 16;
+    }
+  }
+  for (; kp < pairs; ++kp)
+    for (index j = 0; j < NR; ++j) {
+      const index k = k0 + 2 * kp;
+      w[kp * NR + j] = bits(k, j0 + j) | bits(k + 1, j0 + j) << 16;
+    }
+}
+#endif
+
+/// Native: op(B) columns as bf16 pairs, from bf16 (a stored weight) or f32 (rounded, autocast),
+/// one NR = 32 panel at a time (pack_pair_panel).
+template <int NR, class S = bf16>
+struct Bf16PairPackB {
+  static_assert(NR == 32);
+  Matrix<S> m;
+  void operator()(float* dst, index j0, index nc, index k0, index kc) const {
+#if defined(__x86_64__) || defined(__i386__)
+    for (index q = 0; q < nc; q += NR, dst += kc * NR)
+      pack_pair_panel(m, j0 + q, std::min<index>(NR, nc - q), k0, kc, reinterpret_cast<pair_word*>(dst));
+#else
+    (void)dst, (void)j0, (void)nc, (void)k0, (void)kc;
+#endif
   }
 };
 
@@ -2069,11 +2138,12 @@ struct alignas(64) TileConfig {
 /// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B) on the calling thread: A blocks of MB rows,
 /// K in KC slices (A packed), B blocks of NB columns (packed), 32 x 32 micro-tiles; an edge tile
 /// is computed whole into a scratch tile and its valid part copied.
-inline void gemm(bool ta, bool tb, index M, index N, index K, const float* A, index lda, const bf16* B, index ldb,
-                 float* C, index ldc, bool acc) {
+template <class SB>
+void gemm(bool ta, bool tb, index M, index N, index K, const float* A, index lda, const SB* B, index ldb, float* C,
+          index ldc, bool acc) {
   configure_thread();
   const Matrix<float> am{A, lda, ta};
-  const Bf16PairPackB<NR> pack_b{Matrix<bf16>{B, ldb, tb}};
+  const Bf16PairPackB<NR, SB> pack_b{Matrix<SB>{B, ldb, tb}};
   const index kcap = std::min<index>(KC, (K + 31) / 32 * 32), pcap = kcap / 2;
   const index mb = std::min<index>(MB, (M + MR - 1) / MR * MR), nb = std::min<index>(NB, (N + NR - 1) / NR * NR);
   auto* a_blk = static_cast<pair_word*>(
@@ -2144,8 +2214,9 @@ inline bool bf16_kernel_available(Bf16Kernel k) {
   return false;
 }
 
-inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A,
-                      index lda, const bf16* B, index ldb, float* C, index ldc, bool acc, bool parallel);
+template <class SB>
+void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A, index lda,
+               const SB* B, index ldb, float* C, index ldc, bool acc, bool parallel);
 
 /// The bf16 kernel this process runs, decided once by measurement, not by CPU model: every kernel
 /// that can run here times one L2-resident product (64 x 256 x 512, best of 5, well under a
@@ -2172,7 +2243,7 @@ inline Bf16Kernel bf16_kernel() {
       double t = 1e30;
       for (int r = 0; r < 6; ++r) {  // the first run warms the packing space and the caches
         const auto t0 = std::chrono::steady_clock::now();
-        gemm_bf16(active_isa(), k, false, true, M, N, K, a.data(), K, b.data(), K, c.data(), N, false, false);
+        gemm_bf16<bf16>(active_isa(), k, false, true, M, N, K, a.data(), K, b.data(), K, c.data(), N, false, false);
         if (r > 0) t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       return t;
@@ -2188,11 +2259,14 @@ inline Bf16Kernel bf16_kernel() {
   return chosen;
 }
 
-/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 (rounded to bf16 while packing), B
-/// bf16, f32 accumulation, on up to team_threads() threads when `parallel`, with `kernel` (one
-/// bf16_kernel_available() says can run; the emulation runs on `isa`'s f32 kernels).
-inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A,
-                      index lda, const bf16* B, index ldb, float* C, index ldc, bool acc, bool parallel) {
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ bf16(op(B)): A f32 (rounded to bf16 while
+/// packing), B bf16 (a stored weight) or f32 (rounded too: autocast), f32 accumulation, on up to
+/// team_threads() threads when `parallel`, with `kernel` (one bf16_kernel_available() says can
+/// run; the emulation runs on `isa`'s f32 kernels).
+template <class SB>
+void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A, index lda,
+               const SB* B, index ldb, float* C, index ldc, bool acc, bool parallel) {
+  static_assert(std::is_same_v<SB, bf16> || std::is_same_v<SB, float>);
   const int threads = parallel ? team_threads(M, N, K) : 1;
   // AMX packs its own B columns per thread (each thread's share of the weight), so it always
   // splits by columns; the others share B panels over the team unless C is short and wide.
@@ -2212,7 +2286,7 @@ inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, ind
   if (kernel == Bf16Kernel::amx) return amx::gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc);
 #endif
   const Matrix<float> a{A, lda, ta};
-  const Matrix<bf16> b{B, ldb, tb};
+  const Matrix<SB> b{B, ldb, tb};
   auto run = [&]<class S>(const Kernels<float>& kern, const auto& pack_a_fn, const auto& pack_b_fn) {
 #if defined(_OPENMP)
     if (threads > 1) return gemm_team<float, S>(threads, kern, M, N, K, pack_a_fn, pack_b_fn, C, ldc, acc);
@@ -2223,13 +2297,16 @@ inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, ind
   if (kernel == Bf16Kernel::avx512_bf16) {
     using S = Shape<float, Isa::avx512>;
     const Kernels<float> kern{&micro_avx512_bf16, &micro_avx512_bf16};
-    run.template operator()<S>(kern, Bf16PairPackA<S::MR>{a}, Bf16PairPackB<S::NR>{b});
+    run.template operator()<S>(kern, Bf16PairPackA<S::MR>{a}, Bf16PairPackB<S::NR, SB>{b});
     return;
   }
 #endif
   with_isa(isa, [&]<Isa I>() {
     using S = Shape<float, I>;
-    run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+    if constexpr (std::is_same_v<SB, bf16>)
+      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+    else
+      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, Bf16RoundPackB<S::NR>{b});
   });
 }
 
@@ -2727,16 +2804,17 @@ template <class T>
 void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
                  const T* B, std::int64_t ldb, T* C, std::int64_t ldc, bool acc);
 
-/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 rounded to bf16, B bf16 (a frozen
-/// weight, Precision::bf16), f32 accumulation. nn's engine packs straight from the bf16 weight
-/// (gemm::gemm_bf16); the CBLAS and Eigen engines get f32 copies of the rounded operands (an
-/// allocation per call: those engines have no packing hook).
-inline void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
-                      std::int64_t lda, const std::uint16_t* B, std::int64_t ldb, float* C, std::int64_t ldc,
-                      bool acc, bool parallel) {
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ bf16(op(B)): A f32 rounded to bf16, B bf16 (a
+/// frozen weight, Precision::bf16) or f32 rounded too (autocast), f32 accumulation. nn's engine
+/// packs straight from the operands (gemm::gemm_bf16); the CBLAS and Eigen engines get f32 copies
+/// of the rounded operands (an allocation per call: those engines have no packing hook).
+template <class SB>
+void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A, std::int64_t lda,
+               const SB* B, std::int64_t ldb, float* C, std::int64_t ldc, bool acc, bool parallel) {
 #if defined(NN_OWN_GEMM)
   if (gemm_choice().engine == GemmEngine::nn) {
-    gemm::gemm_bf16(gemm::active_isa(), gemm::bf16_kernel(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc, parallel);
+    gemm::gemm_bf16<SB>(gemm::active_isa(), gemm::bf16_kernel(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc,
+                        parallel);
     return;
   }
 #endif
@@ -2747,7 +2825,11 @@ inline void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int
     for (std::int64_t c = 0; c < (ta ? M : K); ++c)
       a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_to_f32(half::f32_to_bf16(A[r * lda + c]));
   for (std::int64_t r = 0; r < br; ++r)
-    for (std::int64_t c = 0; c < bc; ++c) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(B[r * ldb + c]);
+    for (std::int64_t c = 0; c < bc; ++c) {
+      const SB v = B[r * ldb + c];
+      if constexpr (std::is_same_v<SB, float>) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(half::f32_to_bf16(v));
+      else b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(v);
+    }
   gemm_serial<float>(ta, tb, M, N, K, a.data(), ta ? M : K, b.data(), bc, C, ldc, acc);
 }
 
@@ -3129,20 +3211,25 @@ struct cpu {
     });
   }
 
-  /// c (+)= bf16(op(a)) @ op(b) for a bf16 matrix b and f32 a (..., M, K) (its batch shares b;
-  /// ops/matmul.hpp folds it into rows): a rounded to bf16, f32 accumulation, c f32.
+  /// c (+)= bf16(op(a)) @ bf16(op(b)) for a matrix b (bf16: a stored weight; f32: rounded too,
+  /// autocast) and f32 a (..., M, K) (its batch shares b; ops/matmul.hpp folds it into rows): f32
+  /// accumulation, c f32.
   static void matmul_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
-    if (a.dtype() != DType::f32 || c.dtype() != DType::f32 || b.rank() != 2)
-      detail::fail("matmul", "a bf16 operand must be a matrix beside float32 ones, got a ", dtype_name(a.dtype()), " ",
-                   a.shape().str(), ", b ", dtype_name(b.dtype()), " ", b.shape().str());
+    if (a.dtype() != DType::f32 || c.dtype() != DType::f32 || b.rank() != 2 ||
+        (b.dtype() != DType::bf16 && b.dtype() != DType::f32))
+      detail::fail("matmul", "a bf16 product needs a float32 a and a bfloat16 or float32 matrix b, got a ",
+                   dtype_name(a.dtype()), " ", a.shape().str(), ", b ", dtype_name(b.dtype()), " ", b.shape().str());
     const Shape& sa = a.shape();
     const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = b.dim(0), bc = b.dim(1);
     const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc, batch = sa.prod(0, sa.rank() - 2);
     const float* A = static_cast<const float*>(a.raw());
-    const auto* Bp = static_cast<const std::uint16_t*>(b.raw());
     float* C = static_cast<float*>(c.raw());
-    for (std::int64_t i = 0; i < batch; ++i)
-      detail::gemm_bf16(ta, tb, M, N, K, A + i * ar * ac, ac, Bp, bc, C + i * M * N, N, acc, true);
+    auto run = [&](const auto* Bp) {
+      for (std::int64_t i = 0; i < batch; ++i)
+        detail::gemm_bf16(ta, tb, M, N, K, A + i * ar * ac, ac, Bp, bc, C + i * M * N, N, acc, true);
+    };
+    if (b.dtype() == DType::bf16) run(static_cast<const std::uint16_t*>(b.raw()));
+    else run(static_cast<const float*>(b.raw()));
   }
 
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
@@ -4306,7 +4393,23 @@ class GTape {
     params_.clear();
     key_slots_.clear();
     loss_ = -1;
+    autocast_ = DType::f32;
   }
+
+  /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
+  /// Linear's weight, a LoRA adapter) run on bf16-rounded operands with f32 accumulation, and so
+  /// do the products of their input's gradient (torch.autocast("cpu", dtype=torch.bfloat16) for
+  /// matmul). The weight's own gradient stays a float32 product of float32 operands (more exact
+  /// than autocast's, and faster here: its operand is read transposed, which the bf16 packers
+  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32 (the default; also after
+  /// clear()) records products in their own dtype. Each product keeps the choice it was recorded
+  /// with, so a replay does what the recording did.
+  void set_autocast(DType t) {
+    if (t != DType::f32 && t != DType::bf16)
+      detail::fail("tape", "autocast is float32 (off) or bfloat16, got ", dtype_name(t));
+    autocast_ = t;
+  }
+  DType autocast() const { return autocast_; }
 
   // ---- backward ----------------------------------------------------------------------------
 
@@ -4425,6 +4528,7 @@ class GTape {
   }
 
  private:
+  DType autocast_ = DType::f32;  // set_autocast
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
     nodes_.back().leaf = k;
@@ -4821,8 +4925,16 @@ namespace detail {
 
 /// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
 /// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
+/// attrs.code = 1: autocast (GTape::set_autocast): the forward product and dA on bf16-rounded
+/// operands with f32 accumulation (B::matmul_bf16), dB in float32.
 template <class B>
 struct MatmulPrim {
+  static void mm(const Node<B>& n, const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    if constexpr (requires { B::bf16_weights; })
+      if (n.attrs.code == 1) return B::matmul_bf16(a, ta, b, tb, c, acc);
+    B::matmul(a, ta, b, tb, c, acc);
+  }
+
   // The views every kernel call uses: folded to 2-D when A is batched, B a matrix, A not transposed.
   static bool foldable(const Tensor& a, const Tensor& b, bool ta) { return a.rank() > 2 && b.rank() == 2 && !ta; }
   static Tensor rows(const Tensor& t) { return t.reshape(Shape{t.numel() / t.dim(-1), t.dim(-1)}); }
@@ -4832,9 +4944,9 @@ struct MatmulPrim {
     const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
     if (foldable(a, b, ta)) {
       Tensor c = rows(n.value);
-      B::matmul(rows(a), false, b, tb, c, false);
+      mm(n, rows(a), false, b, tb, c, false);
     } else {
-      B::matmul(a, ta, b, tb, n.value, false);
+      mm(n, a, ta, b, tb, n.value, false);
     }
   }
 
@@ -4849,11 +4961,13 @@ struct MatmulPrim {
     if (tp.needs_grad(n, 0)) {
       GradSlot s = tp.grad_slot(n, 0);
       Tensor ga = fold ? rows(s.g) : s.g;
-      if (!ta) B::matmul(g, false, b, !tb, ga, s.acc);
-      else B::matmul(b, tb, g, true, ga, s.acc);
+      if (!ta) mm(n, g, false, b, !tb, ga, s.acc);
+      else mm(n, b, tb, g, true, ga, s.acc);
     }
     if (tp.needs_grad(n, 1)) {
       GradSlot s = tp.grad_slot(n, 1);
+      // the weight's gradient stays a float32 product: its A operand is read transposed, which
+      // the bf16 packers convert element by element (slower than the f32 product they replace)
       if (!tb) B::matmul(a2, !ta, g, false, s.g, s.acc);
       else B::matmul(g, true, a2, ta, s.g, s.acc);
     }
@@ -4869,6 +4983,8 @@ struct MatmulPrim {
 /// every batch element. Result: (..., M, N).
 /// b may be a frozen bfloat16 matrix beside a float32 a (Precision::bf16): the product then runs
 /// on bf16 operands (a rounded) with f32 accumulation, and so does a's gradient (g op(b)^T).
+/// Under GTape::set_autocast(DType::bf16) a float32 matrix b is rounded the same way, and a's
+/// gradient's product too (b's gradient stays a float32 product).
 template <class B>
 GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
   const Shape &sa = tp.shape(a), &sb = tp.shape(b);
@@ -4905,6 +5021,11 @@ GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = f
   Attrs at;
   at.flag_a = trans_a;
   at.flag_b = trans_b;
+  // autocast: products whose right operand is a float32 matrix (a weight), as torch.autocast;
+  // a transposed batched a would not fold into rows, so it keeps float32
+  if constexpr (requires { B::bf16_weights; })
+    at.code = tp.autocast() == DType::bf16 && tp.dtype(a) == DType::f32 && tp.dtype(b) == DType::f32 &&
+              sb.rank() == 2 && !(sa.rank() > 2 && trans_a);
   GVar in[] = {a, b};
   return tp.record(detail::MatmulPrim<B>::def, in, at, out, tp.dtype(a));
 }

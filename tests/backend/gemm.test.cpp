@@ -169,7 +169,7 @@ std::vector<std::uint16_t> random_bf16(std::size_t n, unsigned seed) {
 }  // namespace
 
 TEST_CASE("bf16 products: the emulation is the f32 product of the rounded operands, bit for bit; vdpbf16ps and AMX "
-          "within f32 accumulation error; threaded = serial") {
+          "within f32 accumulation error; threaded = serial; B stored in bf16 or rounded from f32") {
   using S3 = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
   using gemm::Bf16Kernel;
   // odd K (a half pair at the end), K past KC (several slices, the later ones starting on an
@@ -191,9 +191,12 @@ TEST_CASE("bf16 products: the emulation is the f32 product of the rounded operan
           const std::vector<std::uint16_t> B = random_bf16(static_cast<std::size_t>(K * N), 12);
           const std::vector<float> C0 = random_values<float>(static_cast<std::size_t>(M * ldc), 13);
           // the reference operands: A rounded to bf16, B widened, both f32
-          std::vector<float> Ar(A.size()), Bw(B.size());
+          std::vector<float> Ar(A.size()), Bw(B.size()), Bf(B.size());
           for (std::size_t i = 0; i < A.size(); ++i) Ar[i] = gemm::bf16_round(A[i]);
           for (std::size_t i = 0; i < B.size(); ++i) Bw[i] = half::bf16_to_f32(B[i]);
+          // B as float32 (autocast) that rounds back to exactly Bw: off by 2^-12 relative, under
+          // half a bf16 ulp (2^-9), so the reference below serves both
+          for (std::size_t i = 0; i < B.size(); ++i) Bf[i] = Bw[i] * (1.0f + 0x1p-12f);
           for (Isa isa : runnable_isas()) {
             std::vector<float> ref = C0, emu = C0, emu_team = C0;
             gemm::gemm_serial<float>(isa, ta, tb, M, N, K, Ar.data(), lda, Bw.data(), ldb, ref.data(), ldc, acc);
@@ -201,18 +204,24 @@ TEST_CASE("bf16 products: the emulation is the f32 product of the rounded operan
                             acc, false);
             gemm::gemm_bf16(isa, Bf16Kernel::emulated, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, emu_team.data(),
                             ldc, acc, true);
+            std::vector<float> emu_f32b = C0;
+            gemm::gemm_bf16(isa, Bf16Kernel::emulated, ta, tb, M, N, K, A.data(), lda, Bf.data(), ldb, emu_f32b.data(),
+                            ldc, acc, true);
             const bool same = std::memcmp(ref.data(), emu.data(), sizeof(float) * ref.size()) == 0 &&
-                              std::memcmp(ref.data(), emu_team.data(), sizeof(float) * ref.size()) == 0;
+                              std::memcmp(ref.data(), emu_team.data(), sizeof(float) * ref.size()) == 0 &&
+                              std::memcmp(ref.data(), emu_f32b.data(), sizeof(float) * ref.size()) == 0;
             if (!same) MESSAGE(isa_name(isa) << " " << M << "x" << N << "x" << K << " ta " << ta << " tb " << tb);
             CHECK(same);
           }
           for (Bf16Kernel kern : hw) {
             const std::string kname = gemm::bf16_kernel_name(kern);
             CAPTURE(kname);
-            std::vector<float> out = C0, team = C0;
+            std::vector<float> out = C0, team = C0, f32b = C0;
             gemm::gemm_bf16(Isa::avx512, kern, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, out.data(), ldc, acc, false);
             gemm::gemm_bf16(Isa::avx512, kern, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, team.data(), ldc, acc, true);
+            gemm::gemm_bf16(Isa::avx512, kern, ta, tb, M, N, K, A.data(), lda, Bf.data(), ldb, f32b.data(), ldc, acc, true);
             CHECK(std::memcmp(out.data(), team.data(), sizeof(float) * out.size()) == 0);
+            CHECK(std::memcmp(out.data(), f32b.data(), sizeof(float) * out.size()) == 0);  // B rounded while packed
             // |C - exact| <= (K + 2) u sum_k |a_k b_k| (+ |C0|): the f32 summation bound, u = 2^-24
             // (products of two bf16 are exact in f32)
             double worst = 0;

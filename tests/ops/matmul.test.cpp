@@ -131,3 +131,49 @@ TEST_CASE("bf16 weights: the embedding lookup widens rows exactly; linear keeps 
   test::check_error([&] { matmul(tp, x, e, true, false); }, {"[matmul]", "right-hand matrix", "(4, 6)^T"});
   test::check_error([&] { matmul(tp, e, x, false, true); }, {"[matmul]", "bfloat16", "(11, 6)"});
 }
+
+TEST_CASE("autocast bf16: a float32 weight's product and x's gradient on bf16-rounded operands, W's gradient in f32; "
+          "replayed") {
+  for (bool tb : {true, false}) {
+    CAPTURE(tb);
+    Tensor X = test::random_tensor({3, 7, 45}, DType::f32, 90), W = test::random_tensor(tb ? Shape{19, 45} : Shape{45, 19}, DType::f32, 91);
+    Tensor G = test::random_tensor({3, 7, 19}, DType::f32, 92);
+    Tape tp;
+    tp.set_autocast(DType::bf16);
+    GVar x = tp.param(X), w = tp.param(W);
+    GVar y = matmul(tp, x, w, false, tb);
+    tp.backward(y, G);
+    // the reference: float64 products of the rounded operands; dW = g^T x (or x^T g) over the
+    // 21 folded rows, of the operands as they are (the weight's gradient is a float32 product)
+    Tape rt;
+    GVar xr = rt.constant(bf16_rounded(X)), wr = rt.constant(bf16_rounded(W)), gr = rt.constant(bf16_rounded(G));
+    GVar xr2 = rt.constant(X.to(DType::f64).reshape({21, 45})), gr2 = rt.constant(G.to(DType::f64).reshape({21, 19}));
+    Tensor y_ref = rt.value(matmul(rt, xr, wr, false, tb));
+    Tensor gx_ref = rt.value(matmul(rt, gr, wr, false, !tb));
+    Tensor gw_ref = rt.value(tb ? matmul(rt, gr2, xr2, true, false) : matmul(rt, xr2, gr2, true, false));
+    const double ey = test::rel_err(tp.value(y), y_ref), ex = test::rel_err(tp.grad(x), gx_ref),
+                 ew = test::rel_err(tp.grad(w), gw_ref);
+    MESSAGE("autocast matmul (" << std::string(tb ? "W^T" : "W") << "): value " << ey << ", x grad " << ex
+                                << ", W grad " << ew);
+    CHECK(ey <= 2e-6);
+    CHECK(ex <= 2e-6);
+    CHECK(ew <= 2e-6);
+    // the choice is recorded with the product: a replay with new values does what the recording did
+    Tensor y0 = tp.value(y).clone();
+    for (std::int64_t i = 0; i < X.numel(); ++i) X.data<float>()[i] *= -0.5f;
+    tp.replay();
+    Tape et;
+    et.set_autocast(DType::bf16);
+    GVar ye = matmul(et, et.param(X), et.param(W), false, tb);
+    CHECK(test::rel_err(tp.value(y), et.value(ye)) == 0.0);
+    CHECK(test::rel_err(tp.value(y), y0) > 0.1);
+  }
+  // off again: float32 products, bit-equal to a tape that never had autocast
+  Tensor X = test::random_tensor({5, 8}, DType::f32, 93), W = test::random_tensor({6, 8}, DType::f32, 94);
+  Tape a, b;
+  a.set_autocast(DType::bf16);
+  a.set_autocast(DType::f32);
+  GVar ya = matmul(a, a.param(X), a.param(W), false, true), yb = matmul(b, b.param(X), b.param(W), false, true);
+  CHECK(test::rel_err(a.value(ya), b.value(yb)) == 0.0);
+  test::check_error([&] { a.set_autocast(DType::i32); }, {"[tape]", "autocast", "int32"});
+}

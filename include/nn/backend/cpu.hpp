@@ -368,16 +368,17 @@ template <class T>
 void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
                  const T* B, std::int64_t ldb, T* C, std::int64_t ldc, bool acc);
 
-/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 rounded to bf16, B bf16 (a frozen
-/// weight, Precision::bf16), f32 accumulation. nn's engine packs straight from the bf16 weight
-/// (gemm::gemm_bf16); the CBLAS and Eigen engines get f32 copies of the rounded operands (an
-/// allocation per call: those engines have no packing hook).
-inline void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
-                      std::int64_t lda, const std::uint16_t* B, std::int64_t ldb, float* C, std::int64_t ldc,
-                      bool acc, bool parallel) {
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ bf16(op(B)): A f32 rounded to bf16, B bf16 (a
+/// frozen weight, Precision::bf16) or f32 rounded too (autocast), f32 accumulation. nn's engine
+/// packs straight from the operands (gemm::gemm_bf16); the CBLAS and Eigen engines get f32 copies
+/// of the rounded operands (an allocation per call: those engines have no packing hook).
+template <class SB>
+void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A, std::int64_t lda,
+               const SB* B, std::int64_t ldb, float* C, std::int64_t ldc, bool acc, bool parallel) {
 #if defined(NN_OWN_GEMM)
   if (gemm_choice().engine == GemmEngine::nn) {
-    gemm::gemm_bf16(gemm::active_isa(), gemm::bf16_kernel(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc, parallel);
+    gemm::gemm_bf16<SB>(gemm::active_isa(), gemm::bf16_kernel(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc,
+                        parallel);
     return;
   }
 #endif
@@ -388,7 +389,11 @@ inline void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int
     for (std::int64_t c = 0; c < (ta ? M : K); ++c)
       a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_to_f32(half::f32_to_bf16(A[r * lda + c]));
   for (std::int64_t r = 0; r < br; ++r)
-    for (std::int64_t c = 0; c < bc; ++c) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(B[r * ldb + c]);
+    for (std::int64_t c = 0; c < bc; ++c) {
+      const SB v = B[r * ldb + c];
+      if constexpr (std::is_same_v<SB, float>) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(half::f32_to_bf16(v));
+      else b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(v);
+    }
   gemm_serial<float>(ta, tb, M, N, K, a.data(), ta ? M : K, b.data(), bc, C, ldc, acc);
 }
 
@@ -770,20 +775,25 @@ struct cpu {
     });
   }
 
-  /// c (+)= bf16(op(a)) @ op(b) for a bf16 matrix b and f32 a (..., M, K) (its batch shares b;
-  /// ops/matmul.hpp folds it into rows): a rounded to bf16, f32 accumulation, c f32.
+  /// c (+)= bf16(op(a)) @ bf16(op(b)) for a matrix b (bf16: a stored weight; f32: rounded too,
+  /// autocast) and f32 a (..., M, K) (its batch shares b; ops/matmul.hpp folds it into rows): f32
+  /// accumulation, c f32.
   static void matmul_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
-    if (a.dtype() != DType::f32 || c.dtype() != DType::f32 || b.rank() != 2)
-      detail::fail("matmul", "a bf16 operand must be a matrix beside float32 ones, got a ", dtype_name(a.dtype()), " ",
-                   a.shape().str(), ", b ", dtype_name(b.dtype()), " ", b.shape().str());
+    if (a.dtype() != DType::f32 || c.dtype() != DType::f32 || b.rank() != 2 ||
+        (b.dtype() != DType::bf16 && b.dtype() != DType::f32))
+      detail::fail("matmul", "a bf16 product needs a float32 a and a bfloat16 or float32 matrix b, got a ",
+                   dtype_name(a.dtype()), " ", a.shape().str(), ", b ", dtype_name(b.dtype()), " ", b.shape().str());
     const Shape& sa = a.shape();
     const std::int64_t ar = sa.dim(-2), ac = sa.dim(-1), br = b.dim(0), bc = b.dim(1);
     const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc, batch = sa.prod(0, sa.rank() - 2);
     const float* A = static_cast<const float*>(a.raw());
-    const auto* Bp = static_cast<const std::uint16_t*>(b.raw());
     float* C = static_cast<float*>(c.raw());
-    for (std::int64_t i = 0; i < batch; ++i)
-      detail::gemm_bf16(ta, tb, M, N, K, A + i * ar * ac, ac, Bp, bc, C + i * M * N, N, acc, true);
+    auto run = [&](const auto* Bp) {
+      for (std::int64_t i = 0; i < batch; ++i)
+        detail::gemm_bf16(ta, tb, M, N, K, A + i * ar * ac, ac, Bp, bc, C + i * M * N, N, acc, true);
+    };
+    if (b.dtype() == DType::bf16) run(static_cast<const std::uint16_t*>(b.raw()));
+    else run(static_cast<const float*>(b.raw()));
   }
 
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].

@@ -568,31 +568,100 @@ struct Bf16PairPackA {
   }
 };
 
-/// Native: op(B) columns as bf16 pairs. A Linear's weight read transposed (op(B)[k][j] =
-/// W[j][k]) already holds each pair side by side, so its panels are a transposing copy of 32-bit
-/// words (pack_panel); the other layouts interleave two rows.
+/// The bf16 bits of a B element: bf16 as stored, f32 rounded to nearest even (autocast).
+template <class S>
+inline std::uint32_t bf16_bits(S v) {
+  if constexpr (std::is_same_v<S, bf16>) return v;
+  else return half::f32_to_bf16(v);
+}
+
+/// Emulated, B in f32 (autocast): op(B) packed as f32, then rounded to bf16 values in the panel.
 template <int NR>
-struct Bf16PairPackB {
-  Matrix<bf16> m;
+struct Bf16RoundPackB {
+  Matrix<float> m;
   void operator()(float* dst, index j0, index nc, index k0, index kc) const {
-    const index pairs = (kc + 1) / 2, even = kc / 2;
-    for (index q = 0; q < nc; q += NR, dst += kc * NR) {
-      auto* w = reinterpret_cast<pair_word*>(dst);
-      const index cols = std::min<index>(NR, nc - q);
-      index kp = 0;
-      if (m.trans && m.ld % 2 == 0 && k0 % 2 == 0) {
-        const auto* src = reinterpret_cast<const pair_word*>(m.p + (j0 + q) * m.ld + k0);
-        pack_panel<NR>(src, m.ld / 2, false, cols, even, w);
+    pack_b<NR>(m, k0, kc, j0, nc, dst);
+    const index n = (nc + NR - 1) / NR * NR * kc;
+    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
+  }
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+/// One Bf16PairPackB panel (NR = 32 columns j0.., depths k0..k0+kc) with AVX-512: word (kp, j) =
+/// bits(op(B)(k0 + 2kp, j)) | bits(op(B)(k0 + 2kp + 1, j)) << 16, zero past the edges.
+///  - op(B) = X^T (a Linear's weight, X[j][k]): each column's pairs lie side by side in X's row j.
+///    bf16 rows are already pair words; f32 rows convert 32 floats to 16 words at a time
+///    (vcvtne2ps2bf16: round to nearest even, denormals flushed) into a column-major scratch.
+///    Either way a transposing copy of 32-bit words (pack_panel) lays the panel out.
+///  - op(B) = X (X[k][j]): a pair interleaves rows k and k + 1, 16 columns at a time.
+template <class S>
+[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]] inline void pack_pair_panel(
+    const Matrix<S>& m, index j0, index cols, index k0, index kc, pair_word* w) {
+  constexpr int NR = 32;
+  const index pairs = (kc + 1) / 2, even = kc / 2;
+  auto bits = [&](index k, index c) -> std::uint32_t { return k < k0 + kc && c < j0 + cols ? bf16_bits(m.at(k, c)) : 0; };
+  index kp = 0;
+  if (m.trans && cols == NR) {
+    if constexpr (std::is_same_v<S, bf16>) {
+      if (m.ld % 2 == 0 && k0 % 2 == 0) {
+        pack_panel<NR>(reinterpret_cast<const pair_word*>(m.p + j0 * m.ld + k0), m.ld / 2, false, cols, even, w);
         kp = even;
       }
-      for (; kp < pairs; ++kp)
+    } else {
+      // column j's words for pairs 0..full-1 (full: whole 16-word groups), then transposed
+      const index full = even / 16 * 16;
+      alignas(64) pair_word tmp[NR * 256];
+      if (full > 0 && full <= 256) {
         for (index j = 0; j < NR; ++j) {
-          const index k = k0 + 2 * kp, c = j0 + q + j;
-          const std::uint32_t lo = j < cols ? m.at(k, c) : 0;
-          const std::uint32_t hi = j < cols && 2 * kp + 1 < kc ? m.at(k + 1, c) : 0;
-          w[kp * NR + j] = lo | hi << 16;
+          const float* src = m.p + (j0 + j) * m.ld + k0;
+          for (index q = 0; q < full; q += 16) {
+            const __m512 lo = _mm512_loadu_ps(src + 2 * q), hi = _mm512_loadu_ps(src + 2 * q + 16);
+            _mm512_store_si512(tmp + j * full + q, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
         }
+        pack_panel<NR>(tmp, full, false, NR, full, w);
+        kp = full;
+      }
     }
+  } else if (!m.trans) {
+    for (; kp < even; ++kp) {
+      const index k = k0 + 2 * kp;
+      index j = 0;
+      for (; j + 16 <= cols; j += 16) {
+        __m512i lo, hi;
+        if constexpr (std::is_same_v<S, bf16>) {
+          lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + k * m.ld + j0 + j)));
+          hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + (k + 1) * m.ld + j0 + j)));
+        } else {
+          lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + k * m.ld + j0 + j)));
+          hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + (k + 1) * m.ld + j0 + j)));
+        }
+        _mm512_storeu_si512(w + kp * NR + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      for (; j < NR; ++j) w[kp * NR + j] = bits(k, j0 + j) | bits(k + 1, j0 + j) << 16;
+    }
+  }
+  for (; kp < pairs; ++kp)
+    for (index j = 0; j < NR; ++j) {
+      const index k = k0 + 2 * kp;
+      w[kp * NR + j] = bits(k, j0 + j) | bits(k + 1, j0 + j) << 16;
+    }
+}
+#endif
+
+/// Native: op(B) columns as bf16 pairs, from bf16 (a stored weight) or f32 (rounded, autocast),
+/// one NR = 32 panel at a time (pack_pair_panel).
+template <int NR, class S = bf16>
+struct Bf16PairPackB {
+  static_assert(NR == 32);
+  Matrix<S> m;
+  void operator()(float* dst, index j0, index nc, index k0, index kc) const {
+#if defined(__x86_64__) || defined(__i386__)
+    for (index q = 0; q < nc; q += NR, dst += kc * NR)
+      pack_pair_panel(m, j0 + q, std::min<index>(NR, nc - q), k0, kc, reinterpret_cast<pair_word*>(dst));
+#else
+    (void)dst, (void)j0, (void)nc, (void)k0, (void)kc;
+#endif
   }
 };
 
@@ -737,11 +806,12 @@ struct alignas(64) TileConfig {
 /// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B) on the calling thread: A blocks of MB rows,
 /// K in KC slices (A packed), B blocks of NB columns (packed), 32 x 32 micro-tiles; an edge tile
 /// is computed whole into a scratch tile and its valid part copied.
-inline void gemm(bool ta, bool tb, index M, index N, index K, const float* A, index lda, const bf16* B, index ldb,
-                 float* C, index ldc, bool acc) {
+template <class SB>
+void gemm(bool ta, bool tb, index M, index N, index K, const float* A, index lda, const SB* B, index ldb, float* C,
+          index ldc, bool acc) {
   configure_thread();
   const Matrix<float> am{A, lda, ta};
-  const Bf16PairPackB<NR> pack_b{Matrix<bf16>{B, ldb, tb}};
+  const Bf16PairPackB<NR, SB> pack_b{Matrix<SB>{B, ldb, tb}};
   const index kcap = std::min<index>(KC, (K + 31) / 32 * 32), pcap = kcap / 2;
   const index mb = std::min<index>(MB, (M + MR - 1) / MR * MR), nb = std::min<index>(NB, (N + NR - 1) / NR * NR);
   auto* a_blk = static_cast<pair_word*>(
@@ -812,8 +882,9 @@ inline bool bf16_kernel_available(Bf16Kernel k) {
   return false;
 }
 
-inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A,
-                      index lda, const bf16* B, index ldb, float* C, index ldc, bool acc, bool parallel);
+template <class SB>
+void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A, index lda,
+               const SB* B, index ldb, float* C, index ldc, bool acc, bool parallel);
 
 /// The bf16 kernel this process runs, decided once by measurement, not by CPU model: every kernel
 /// that can run here times one L2-resident product (64 x 256 x 512, best of 5, well under a
@@ -840,7 +911,7 @@ inline Bf16Kernel bf16_kernel() {
       double t = 1e30;
       for (int r = 0; r < 6; ++r) {  // the first run warms the packing space and the caches
         const auto t0 = std::chrono::steady_clock::now();
-        gemm_bf16(active_isa(), k, false, true, M, N, K, a.data(), K, b.data(), K, c.data(), N, false, false);
+        gemm_bf16<bf16>(active_isa(), k, false, true, M, N, K, a.data(), K, b.data(), K, c.data(), N, false, false);
         if (r > 0) t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       return t;
@@ -856,11 +927,14 @@ inline Bf16Kernel bf16_kernel() {
   return chosen;
 }
 
-/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B): A f32 (rounded to bf16 while packing), B
-/// bf16, f32 accumulation, on up to team_threads() threads when `parallel`, with `kernel` (one
-/// bf16_kernel_available() says can run; the emulation runs on `isa`'s f32 kernels).
-inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A,
-                      index lda, const bf16* B, index ldb, float* C, index ldc, bool acc, bool parallel) {
+/// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ bf16(op(B)): A f32 (rounded to bf16 while
+/// packing), B bf16 (a stored weight) or f32 (rounded too: autocast), f32 accumulation, on up to
+/// team_threads() threads when `parallel`, with `kernel` (one bf16_kernel_available() says can
+/// run; the emulation runs on `isa`'s f32 kernels).
+template <class SB>
+void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, index K, const float* A, index lda,
+               const SB* B, index ldb, float* C, index ldc, bool acc, bool parallel) {
+  static_assert(std::is_same_v<SB, bf16> || std::is_same_v<SB, float>);
   const int threads = parallel ? team_threads(M, N, K) : 1;
   // AMX packs its own B columns per thread (each thread's share of the weight), so it always
   // splits by columns; the others share B panels over the team unless C is short and wide.
@@ -880,7 +954,7 @@ inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, ind
   if (kernel == Bf16Kernel::amx) return amx::gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc);
 #endif
   const Matrix<float> a{A, lda, ta};
-  const Matrix<bf16> b{B, ldb, tb};
+  const Matrix<SB> b{B, ldb, tb};
   auto run = [&]<class S>(const Kernels<float>& kern, const auto& pack_a_fn, const auto& pack_b_fn) {
 #if defined(_OPENMP)
     if (threads > 1) return gemm_team<float, S>(threads, kern, M, N, K, pack_a_fn, pack_b_fn, C, ldc, acc);
@@ -891,13 +965,16 @@ inline void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, ind
   if (kernel == Bf16Kernel::avx512_bf16) {
     using S = Shape<float, Isa::avx512>;
     const Kernels<float> kern{&micro_avx512_bf16, &micro_avx512_bf16};
-    run.template operator()<S>(kern, Bf16PairPackA<S::MR>{a}, Bf16PairPackB<S::NR>{b});
+    run.template operator()<S>(kern, Bf16PairPackA<S::MR>{a}, Bf16PairPackB<S::NR, SB>{b});
     return;
   }
 #endif
   with_isa(isa, [&]<Isa I>() {
     using S = Shape<float, I>;
-    run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+    if constexpr (std::is_same_v<SB, bf16>)
+      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+    else
+      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, Bf16RoundPackB<S::NR>{b});
   });
 }
 

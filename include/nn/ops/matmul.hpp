@@ -10,8 +10,16 @@ namespace detail {
 
 /// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
 /// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
+/// attrs.code = 1: autocast (GTape::set_autocast): the forward product and dA on bf16-rounded
+/// operands with f32 accumulation (B::matmul_bf16), dB in float32.
 template <class B>
 struct MatmulPrim {
+  static void mm(const Node<B>& n, const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
+    if constexpr (requires { B::bf16_weights; })
+      if (n.attrs.code == 1) return B::matmul_bf16(a, ta, b, tb, c, acc);
+    B::matmul(a, ta, b, tb, c, acc);
+  }
+
   // The views every kernel call uses: folded to 2-D when A is batched, B a matrix, A not transposed.
   static bool foldable(const Tensor& a, const Tensor& b, bool ta) { return a.rank() > 2 && b.rank() == 2 && !ta; }
   static Tensor rows(const Tensor& t) { return t.reshape(Shape{t.numel() / t.dim(-1), t.dim(-1)}); }
@@ -21,9 +29,9 @@ struct MatmulPrim {
     const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
     if (foldable(a, b, ta)) {
       Tensor c = rows(n.value);
-      B::matmul(rows(a), false, b, tb, c, false);
+      mm(n, rows(a), false, b, tb, c, false);
     } else {
-      B::matmul(a, ta, b, tb, n.value, false);
+      mm(n, a, ta, b, tb, n.value, false);
     }
   }
 
@@ -38,11 +46,13 @@ struct MatmulPrim {
     if (tp.needs_grad(n, 0)) {
       GradSlot s = tp.grad_slot(n, 0);
       Tensor ga = fold ? rows(s.g) : s.g;
-      if (!ta) B::matmul(g, false, b, !tb, ga, s.acc);
-      else B::matmul(b, tb, g, true, ga, s.acc);
+      if (!ta) mm(n, g, false, b, !tb, ga, s.acc);
+      else mm(n, b, tb, g, true, ga, s.acc);
     }
     if (tp.needs_grad(n, 1)) {
       GradSlot s = tp.grad_slot(n, 1);
+      // the weight's gradient stays a float32 product: its A operand is read transposed, which
+      // the bf16 packers convert element by element (slower than the f32 product they replace)
       if (!tb) B::matmul(a2, !ta, g, false, s.g, s.acc);
       else B::matmul(g, true, a2, ta, s.g, s.acc);
     }
@@ -58,6 +68,8 @@ struct MatmulPrim {
 /// every batch element. Result: (..., M, N).
 /// b may be a frozen bfloat16 matrix beside a float32 a (Precision::bf16): the product then runs
 /// on bf16 operands (a rounded) with f32 accumulation, and so does a's gradient (g op(b)^T).
+/// Under GTape::set_autocast(DType::bf16) a float32 matrix b is rounded the same way, and a's
+/// gradient's product too (b's gradient stays a float32 product).
 template <class B>
 GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
   const Shape &sa = tp.shape(a), &sb = tp.shape(b);
@@ -94,6 +106,11 @@ GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = f
   Attrs at;
   at.flag_a = trans_a;
   at.flag_b = trans_b;
+  // autocast: products whose right operand is a float32 matrix (a weight), as torch.autocast;
+  // a transposed batched a would not fold into rows, so it keeps float32
+  if constexpr (requires { B::bf16_weights; })
+    at.code = tp.autocast() == DType::bf16 && tp.dtype(a) == DType::f32 && tp.dtype(b) == DType::f32 &&
+              sb.rank() == 2 && !(sa.rank() > 2 && trans_a);
   GVar in[] = {a, b};
   return tp.record(detail::MatmulPrim<B>::def, in, at, out, tp.dtype(a));
 }
