@@ -627,16 +627,19 @@ template <class S>
     for (; kp < even; ++kp) {
       const index k = k0 + 2 * kp;
       index j = 0;
+      // (the zero-masked forms: GCC 12 warns that the unmasked ones read an undefined register)
+      constexpr __mmask16 all = 0xFFFF;
       for (; j + 16 <= cols; j += 16) {
-        __m512i lo, hi;
+        __m256i lo16, hi16;
         if constexpr (std::is_same_v<S, bf16>) {
-          lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + k * m.ld + j0 + j)));
-          hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + (k + 1) * m.ld + j0 + j)));
+          lo16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + k * m.ld + j0 + j));
+          hi16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.p + (k + 1) * m.ld + j0 + j));
         } else {
-          lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + k * m.ld + j0 + j)));
-          hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + (k + 1) * m.ld + j0 + j)));
+          lo16 = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + k * m.ld + j0 + j));
+          hi16 = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(m.p + (k + 1) * m.ld + j0 + j));
         }
-        _mm512_storeu_si512(w + kp * NR + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        const __m512i lo = _mm512_maskz_cvtepu16_epi32(all, lo16), hi = _mm512_maskz_cvtepu16_epi32(all, hi16);
+        _mm512_storeu_si512(w + kp * NR + j, _mm512_or_si512(lo, _mm512_maskz_slli_epi32(all, hi, 16)));
       }
       for (; j < NR; ++j) w[kp * NR + j] = bits(k, j0 + j) | bits(k + 1, j0 + j) << 16;
     }
