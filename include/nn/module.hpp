@@ -392,8 +392,9 @@ std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
 
 /// How a model's frozen weights are stored. Precision::bf16 keeps every frozen matrix (Linear
 /// weights, embedding tables, a LoRA base) in bfloat16, half the memory; products read them as
-/// bf16 operands (activations rounded to bf16) with f32 accumulation, natively on AVX512_BF16 or
-/// emulated on the f32 kernels (backend/gemm.hpp), and the embedding lookup widens its rows. What
+/// bf16 operands (activations rounded to bf16) with f32 accumulation, on AMX, AVX512_BF16 or the
+/// f32 kernels, whichever measures fastest here (gemm::bf16_kernel, backend/gemm.hpp), and the
+/// embedding lookup widens its rows. What
 /// trains (trainable Params, the optimizer's state), vectors (norm gains, biases), Buffers and
 /// every reduction stay float32. PyTorch's bf16 autocast makes the same choice for a product.
 enum class Precision { f32, bf16 };

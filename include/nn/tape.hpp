@@ -209,9 +209,9 @@ class GTape {
   /// do the products of their input's gradient (torch.autocast("cpu", dtype=torch.bfloat16) for
   /// matmul). The weight's own gradient stays a float32 product of float32 operands (more exact
   /// than autocast's, and faster here: its operand is read transposed, which the bf16 packers
-  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32 (the default; also after
-  /// clear()) records products in their own dtype. Each product keeps the choice it was recorded
-  /// with, so a replay does what the recording did.
+  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32
+  /// (the default; also after clear()) records products in their own dtype. Each product keeps
+  /// the choice it was recorded with, so a replay does what the recording did.
   void set_autocast(DType t) {
     if (t != DType::f32 && t != DType::bf16)
       detail::fail("tape", "autocast is float32 (off) or bfloat16, got ", dtype_name(t));

@@ -107,6 +107,9 @@ inline std::uint16_t f32_to_bf16(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+/// x rounded to the nearest bfloat16 value (ties to even), as a float.
+inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
 inline float f16_to_f32(std::uint16_t h) {
   std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
   std::uint32_t exp = (h >> 10) & 0x1fu;

@@ -230,6 +230,9 @@ inline std::uint16_t f32_to_bf16(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+/// x rounded to the nearest bfloat16 value (ties to even), as a float.
+inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
 inline float f16_to_f32(std::uint16_t h) {
   std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
   std::uint32_t exp = (h >> 10) & 0x1fu;
@@ -1848,30 +1851,30 @@ void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T
 }
 
 // ---- bf16 operands, f32 accumulation -------------------------------------------------------
-// Precision::bf16 stores frozen weights in bfloat16 (raw bits in std::uint16_t) and multiplies
-// activations rounded to bf16 by them with f32 accumulation: PyTorch's bf16 autocast contract for
-// a product. Two ways to run it, equal up to the order of f32 additions:
-//  - native, where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16 (two depths per
-//    32-bit lane) into f32 lanes, twice the multiply-adds of an f32 FMA per instruction. A and B
-//    panels hold pairs of depths: word (kp, i) = bf16(X(i, 2kp)) | bf16(X(i, 2kp + 1)) << 16.
-//  - emulated, on every CPU: the f32 micro-kernels on panels whose A values are rounded to bf16
-//    and whose B values are widened from bf16 while packing; bit-identical to the f32 product of
-//    the rounded operands.
-// Both reuse the f32 driver (gemm_blocked / gemm_team): a pair panel of kc depths uses the first
-// half of the kc x MR floats the driver sets aside for it.
+// Precision::bf16 stores frozen weights in bfloat16 (raw bits in std::uint16_t), and autocast
+// rounds float32 weights; either way activations rounded to bf16 multiply them with f32
+// accumulation: PyTorch's bf16 autocast contract for a product. Three kernels (Bf16Kernel), equal
+// up to the order of f32 additions:
+//  - AMX (namespace amx below): bf16 tiles, where the CPU has AMX-BF16 and the OS grants it.
+//  - vdpbf16ps, where the CPU has AVX512_BF16: pairs of bf16 (two depths per 32-bit lane) into
+//    f32 lanes. A and B panels hold pairs of depths: word (kp, i) = bf16(X(i, 2kp)) |
+//    bf16(X(i, 2kp + 1)) << 16.
+//  - emulated, on every CPU: the f32 micro-kernels on panels whose values are rounded to bf16 (or
+//    widened from it) while packing; bit-identical to the f32 product of the rounded operands.
+// The last two reuse the f32 driver (gemm_blocked / gemm_team): a pair panel of kc depths uses the
+// first half of the kc x MR floats the driver sets aside for it.
 
 using bf16 = std::uint16_t;
 
-inline float bf16_round(float x) { return half::bf16_to_f32(half::f32_to_bf16(x)); }
-
-/// Emulated: op(A) packed as f32, then rounded to bf16 values in the panel.
-template <int MR>
-struct Bf16RoundPackA {
-  Matrix<float> m;
-  void operator()(float* dst, index i0, index mc, index k0, index kc) const {
-    pack_a<MR>(m, i0, mc, k0, kc, dst);
-    const index n = (mc + MR - 1) / MR * MR * kc;
-    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
+/// Emulated: the f32 packer `Pack` (DensePackA or DensePackB, L-wide panels), then every packed
+/// value rounded to bf16. (No in-place rows(): every value must pass through the rounding.)
+template <int L, class Pack>
+struct Bf16Rounded {
+  Pack pack;
+  void operator()(float* dst, index o0, index on, index k0, index kc) const {
+    pack(dst, o0, on, k0, kc);
+    const index n = (on + L - 1) / L * L * kc;
+    for (index i = 0; i < n; ++i) dst[i] = half::bf16_round(dst[i]);
   }
 };
 
@@ -1906,17 +1909,6 @@ inline std::uint32_t bf16_bits(S v) {
   if constexpr (std::is_same_v<S, bf16>) return v;
   else return half::f32_to_bf16(v);
 }
-
-/// Emulated, B in f32 (autocast): op(B) packed as f32, then rounded to bf16 values in the panel.
-template <int NR>
-struct Bf16RoundPackB {
-  Matrix<float> m;
-  void operator()(float* dst, index j0, index nc, index k0, index kc) const {
-    pack_b<NR>(m, k0, kc, j0, nc, dst);
-    const index n = (nc + NR - 1) / NR * NR * kc;
-    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
-  }
-};
 
 #if defined(__x86_64__) || defined(__i386__)
 /// One Bf16PairPackB panel (NR = 32 columns j0.., depths k0..k0+kc) with AVX-512: word (kp, j) =
@@ -2306,10 +2298,11 @@ void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, i
 #endif
   with_isa(isa, [&]<Isa I>() {
     using S = Shape<float, I>;
-    if constexpr (std::is_same_v<SB, bf16>)
-      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+    const Bf16Rounded<S::MR, DensePackA<S::MR, float>> pack_a_fn{{a}};
+    if constexpr (std::is_same_v<SB, bf16>)  // bf16 B is widened exactly: nothing to round
+      run.template operator()<S>(micro_kernels<float, I>(), pack_a_fn, DensePackB<S::NR, float, bf16>{b});
     else
-      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, Bf16RoundPackB<S::NR>{b});
+      run.template operator()<S>(micro_kernels<float, I>(), pack_a_fn, Bf16Rounded<S::NR, DensePackB<S::NR, float>>{{b}});
   });
 }
 
@@ -2826,11 +2819,11 @@ void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K,
   std::vector<float> a(static_cast<std::size_t>(ar * (ta ? M : K))), b(static_cast<std::size_t>(br * bc));
   for (std::int64_t r = 0; r < ar; ++r)
     for (std::int64_t c = 0; c < (ta ? M : K); ++c)
-      a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_to_f32(half::f32_to_bf16(A[r * lda + c]));
+      a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_round(A[r * lda + c]);
   for (std::int64_t r = 0; r < br; ++r)
     for (std::int64_t c = 0; c < bc; ++c) {
       const SB v = B[r * ldb + c];
-      if constexpr (std::is_same_v<SB, float>) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(half::f32_to_bf16(v));
+      if constexpr (std::is_same_v<SB, float>) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_round(v);
       else b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(v);
     }
   gemm_serial<float>(ta, tb, M, N, K, a.data(), ta ? M : K, b.data(), bc, C, ldc, acc);
@@ -3289,7 +3282,7 @@ struct cpu {
   }
 
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
-  /// y[i, :] = table[ids[i], :]; a bf16 table (Precision::bf16) gives f32 rows, widened exactly.
+  /// A bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
     const std::int64_t D = table.dim(-1), n = ids.numel();
     const bool widen = table.dtype() == DType::bf16 && y.dtype() == DType::f32;
@@ -3724,9 +3717,9 @@ struct cpu {
   /// Flash attention (Dao et al. 2022; FlashAttention-2's loop order, Dao 2023): what attention
   /// computes without a mask tensor, without ever storing the (T, T) probabilities. Per (batch,
   /// query head, block of kFlashRows queries), the keys are read kFlashCols at a time; a tile's
-  /// scores s = scale q k^T live in the thread's workspace, and an online softmax keeps per query row the
-  /// running max m and sum l: out = sum_j exp(s_j - m) v_j / l, rescaled by exp(m_old - m_new)
-  /// whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
+  /// scores s = scale q k^T live in the thread's workspace, and an online softmax keeps per query
+  /// row the running max m and sum l: out = sum_j exp(s_j - m) v_j / l, rescaled by
+  /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
   /// sees keys 0..i; key blocks past a query block's last row are never touched.
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
   static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t Bn, std::int64_t T_,
@@ -4404,9 +4397,9 @@ class GTape {
   /// do the products of their input's gradient (torch.autocast("cpu", dtype=torch.bfloat16) for
   /// matmul). The weight's own gradient stays a float32 product of float32 operands (more exact
   /// than autocast's, and faster here: its operand is read transposed, which the bf16 packers
-  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32 (the default; also after
-  /// clear()) records products in their own dtype. Each product keeps the choice it was recorded
-  /// with, so a replay does what the recording did.
+  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32
+  /// (the default; also after clear()) records products in their own dtype. Each product keeps
+  /// the choice it was recorded with, so a replay does what the recording did.
   void set_autocast(DType t) {
     if (t != DType::f32 && t != DType::bf16)
       detail::fail("tape", "autocast is float32 (off) or bfloat16, got ", dtype_name(t));
@@ -4603,11 +4596,15 @@ void require_same_dtype(const GTape<B>& tp, GVar a, GVar b, const char* op) {
 /// products (matmul's right operand) and the embedding lookup read directly. Such a weight must be
 /// frozen: bf16 is a storage type here, and what trains stays float32.
 template <class B>
+void require_frozen_bf16(const GTape<B>& tp, GVar w, const char* op, const char* what) {
+  if (tp.requires_grad(w))
+    fail(op, "a bfloat16 ", what, " ", tp.shape(w).str(), " must be frozen (bf16 stores frozen weights; what ",
+         "trains stays float32)");
+}
+template <class B>
 bool bf16_weight(const GTape<B>& tp, GVar x, GVar w, const char* op) {
   if (tp.dtype(w) != DType::bf16 || tp.dtype(x) != DType::f32) return false;
-  if (tp.requires_grad(w))
-    fail(op, "a bfloat16 weight ", tp.shape(w).str(), " must be frozen (bf16 stores frozen weights; what trains ",
-         "stays float32)");
+  require_frozen_bf16(tp, w, op, "weight");
   return true;
 }
 
@@ -5322,10 +5319,8 @@ void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
 template <class B>
 GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
   const bool bf16 = tp.dtype(table) == DType::bf16;
-  if (bf16 && tp.requires_grad(table))
-    detail::fail("gather_rows", "a bfloat16 table ", tp.shape(table).str(), " must be frozen (bf16 stores frozen ",
-                 "weights; what trains stays float32)");
-  if (!bf16) detail::require_float(tp, table, "gather_rows");
+  if (bf16) detail::require_frozen_bf16(tp, table, "gather_rows", "table");
+  else detail::require_float(tp, table, "gather_rows");
   detail::require_ids(tp, ids, "gather_rows");
   const Shape& ts = tp.shape(table);
   if (ts.rank() != 2) detail::fail("gather_rows", "table must be (N, D), got ", ts.str());
@@ -5688,7 +5683,7 @@ GVar fused_rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = fal
 // the vjp. Its composite reference is nn::reference::gqa_attention (layers/attention.hpp);
 // tests/ops/fused.test.cpp checks that the two agree, values and gradients.
 // flash_attention: the same math (without a mask tensor) tiled with an online softmax, so the
-// (T, T) probabilities are never stored; tests/ops/flash.test.cpp checks it against both.
+// (T, T) probabilities are never stored; tests/ops/fused.test.cpp checks it against both.
 
 
 namespace nn {
@@ -6619,7 +6614,8 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 /// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
 /// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
 /// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
-/// flash_attention, which never stores the (T, T) probabilities; `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
+/// flash_attention, which never stores the (T, T) probabilities. `scale` (usually
+/// 1/sqrt(head_dim)) multiplies the scores. When the tables or the
 /// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
 /// `traditional` selects the interleaved RoPE.
 template <class B>
@@ -8311,8 +8307,9 @@ std::pair<Tensor, M> value_and_grad(M& model, F&& f) {
 
 /// How a model's frozen weights are stored. Precision::bf16 keeps every frozen matrix (Linear
 /// weights, embedding tables, a LoRA base) in bfloat16, half the memory; products read them as
-/// bf16 operands (activations rounded to bf16) with f32 accumulation, natively on AVX512_BF16 or
-/// emulated on the f32 kernels (backend/gemm.hpp), and the embedding lookup widens its rows. What
+/// bf16 operands (activations rounded to bf16) with f32 accumulation, on AMX, AVX512_BF16 or the
+/// f32 kernels, whichever measures fastest here (gemm::bf16_kernel, backend/gemm.hpp), and the
+/// embedding lookup widens its rows. What
 /// trains (trainable Params, the optimizer's state), vectors (norm gains, biases), Buffers and
 /// every reduction stay float32. PyTorch's bf16 autocast makes the same choice for a product.
 enum class Precision { f32, bf16 };

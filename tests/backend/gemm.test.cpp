@@ -192,7 +192,7 @@ TEST_CASE("bf16 products: the emulation is the f32 product of the rounded operan
           const std::vector<float> C0 = random_values<float>(static_cast<std::size_t>(M * ldc), 13);
           // the reference operands: A rounded to bf16, B widened, both f32
           std::vector<float> Ar(A.size()), Bw(B.size()), Bf(B.size());
-          for (std::size_t i = 0; i < A.size(); ++i) Ar[i] = gemm::bf16_round(A[i]);
+          for (std::size_t i = 0; i < A.size(); ++i) Ar[i] = half::bf16_round(A[i]);
           for (std::size_t i = 0; i < B.size(); ++i) Bw[i] = half::bf16_to_f32(B[i]);
           // B as float32 (autocast) that rounds back to exactly Bw: off by 2^-12 relative, under
           // half a bf16 ulp (2^-9), so the reference below serves both

@@ -387,11 +387,11 @@ void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K,
   std::vector<float> a(static_cast<std::size_t>(ar * (ta ? M : K))), b(static_cast<std::size_t>(br * bc));
   for (std::int64_t r = 0; r < ar; ++r)
     for (std::int64_t c = 0; c < (ta ? M : K); ++c)
-      a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_to_f32(half::f32_to_bf16(A[r * lda + c]));
+      a[static_cast<std::size_t>(r * (ta ? M : K) + c)] = half::bf16_round(A[r * lda + c]);
   for (std::int64_t r = 0; r < br; ++r)
     for (std::int64_t c = 0; c < bc; ++c) {
       const SB v = B[r * ldb + c];
-      if constexpr (std::is_same_v<SB, float>) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(half::f32_to_bf16(v));
+      if constexpr (std::is_same_v<SB, float>) b[static_cast<std::size_t>(r * bc + c)] = half::bf16_round(v);
       else b[static_cast<std::size_t>(r * bc + c)] = half::bf16_to_f32(v);
     }
   gemm_serial<float>(ta, tb, M, N, K, a.data(), ta ? M : K, b.data(), bc, C, ldc, acc);
@@ -850,7 +850,7 @@ struct cpu {
   }
 
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
-  /// y[i, :] = table[ids[i], :]; a bf16 table (Precision::bf16) gives f32 rows, widened exactly.
+  /// A bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
     const std::int64_t D = table.dim(-1), n = ids.numel();
     const bool widen = table.dtype() == DType::bf16 && y.dtype() == DType::f32;
@@ -1285,9 +1285,9 @@ struct cpu {
   /// Flash attention (Dao et al. 2022; FlashAttention-2's loop order, Dao 2023): what attention
   /// computes without a mask tensor, without ever storing the (T, T) probabilities. Per (batch,
   /// query head, block of kFlashRows queries), the keys are read kFlashCols at a time; a tile's
-  /// scores s = scale q k^T live in the thread's workspace, and an online softmax keeps per query row the
-  /// running max m and sum l: out = sum_j exp(s_j - m) v_j / l, rescaled by exp(m_old - m_new)
-  /// whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
+  /// scores s = scale q k^T live in the thread's workspace, and an online softmax keeps per query
+  /// row the running max m and sum l: out = sum_j exp(s_j - m) v_j / l, rescaled by
+  /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
   /// sees keys 0..i; key blocks past a query block's last row are never touched.
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
   static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t Bn, std::int64_t T_,

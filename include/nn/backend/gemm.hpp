@@ -516,30 +516,30 @@ void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T
 }
 
 // ---- bf16 operands, f32 accumulation -------------------------------------------------------
-// Precision::bf16 stores frozen weights in bfloat16 (raw bits in std::uint16_t) and multiplies
-// activations rounded to bf16 by them with f32 accumulation: PyTorch's bf16 autocast contract for
-// a product. Two ways to run it, equal up to the order of f32 additions:
-//  - native, where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16 (two depths per
-//    32-bit lane) into f32 lanes, twice the multiply-adds of an f32 FMA per instruction. A and B
-//    panels hold pairs of depths: word (kp, i) = bf16(X(i, 2kp)) | bf16(X(i, 2kp + 1)) << 16.
-//  - emulated, on every CPU: the f32 micro-kernels on panels whose A values are rounded to bf16
-//    and whose B values are widened from bf16 while packing; bit-identical to the f32 product of
-//    the rounded operands.
-// Both reuse the f32 driver (gemm_blocked / gemm_team): a pair panel of kc depths uses the first
-// half of the kc x MR floats the driver sets aside for it.
+// Precision::bf16 stores frozen weights in bfloat16 (raw bits in std::uint16_t), and autocast
+// rounds float32 weights; either way activations rounded to bf16 multiply them with f32
+// accumulation: PyTorch's bf16 autocast contract for a product. Three kernels (Bf16Kernel), equal
+// up to the order of f32 additions:
+//  - AMX (namespace amx below): bf16 tiles, where the CPU has AMX-BF16 and the OS grants it.
+//  - vdpbf16ps, where the CPU has AVX512_BF16: pairs of bf16 (two depths per 32-bit lane) into
+//    f32 lanes. A and B panels hold pairs of depths: word (kp, i) = bf16(X(i, 2kp)) |
+//    bf16(X(i, 2kp + 1)) << 16.
+//  - emulated, on every CPU: the f32 micro-kernels on panels whose values are rounded to bf16 (or
+//    widened from it) while packing; bit-identical to the f32 product of the rounded operands.
+// The last two reuse the f32 driver (gemm_blocked / gemm_team): a pair panel of kc depths uses the
+// first half of the kc x MR floats the driver sets aside for it.
 
 using bf16 = std::uint16_t;
 
-inline float bf16_round(float x) { return half::bf16_to_f32(half::f32_to_bf16(x)); }
-
-/// Emulated: op(A) packed as f32, then rounded to bf16 values in the panel.
-template <int MR>
-struct Bf16RoundPackA {
-  Matrix<float> m;
-  void operator()(float* dst, index i0, index mc, index k0, index kc) const {
-    pack_a<MR>(m, i0, mc, k0, kc, dst);
-    const index n = (mc + MR - 1) / MR * MR * kc;
-    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
+/// Emulated: the f32 packer `Pack` (DensePackA or DensePackB, L-wide panels), then every packed
+/// value rounded to bf16. (No in-place rows(): every value must pass through the rounding.)
+template <int L, class Pack>
+struct Bf16Rounded {
+  Pack pack;
+  void operator()(float* dst, index o0, index on, index k0, index kc) const {
+    pack(dst, o0, on, k0, kc);
+    const index n = (on + L - 1) / L * L * kc;
+    for (index i = 0; i < n; ++i) dst[i] = half::bf16_round(dst[i]);
   }
 };
 
@@ -574,17 +574,6 @@ inline std::uint32_t bf16_bits(S v) {
   if constexpr (std::is_same_v<S, bf16>) return v;
   else return half::f32_to_bf16(v);
 }
-
-/// Emulated, B in f32 (autocast): op(B) packed as f32, then rounded to bf16 values in the panel.
-template <int NR>
-struct Bf16RoundPackB {
-  Matrix<float> m;
-  void operator()(float* dst, index j0, index nc, index k0, index kc) const {
-    pack_b<NR>(m, k0, kc, j0, nc, dst);
-    const index n = (nc + NR - 1) / NR * NR * kc;
-    for (index i = 0; i < n; ++i) dst[i] = bf16_round(dst[i]);
-  }
-};
 
 #if defined(__x86_64__) || defined(__i386__)
 /// One Bf16PairPackB panel (NR = 32 columns j0.., depths k0..k0+kc) with AVX-512: word (kp, j) =
@@ -974,10 +963,11 @@ void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, i
 #endif
   with_isa(isa, [&]<Isa I>() {
     using S = Shape<float, I>;
-    if constexpr (std::is_same_v<SB, bf16>)
-      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, DensePackB<S::NR, float, bf16>{b});
+    const Bf16Rounded<S::MR, DensePackA<S::MR, float>> pack_a_fn{{a}};
+    if constexpr (std::is_same_v<SB, bf16>)  // bf16 B is widened exactly: nothing to round
+      run.template operator()<S>(micro_kernels<float, I>(), pack_a_fn, DensePackB<S::NR, float, bf16>{b});
     else
-      run.template operator()<S>(micro_kernels<float, I>(), Bf16RoundPackA<S::MR>{a}, Bf16RoundPackB<S::NR>{b});
+      run.template operator()<S>(micro_kernels<float, I>(), pack_a_fn, Bf16Rounded<S::NR, DensePackB<S::NR, float>>{{b}});
   });
 }
 

@@ -174,7 +174,8 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 /// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
 /// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
 /// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
-/// flash_attention, which never stores the (T, T) probabilities; `scale` (usually 1/sqrt(head_dim)) multiplies the scores. When the tables or the
+/// flash_attention, which never stores the (T, T) probabilities. `scale` (usually
+/// 1/sqrt(head_dim)) multiplies the scores. When the tables or the
 /// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
 /// `traditional` selects the interleaved RoPE.
 template <class B>

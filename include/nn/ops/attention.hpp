@@ -5,7 +5,7 @@
 // the vjp. Its composite reference is nn::reference::gqa_attention (layers/attention.hpp);
 // tests/ops/fused.test.cpp checks that the two agree, values and gradients.
 // flash_attention: the same math (without a mask tensor) tiled with an online softmax, so the
-// (T, T) probabilities are never stored; tests/ops/flash.test.cpp checks it against both.
+// (T, T) probabilities are never stored; tests/ops/fused.test.cpp checks it against both.
 #pragma once
 
 #include "common.hpp"

@@ -26,11 +26,15 @@ void require_same_dtype(const GTape<B>& tp, GVar a, GVar b, const char* op) {
 /// products (matmul's right operand) and the embedding lookup read directly. Such a weight must be
 /// frozen: bf16 is a storage type here, and what trains stays float32.
 template <class B>
+void require_frozen_bf16(const GTape<B>& tp, GVar w, const char* op, const char* what) {
+  if (tp.requires_grad(w))
+    fail(op, "a bfloat16 ", what, " ", tp.shape(w).str(), " must be frozen (bf16 stores frozen weights; what ",
+         "trains stays float32)");
+}
+template <class B>
 bool bf16_weight(const GTape<B>& tp, GVar x, GVar w, const char* op) {
   if (tp.dtype(w) != DType::bf16 || tp.dtype(x) != DType::f32) return false;
-  if (tp.requires_grad(w))
-    fail(op, "a bfloat16 weight ", tp.shape(w).str(), " must be frozen (bf16 stores frozen weights; what trains ",
-         "stays float32)");
+  require_frozen_bf16(tp, w, op, "weight");
   return true;
 }
 

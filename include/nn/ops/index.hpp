@@ -55,10 +55,8 @@ void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
 template <class B>
 GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
   const bool bf16 = tp.dtype(table) == DType::bf16;
-  if (bf16 && tp.requires_grad(table))
-    detail::fail("gather_rows", "a bfloat16 table ", tp.shape(table).str(), " must be frozen (bf16 stores frozen ",
-                 "weights; what trains stays float32)");
-  if (!bf16) detail::require_float(tp, table, "gather_rows");
+  if (bf16) detail::require_frozen_bf16(tp, table, "gather_rows", "table");
+  else detail::require_float(tp, table, "gather_rows");
   detail::require_ids(tp, ids, "gather_rows");
   const Shape& ts = tp.shape(table);
   if (ts.rank() != 2) detail::fail("gather_rows", "table must be (N, D), got ", ts.str());
