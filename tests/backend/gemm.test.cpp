@@ -71,7 +71,8 @@ TEST_CASE_TEMPLATE("nn's GEMM matches a long-double loop on every kernel set, tr
   // 1x1x1; ragged tiles; K past KC (384) so several slices accumulate; N past NB (384/512) so B
   // blocks repeat; M past MB (960/1536) so A blocks repeat.
   const std::vector<S3> shapes = {{1, 1, 1},  {13, 37, 5}, {6, 32, 1},   {25, 65, 800},
-                                  {7, 530, 9}, {100, 33, 400}, {1601, 3, 2}, {2, 1000, 3}};
+                                  {7, 530, 9}, {100, 33, 400}, {1601, 3, 2}, {2, 1000, 3},
+                                  {40, 70, 27}};  // 27: a 16-deep transposed block and a tail
   for (Isa isa : runnable_isas())
     for (auto [M, N, K] : shapes)
       for (int ta = 0; ta < 2; ++ta)

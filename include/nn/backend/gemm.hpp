@@ -221,8 +221,73 @@ inline T widen(S s) {
   else return static_cast<T>(s);
 }
 
+/// Whether the packers may use AVX-512: the kernel set in use is (NN_CPU_ISA lowers both alike).
+inline bool pack_avx512() {
+  static const bool yes = detail::choose_isa(detail::detect_cpu_features()) == Isa::avx512;
+  return yes;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+/// dst[d * L + l] = src[l * ld + d] for d < 16 and l < n (n <= 16; lanes past n are not written):
+/// a 16 x 16 block of floats transposed in registers. Packing a strip whose lines run along k (a
+/// Linear's weight as op(B) = W^T, activations as op(A)) is this transpose. Element by element it
+/// took 12% of the main job's LoRA step (perf); a 576 x 576 weight in L2 packs at 0.34 ns per
+/// element that way, 0.24 this way, against 0.15 for a plain copy (Xeon model 207).
+[[gnu::target("avx512f")]] inline void transpose16(const float* src, index ld, int n, float* dst, index L) {
+  // the all-lanes zero-masked forms: GCC 12's plain ones read an undefined register (-Wuninitialized)
+  constexpr __mmask16 all16 = 0xFFFF;
+  constexpr __mmask8 all8 = 0xFF;
+  __m512 r[16], t[16], u[16];
+  NN_GEMM_UNROLL(16)
+  for (int l = 0; l < 16; ++l) r[l] = l < n ? _mm512_loadu_ps(src + l * ld) : _mm512_setzero_ps();
+  // within each 128-bit lane q: t pairs lines (depths 4q..4q+3), u gathers 4 lines per depth
+  NN_GEMM_UNROLL(8)
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_maskz_unpacklo_ps(all16, r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_maskz_unpackhi_ps(all16, r[2 * p], r[2 * p + 1]);
+  }
+  NN_GEMM_UNROLL(4)
+  for (int g = 0; g < 4; ++g) {
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(all8, a, c));      // depth 4q + 0 of lines 4g..4g+3
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(all8, a, c));  // depth 4q + 1
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(all8, b, d));  // depth 4q + 2
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(all8, b, d));  // depth 4q + 3
+  }
+  // across lanes: depth 4q + e takes lane q of u[e], u[4 + e], u[8 + e], u[12 + e]
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  NN_GEMM_UNROLL(4)
+  for (int e = 0; e < 4; ++e) {
+    // EVEN_LANES(x, y): 128-bit lanes x0 x2 y0 y2; ODD_LANES(x, y): x1 x3 y1 y3
+#define NN_EVEN_LANES(x, y) _mm512_maskz_shuffle_f32x4(all16, x, y, 0x88)
+#define NN_ODD_LANES(x, y) _mm512_maskz_shuffle_f32x4(all16, x, y, 0xDD)
+    const __m512 w0 = NN_EVEN_LANES(u[e], u[4 + e]), w1 = NN_ODD_LANES(u[e], u[4 + e]);
+    const __m512 w2 = NN_EVEN_LANES(u[8 + e], u[12 + e]), w3 = NN_ODD_LANES(u[8 + e], u[12 + e]);
+    _mm512_mask_storeu_ps(dst + e * L, mask, NN_EVEN_LANES(w0, w2));
+    _mm512_mask_storeu_ps(dst + (4 + e) * L, mask, NN_EVEN_LANES(w1, w3));
+    _mm512_mask_storeu_ps(dst + (8 + e) * L, mask, NN_ODD_LANES(w0, w2));
+    _mm512_mask_storeu_ps(dst + (12 + e) * L, mask, NN_ODD_LANES(w1, w3));
+#undef NN_EVEN_LANES
+#undef NN_ODD_LANES
+  }
+}
+#endif
+
 template <int L, class S, class T>
 inline void pack_panel(const S* src, index ld, bool contiguous, index n, index kc, T* dst) {
+#if defined(__x86_64__) || defined(__i386__)
+  if constexpr (std::is_same_v<S, float> && std::is_same_v<T, float>) {
+    if (!contiguous && n == L && kc >= 16 && pack_avx512()) {
+      const index k16 = kc / 16 * 16;
+      for (int l0 = 0; l0 < L; l0 += 16)  // 16 lines at a time, each read front to back
+        for (index k = 0; k < k16; k += 16) transpose16(src + l0 * ld + k, ld, std::min(16, L - l0), dst + k * L + l0, L);
+      for (index k = k16; k < kc; ++k)
+        for (int l = 0; l < L; ++l) dst[k * L + l] = src[l * ld + k];
+      return;
+    }
+  }
+#endif
   if (n == L) {
     // full panels (all but the edge): constant trip counts the compiler unrolls and vectorises
     if (contiguous && std::is_same_v<S, T>) {
