@@ -5,7 +5,11 @@
 # timed on the same token stream; bench/run_decoder.sh runs both sides.
 #
 #   python3 bench/decoder_torch.py [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N]
-#                                  [--attn eager|sdpa]
+#                                  [--attn eager|sdpa] [--compile]
+#
+# --compile runs the model under torch.compile (Inductor, its default mode): the stronger anchor
+# for a compiled step. Compilation happens in the warm-up steps (at least 3 with --compile), which
+# are not timed.
 #
 # --attn sdpa swaps in F.scaled_dot_product_attention(is_causal=True) (HF's default on PyTorch 2),
 # a fused kernel that also skips the masked half of the scores: a stronger reference than the
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
+    ap.add_argument("--compile", action="store_true", help="the model under torch.compile (warm-up compiles)")
     ap.add_argument("--precision", choices=("f32", "bf16"), default="f32",
                     help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = ap.parse_args()
@@ -195,6 +200,9 @@ def main():
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 setattr(a, name, LoRALinear(getattr(a, name), c["rank"], c["scale"]))
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if args.compile:
+        model = torch.compile(model)
+        args.warmup = max(args.warmup, 3)
     opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01) if trainable else None
     data = [tuple(torch.tensor(t, dtype=torch.long) for t in batch(i, B, T, c["vocab"])) for i in range(4)]
 

@@ -6,6 +6,12 @@
 // table per thread count, with the CPU line first. OpenBLAS runs the kernels it chose for this CPU;
 // OPENBLAS_CORETYPE=SkylakeX (or Haswell) in the environment shows it with a kernel forced.
 //
+// The other candidates for nn's products are measured beside them where installed, with no build
+// dependency: oneDNN's dnnl_sgemm (Debian libdnnl-dev, the library PyTorch uses on CPUs) and
+// BLIS's sgemm_ (libblis-dev; BLIS picks its kernels by CPUID family, printed) are loaded with
+// dlopen; libxsmm (libxsmm-dev, static only) is linked when CMake finds it and times its JIT
+// kernels on the small products (M*N*K <= 64^3), the job it is built for. float32 only.
+//
 // Usage: bench_gemm [--threads 1,2] [--seconds S] [--rounds R] [--f64]
 // Each figure is the median over R interleaved rounds (each at least S seconds of calls), so a
 // 2-vCPU VM's drift falls on all engines alike.
@@ -23,6 +29,12 @@
 
 #if defined(NN_BENCH_CBLAS) && !defined(NN_USE_BLAS)
 #include <cblas.h>
+#endif
+#if defined(__linux__)
+#include <dlfcn.h>
+#endif
+#if defined(NN_BENCH_LIBXSMM)
+#include <libxsmm.h>
 #endif
 
 namespace {
@@ -56,6 +68,99 @@ const Case kCases[] = {
     {"smollm2 head dX", 256, 576, 49152, false, false},
     {"attn q k^T block (hd 64)", 32, 64, 64, false, true},
 };
+
+// ---- the other candidates ----------------------------------------------------------------
+// Each is a row-major sgemm C = op(A) op(B) (beta 0) or absent. The libraries are opened with
+// RTLD_DEEPBIND so their BLAS symbols (BLIS's sgemm_) resolve inside them, not to OpenBLAS's.
+struct Candidate {
+  std::string name, detail;
+  std::function<bool(const Case&, const float*, std::int64_t, const float*, std::int64_t, float*)> run;  // false: n/a
+  std::function<void(int)> set_threads;
+};
+
+void* open_library(const char* soname) {
+#if defined(__linux__)
+  return dlopen(soname, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+#else
+  (void)soname;
+  return nullptr;
+#endif
+}
+
+template <class F>
+F symbol(void* lib, const char* name) {
+#if defined(__linux__)
+  return lib ? reinterpret_cast<F>(dlsym(lib, name)) : nullptr;
+#else
+  (void)lib, (void)name;
+  return nullptr;
+#endif
+}
+
+std::vector<Candidate> other_candidates() {
+  std::vector<Candidate> out;
+  // oneDNN: dnnl_status_t dnnl_sgemm(char transa, char transb, dnnl_dim_t M, N, K, float alpha, const float* A,
+  // dnnl_dim_t lda, const float* B, dnnl_dim_t ldb, float beta, float* C, dnnl_dim_t ldc), row-major; it
+  // threads on the process's OpenMP runtime (libgomp, as nn).
+  using DnnlSgemm = int (*)(char, char, std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t,
+                            const float*, std::int64_t, float, float*, std::int64_t);
+  struct DnnlVersion {
+    int major, minor, patch;
+    const char* hash;
+    unsigned cpu_runtime, gpu_runtime;
+  };
+  void* dnnl = open_library("libdnnl.so.2");
+  if (auto f = symbol<DnnlSgemm>(dnnl, "dnnl_sgemm")) {
+    std::string ver;
+    if (auto v = symbol<const DnnlVersion* (*)()>(dnnl, "dnnl_version"))
+      ver = std::to_string(v()->major) + "." + std::to_string(v()->minor) + "." + std::to_string(v()->patch);
+    out.push_back({"oneDNN", "oneDNN " + ver + " (dnnl_sgemm; kernels by its own CPUID dispatch)",
+                   [f](const Case& c, const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float* C) {
+                     return f(c.ta ? 'T' : 'N', c.tb ? 'T' : 'N', c.M, c.N, c.K, 1.0f, A, lda, B, ldb, 0.0f, C, c.N) ==
+                            0;
+                   },
+                   [](int) {}});
+  }
+  // BLIS: the Fortran BLAS interface (column-major, 32-bit ints): row-major C = op(A) op(B) is
+  // column-major C^T = op(B)^T op(A)^T, so B goes first.
+  using F77Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                            const int*, const float*, const int*, const float*, float*, const int*);
+  void* blis = open_library("libblis.so.4");
+  if (auto f = symbol<F77Sgemm>(blis, "sgemm_")) {
+    std::string arch = "?";
+    auto query = symbol<int (*)()>(blis, "bli_arch_query_id");
+    auto name = symbol<const char* (*)(int)>(blis, "bli_arch_string");
+    if (query && name) arch = name(query());
+    auto threads = symbol<void (*)(std::int64_t)>(blis, "bli_thread_set_num_threads");
+    out.push_back({"BLIS", "BLIS (sgemm_; kernels for " + arch + ")",
+                   [f](const Case& c, const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float* C) {
+                     const int m = static_cast<int>(c.N), n = static_cast<int>(c.M), k = static_cast<int>(c.K);
+                     const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(c.N);
+                     const float one = 1, zero = 0;
+                     f(c.tb ? "T" : "N", c.ta ? "T" : "N", &m, &n, &k, &one, B, &la, A, &lb, &zero, C, &lc);
+                     return true;
+                   },
+                   [threads](int t) {
+                     if (threads) threads(t);
+                   }});
+  }
+#if defined(NN_BENCH_LIBXSMM)
+  // libxsmm: one JIT kernel per shape (column-major, as BLIS above); single-threaded by design.
+  out.push_back({"libxsmm", "libxsmm " LIBXSMM_VERSION " (JIT small products, 1 thread)",
+                 [](const Case& c, const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float* C) {
+                   if (c.M * c.N * c.K > 64 * 64 * 64) return false;
+                   const libxsmm_blasint m = c.N, n = c.M, k = c.K, la = ldb, lb = lda, lc = c.N;
+                   const int flags = (c.tb ? LIBXSMM_GEMM_FLAG_TRANS_A : 0) | (c.ta ? LIBXSMM_GEMM_FLAG_TRANS_B : 0);
+                   const float one = 1, zero = 0;
+                   const libxsmm_smmfunction fn = libxsmm_smmdispatch(m, n, k, &la, &lb, &lc, &one, &zero, &flags, nullptr);
+                   if (!fn) return false;
+                   fn(B, A, C);
+                   return true;
+                 },
+                 [](int) {}});
+#endif
+  return out;
+}
 
 double seconds_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -91,8 +196,10 @@ std::vector<int> parse_list(const char* s) {
 }
 
 template <class T>
-void run_table(int threads, double secs, int rounds) {
+void run_table(int threads, double secs, int rounds, const std::vector<Candidate>& others_all) {
   bench::set_threads(threads);
+  const std::vector<Candidate> others = std::is_same_v<T, float> ? others_all : std::vector<Candidate>{};
+  for (const Candidate& o : others) o.set_threads(threads);
 #if defined(NN_BENCH_CBLAS) && defined(OPENBLAS_VERSION)
   openblas_set_num_threads(threads);
 #endif
@@ -109,9 +216,12 @@ void run_table(int threads, double secs, int rounds) {
   std::printf("\n### %s, %d thread%s\n\n| product | M x N x K | ", sizeof(T) == 4 ? "float32" : "float64", threads,
               threads == 1 ? "" : "s");
   for (nn::Isa i : isas) std::printf("nn %s | ", nn::isa_name(i));
-  if (blas) std::printf("OpenBLAS | nn %s / OpenBLAS |", nn::isa_name(isas[0]));
+  if (blas) std::printf("OpenBLAS | ");
+  for (const Candidate& o : others) std::printf("%s | ", o.name.c_str());
+  const bool ratio = blas || !others.empty();
+  if (ratio) std::printf("nn %s / best other |", nn::isa_name(isas[0]));
   std::printf("\n|---|---|");
-  for (std::size_t i = 0; i < isas.size() + (blas ? 2 : 0); ++i) std::printf("---|");
+  for (std::size_t i = 0; i < isas.size() + (blas ? 1 : 0) + others.size() + (ratio ? 1 : 0); ++i) std::printf("---|");
   std::printf("\n");
   std::mt19937 gen(7);
   std::uniform_real_distribution<double> u(-1, 1);
@@ -138,14 +248,30 @@ void run_table(int threads, double secs, int rounds) {
                     static_cast<int>(ldb), 0.0, C.data(), N);
     });
 #endif
+    // a candidate that cannot run this product (libxsmm past its small sizes) gets no engine
+    std::vector<bool> runs(engines.size(), true);
+    if constexpr (std::is_same_v<T, float>)
+      for (const Candidate& o : others) {
+        const bool ok = o.run(c, A.data(), lda, B.data(), ldb, C.data());
+        runs.push_back(ok);
+        engines.push_back([&, ok] {
+          if (ok) o.run(c, A.data(), lda, B.data(), ldb, C.data());
+        });
+      }
     std::vector<std::vector<double>> g(engines.size());
     const double flop = 2.0 * static_cast<double>(c.M) * static_cast<double>(c.N) * static_cast<double>(c.K);
     for (int r = 0; r < rounds; ++r)
-      for (std::size_t e = 0; e < engines.size(); ++e) g[e].push_back(flop * rate(engines[e], secs) / 1e9);
+      for (std::size_t e = 0; e < engines.size(); ++e)
+        if (runs[e]) g[e].push_back(flop * rate(engines[e], secs) / 1e9);
     std::printf("| %s%s%s | %lld x %lld x %lld |", c.what, c.ta ? " (A^T)" : "", c.tb ? " (B^T)" : "",
                 static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K));
-    for (std::size_t e = 0; e < engines.size(); ++e) std::printf(" %.1f |", median(g[e]));
-    if (blas) std::printf(" %.2fx |", median(g[0]) / median(g.back()));
+    double best_other = 0;
+    for (std::size_t e = 0; e < engines.size(); ++e) {
+      if (runs[e]) std::printf(" %.1f |", median(g[e]));
+      else std::printf(" - |");
+      if (e >= isas.size() && runs[e]) best_other = std::max(best_other, median(g[e]));
+    }
+    if (ratio) std::printf(" %.2fx |", median(g[0]) / best_other);
     std::printf("\n");
     std::fflush(stdout);
   }
@@ -172,10 +298,12 @@ int main(int argc, char** argv) {
 #if defined(NN_BENCH_CBLAS) && defined(OPENBLAS_VERSION)
   std::printf("# OpenBLAS: %s(core %s)\n", openblas_get_config(), openblas_get_corename());
 #endif
-  std::printf("## nn GEMM engine vs OpenBLAS, GFLOP/s (median of %d interleaved rounds)\n", rounds);
+  const std::vector<Candidate> others = other_candidates();
+  for (const Candidate& o : others) std::printf("# %s\n", o.detail.c_str());
+  std::printf("## nn GEMM engine vs the other candidates, GFLOP/s (median of %d interleaved rounds)\n", rounds);
   for (int t : threads) {
-    if (f64) run_table<double>(t, secs, rounds);
-    else run_table<float>(t, secs, rounds);
+    if (f64) run_table<double>(t, secs, rounds, others);
+    else run_table<float>(t, secs, rounds, others);
   }
   return 0;
 }

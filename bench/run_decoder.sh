@@ -5,7 +5,8 @@
 # this machine's measured FMA peak, and each side's peak RSS.
 #
 #   bench/run_decoder.sh [BUILD_DIR] [--modes "full lora forward"] [--threads "1 2"] [--steps N]
-#                        [--python PY] [--sdpa] [--nn-wait POLICY] [--torch-wait POLICY] [--repeat N]
+#                        [--python PY] [--sdpa] [--compile] [--nn-wait POLICY] [--torch-wait POLICY]
+#                        [--repeat N]
 #                        [--precision f32|bf16]
 #
 # BUILD_DIR (default build) holds bench/bench_decoder. PY (default $NN_BENCH_PYTHON, else python3)
@@ -14,7 +15,8 @@
 # best for each here: with OMP_WAIT_POLICY=PASSIVE PyTorch 2.15's 2-thread steps ran 10-25% slower
 # (unlike PyTorch 1.13's in REFERENCE-FACTS, which needed it) and nn's 5-10% slower.
 # --nn-wait / --torch-wait set either side's (PASSIVE, ACTIVE or default). --sdpa adds PyTorch
-# with F.scaled_dot_product_attention as a further column. --repeat N (default 1) runs each cell
+# with F.scaled_dot_product_attention as a further column, --compile PyTorch under torch.compile
+# (Inductor; compiled in untimed warm-up steps). --repeat N (default 1) runs each cell
 # as N back-to-back nn/PyTorch pairs and prints the medians: tokens/s, GFLOP/s and RSS per side,
 # and the median of the N pair ratios with their range (a 2-vCPU VM drifts by up to 15% between
 # runs; a pair shares the conditions of its moment). --precision bf16: nn with its frozen weights in
@@ -30,6 +32,7 @@ threads="1 2"
 steps=10
 py="${NN_BENCH_PYTHON:-python3}"
 sdpa=0
+compile=0
 nn_wait=default
 torch_wait=default
 repeat=1
@@ -41,6 +44,7 @@ while [ $# -gt 0 ]; do
     --steps) steps="$2"; shift 2 ;;
     --python) py="$2"; shift 2 ;;
     --sdpa) sdpa=1; shift ;;
+    --compile) compile=1; shift ;;
     --nn-wait) nn_wait="$2"; shift 2 ;;
     --torch-wait) torch_wait="$2"; shift 2 ;;
     --repeat) repeat="$2"; shift 2 ;;
@@ -77,6 +81,7 @@ echo "FMA peak (measured): $(for t in $threads; do printf '%s thread(s) %s GFLOP
 echo
 header="| mode | threads | nn tok/s | torch tok/s | ratio | nn GFLOP/s (% peak) | torch GFLOP/s (% peak) | nn peak RSS MB | torch peak RSS MB |"
 [ "$sdpa" = 1 ] && header="$header torch sdpa tok/s | ratio vs sdpa |"
+[ "$compile" = 1 ] && header="$header torch.compile tok/s | ratio vs compile |"
 echo "$header"
 echo "$header" | sed 's/[^|]/-/g'
 for mode in $modes; do
@@ -100,6 +105,10 @@ for mode in $modes; do
     if [ "$sdpa" = 1 ]; then
       ts=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t run_torch "$py" "$here/decoder_torch.py" --mode "$mode" --threads "$t" --steps "$steps" --attn sdpa | grep '^RESULT')
       row="$row $(awk -v nt="$nt" -v s="$(field tok_s "$ts")" 'BEGIN { printf " %.0f | %.2fx |", s, nt / s }')"
+    fi
+    if [ "$compile" = 1 ]; then
+      tc=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t run_torch "$py" "$here/decoder_torch.py" --mode "$mode" --threads "$t" --steps "$steps" --precision "$precision" --compile | grep '^RESULT')
+      row="$row $(awk -v nt="$nt" -v s="$(field tok_s "$tc")" 'BEGIN { printf " %.0f | %.2fx |", s, nt / s }')"
     fi
     echo "$row"
   done

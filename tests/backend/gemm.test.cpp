@@ -2,7 +2,7 @@
 // nn's GEMM engine (include/nn/backend/gemm.hpp) against a naive triple loop in long double, for
 // every kernel set this CPU runs, both float widths, every transpose, accumulate or overwrite,
 // and shapes that cross every block edge (MR, NR, KC, NB, MB); the packing hook; the threaded
-// split; and the engine the ops actually run.
+// split; the epilogue; the batched entry; and the engine the ops actually run.
 #include "support/check.hpp"
 
 #include <cstdlib>
@@ -142,6 +142,74 @@ TEST_CASE("the threaded split (shared B panels, or columns when rows are few) gi
     gemm::gemm_parallel<float>(gemm::active_isa(), ta, tb, M, N, K, A.data(), lda, B.data(), ldb, c2.data(), N, false);
     CHECK(c1 == c2);
   }
+#if defined(_OPENMP)
+  omp_set_num_threads(prev);
+#endif
+}
+
+TEST_CASE("an epilogue (bias, residual, scale) on each finished tile equals the same math applied after the product") {
+#if defined(_OPENMP)
+  const int prev = omp_get_max_threads();
+  omp_set_num_threads(2);
+#endif
+  // ragged edges, several K slices (K > KC), K = 0, and both threaded splits (rows; columns)
+  for (auto [M, N, K, ta, tb] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool>{37, 70, 45, false, true},
+                                 {300, 70, 800, false, false}, {20, 3000, 50, true, true}, {13, 9, 0, false, false}})
+    for (int acc = 0; acc < 2; ++acc) {
+      const std::vector<float> A = random_values<float>(static_cast<std::size_t>(M * K), 11);
+      const std::vector<float> B = random_values<float>(static_cast<std::size_t>(K * N), 12);
+      const std::vector<float> bias = random_values<float>(static_cast<std::size_t>(N), 13);
+      const std::int64_t ldr = N + 5, ldc = N + 2, lda = ta ? M : K, ldb = tb ? K : N;
+      const std::vector<float> res = random_values<float>(static_cast<std::size_t>(M * ldr), 14);
+      const std::vector<float> c0 = random_values<float>(static_cast<std::size_t>(M * ldc), 15);
+      const gemm::BiasResidual<float> epi{bias.data(), res.data(), ldr, 0.5f};
+      for (Isa isa : runnable_isas()) {
+        std::vector<float> want = c0, fused = c0, team = c0;
+        gemm::gemm_serial<float>(isa, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, want.data(), ldc, acc);
+        epi(want.data(), ldc, 0, 0, M, N);
+        gemm::gemm_serial<float>(isa, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, fused.data(), ldc, acc, epi);
+        gemm::gemm_parallel<float>(isa, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, team.data(), ldc, acc, epi);
+        CHECK_MESSAGE(fused == want, isa_name(isa) << " " << M << "x" << N << "x" << K << " acc=" << acc);
+        CHECK_MESSAGE(team == want, isa_name(isa) << " threaded " << M << "x" << N << "x" << K << " acc=" << acc);
+      }
+      // and the formula itself, at one element
+      if (M > 0 && N > 0 && K > 0) {
+        std::vector<float> c = c0;
+        gemm::gemm_serial<float>(gemm::active_isa(), ta, tb, M, N, K, A.data(), lda, B.data(), ldb, c.data(), ldc, acc,
+                                 epi);
+        const std::int64_t i = M - 1, j = N - 1;
+        double s = acc ? c0[static_cast<std::size_t>(i * ldc + j)] : 0.0;
+        for (std::int64_t k = 0; k < K; ++k)
+          s += static_cast<double>(ta ? A[static_cast<std::size_t>(k * lda + i)] : A[static_cast<std::size_t>(i * lda + k)]) *
+               (tb ? B[static_cast<std::size_t>(j * ldb + k)] : B[static_cast<std::size_t>(k * ldb + j)]);
+        const double want = 0.5 * s + bias[static_cast<std::size_t>(j)] + res[static_cast<std::size_t>(i * ldr + j)];
+        CHECK(std::abs(c[static_cast<std::size_t>(i * ldc + j)] - want) < 1e-4);
+      }
+    }
+#if defined(_OPENMP)
+  omp_set_num_threads(prev);
+#endif
+}
+
+TEST_CASE("a batch of small products shared out item by item equals one call per item, bit for bit") {
+#if defined(_OPENMP)
+  const int prev = omp_get_max_threads();
+  omp_set_num_threads(2);
+#endif
+  // 24 items of 64 x 64 x 64 (attention's per-head block), B shared by all (stride 0) or not
+  const std::int64_t batch = 24, M = 64, N = 64, K = 64;
+  const std::vector<float> A = random_values<float>(static_cast<std::size_t>(batch * M * K), 16);
+  const std::vector<float> B = random_values<float>(static_cast<std::size_t>(batch * K * N), 17);
+  for (std::int64_t sb : {std::int64_t(0), K * N})
+    for (int tb = 0; tb < 2; ++tb) {
+      std::vector<float> c1(static_cast<std::size_t>(batch * M * N)), c2(c1.size());
+      for (std::int64_t b = 0; b < batch; ++b)
+        gemm::gemm_serial<float>(gemm::active_isa(), false, tb, M, N, K, A.data() + b * M * K, K, B.data() + b * sb,
+                                 tb ? K : N, c1.data() + b * M * N, N, false);
+      gemm::gemm_batched<float>(gemm::active_isa(), batch, false, tb, M, N, K, A.data(), M * K, K, B.data(), sb,
+                                tb ? K : N, c2.data(), M * N, N, false);
+      CHECK_MESSAGE(c1 == c2, "B stride " << sb << " tb=" << tb);
+    }
 #if defined(_OPENMP)
   omp_set_num_threads(prev);
 #endif

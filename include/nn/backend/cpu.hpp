@@ -769,6 +769,15 @@ struct cpu {
       T* C = static_cast<T*>(c.raw());
       // bcnt == 1 < batch: the product is summed over the batch into one C (the gradient of an
       // operand shared across a batch).
+#if defined(NN_OWN_GEMM)
+      // one C per item: nn's engine shares out a batch of small products item by item
+      if (bcnt == batch && batch > 1 && detail::gemm_choice().engine == detail::GemmEngine::nn &&
+          !gemm_vector_like(M, N, K)) {
+        ::nn::gemm::gemm_batched<T>(::nn::gemm::active_isa(), batch, ta, tb, M, N, K, A, ba == 1 ? 0 : ar * ac, ac, Bp,
+                                    bb == 1 ? 0 : br * bc, bc, C, M * N, N, acc);
+        return;
+      }
+#endif
       for (std::int64_t i = 0; i < batch; ++i)
         gemm<T>(ta, tb, M, N, K, A + (ba == 1 ? 0 : i * ar * ac), ac, Bp + (bb == 1 ? 0 : i * br * bc), bc,
                 C + (bcnt == 1 ? 0 : i * M * N), acc || (bcnt == 1 && i > 0));
@@ -1632,6 +1641,12 @@ struct cpu {
     }
   }
 
+  /// One row or one column (a batch-1 Linear, a projection to one output) streams the matrix
+  /// once: a packed GEMM would copy all of it first. Tiny products stay with coefficient loops.
+  static bool gemm_vector_like(std::int64_t M, std::int64_t N, std::int64_t K) {
+    return M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
+  }
+
   /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
   template <class T>
   static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
@@ -1642,9 +1657,7 @@ struct cpu {
       return;
     }
     const detail::GemmEngine engine = detail::gemm_choice().engine;
-    // One row or one column (a batch-1 Linear, a projection to one output) streams the matrix
-    // once: a packed GEMM would copy all of it first. Tiny products stay with coefficient loops.
-    const bool vector_like = M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
+    const bool vector_like = gemm_vector_like(M, N, K);
 #if defined(NN_USE_BLAS)
     if (engine == detail::GemmEngine::blas && (M == 1 || N == 1)) {
       // ?gemv: OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix kernel

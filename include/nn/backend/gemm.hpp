@@ -350,12 +350,60 @@ struct DensePackA {
   index ld() const { return m.ld; }
 };
 
+// ---- epilogues ------------------------------------------------------------------------------
+// An epilogue runs on each micro-tile of C once its last K slice is in, while the tile is still in
+// L1: epi(c, ldc, i, j, rows, cols) for the tile at C(i, j) (whole-product coordinates), rows x
+// cols of it valid. This is where a bias, a scale or a residual fuses into the product instead of
+// taking another pass over C; the default does nothing and compiles away.
+struct NoEpilogue {
+  template <class T>
+  void operator()(T*, index, index, index, index, index) const {}
+};
+
+/// c = scale * c + bias[j] + residual[i, j] (each part optional): a Linear's bias, a residual
+/// stream's add, a LoRA update already in C scaled (y = x W^T + b + r, or C (+)= alpha op(A) op(B)).
+template <class T>
+struct BiasResidual {
+  const T* bias = nullptr;      // (N), or null
+  const T* residual = nullptr;  // (M, N) with row stride ldr, or null; may be C itself only if read first
+  index ldr = 0;
+  T scale = T(1);
+  void operator()(T* c, index ldc, index i0, index j0, index rows, index cols) const {
+    for (index r = 0; r < rows; ++r) {
+      T* row = c + r * ldc;
+      const T* res = residual ? residual + (i0 + r) * ldr + j0 : nullptr;
+      for (index q = 0; q < cols; ++q) {
+        T v = scale == T(1) ? row[q] : scale * row[q];
+        if (bias) v += bias[j0 + q];
+        if (res) v += res[q];
+        row[q] = v;
+      }
+    }
+  }
+};
+
+/// An epilogue seen from a sub-product whose C starts at (di, dj) of the whole.
+template <class Epi>
+struct ShiftedEpilogue {
+  const Epi& epi;
+  index di, dj;
+  template <class T>
+  void operator()(T* c, index ldc, index i, index j, index rows, index cols) const {
+    epi(c, ldc, i + di, j + dj, rows, cols);
+  }
+};
+
+template <class Epi>
+inline constexpr bool is_no_epilogue = std::is_same_v<Epi, NoEpilogue>;
+
 /// Runs C[0:mc, 0:nc] (+)= (A block, mc x kc) @ (packed B block, kc x nc) tile by tile. A's full
 /// MR-row panels come from `a_rows` in place (row stride lda) when it is not null; other panels
 /// from the packed `abuf`. An edge tile is computed whole into `tile` and its valid part copied.
-template <class T, class S>
+/// On the last K slice (`last`) each tile then gets the epilogue, at whole-product offset (ci, cj).
+template <class T, class S, class Epi = NoEpilogue>
 void block_product(const Kernels<T>& kern, index mc, index nc, index kc, const T* abuf, const T* a_rows, index lda,
-                   const T* bbuf, T* C, index ldc, bool overwrite, T* tile) {
+                   const T* bbuf, T* C, index ldc, bool overwrite, T* tile, const Epi& epi = {}, bool last = false,
+                   index ci = 0, index cj = 0) {
   constexpr int MR = S::MR, NR = S::NR;
   for (index ir = 0; ir < mc; ir += MR) {
     const index rows = std::min<index>(MR, mc - ir);
@@ -374,8 +422,17 @@ void block_product(const Kernels<T>& kern, index mc, index nc, index kc, const T
           for (index q = 0; q < cols; ++q)
             c[r * ldc + q] = overwrite ? tile[r * NR + q] : c[r * ldc + q] + tile[r * NR + q];
       }
+      if constexpr (!is_no_epilogue<Epi>)
+        if (last) epi(c, ldc, ci + ir, cj + jr, rows, cols);
     }
   }
+}
+
+/// The epilogue over all of C (M x N): for a product with K = 0, whose C gets no tiles.
+template <class T, class Epi>
+void epilogue_all(const Epi& epi, T* C, index ldc, index M, index N) {
+  if constexpr (!is_no_epilogue<Epi>)
+    if (M > 0 && N > 0) epi(C, ldc, index(0), index(0), M, N);
 }
 
 /// Packs what block_product reads of A rows [i0, i0+mc), depth [k0, k0+kc): every panel into abuf,
@@ -414,14 +471,15 @@ struct DensePackB {
 /// B blocks of NB columns (pack B, kept in L2); A panels (one MR x KC panel stays in L1); B panels
 /// -> micro-kernel. pack_a / pack_b follow the DensePack* contract, so packed layouts can come
 /// from elsewhere (dequantized weights).
-template <class T, class S, class PackA, class PackB>
+template <class T, class S, class PackA, class PackB, class Epi = NoEpilogue>
 void gemm_blocked(const Kernels<T>& kern, index M, index N, index K, const PackA& pack_a_fn, const PackB& pack_b_fn,
-                  T* C, index ldc, bool acc) {
+                  T* C, index ldc, bool acc, const Epi& epi = {}) {
   constexpr int MR = S::MR, NR = S::NR;
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!acc)
       for (index i = 0; i < M; ++i) std::fill_n(C + i * ldc, N, T(0));
+    epilogue_all(epi, C, ldc, M, N);
     return;
   }
   const index mb = std::min<index>(S::MB, (M + MR - 1) / MR * MR);
@@ -443,7 +501,7 @@ void gemm_blocked(const Kernels<T>& kern, index M, index N, index K, const PackA
         const index nc = std::min(nb, N - j0);
         pack_b_fn(bbuf, j0, nc, k0, kc);
         block_product<T, S>(kern, mc, nc, kc, abuf, a_rows, a_ld(pack_a_fn), bbuf, C + i0 * ldc + j0, ldc, overwrite,
-                            tile);
+                            tile, epi, k0 + kc == K, i0, j0);
       }
     }
   }
@@ -454,9 +512,9 @@ void gemm_blocked(const Kernels<T>& kern, index M, index N, index K, const PackA
 /// MR tiles) and packs its own A panels; each B block is packed once, its panels shared out over
 /// the team, into one buffer they all read (two barriers per block). Every C element sees the same
 /// panels and k order as in gemm_blocked, so the result is bit-identical to the serial product.
-template <class T, class S, class PackA, class PackB>
+template <class T, class S, class PackA, class PackB, class Epi = NoEpilogue>
 void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, const PackA& pack_a_fn,
-               const PackB& pack_b_fn, T* C, index ldc, bool acc) {
+               const PackB& pack_b_fn, T* C, index ldc, bool acc, const Epi& epi = {}) {
   constexpr int MR = S::MR, NR = S::NR;
   const index nb = std::min<index>(S::NB, (N + NR - 1) / NR * NR);
   const index kcap = std::min<index>(S::KC, K);
@@ -483,7 +541,7 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
 #pragma omp barrier
         if (mine > 0)
           block_product<T, S>(kern, mine, nc, kc, abuf, a_rows, a_ld(pack_a_fn), bbuf, C + r0 * ldc + j0, ldc,
-                              overwrite, tile);
+                              overwrite, tile, epi, k0 + kc == K, r0, j0);
 #pragma omp barrier
       }
     }
@@ -509,14 +567,15 @@ decltype(auto) with_isa(Isa isa, F&& f) {
 }
 
 /// Row-major C[M x N] (row stride ldc) (+)= op(A) @ op(B) with the dense packers, on the calling
-/// thread, with the micro-kernel of `isa`.
-template <class T>
+/// thread, with the micro-kernel of `isa`; then the epilogue on each finished tile.
+template <class T, class Epi = NoEpilogue>
 void gemm_serial(Isa isa, bool ta, bool tb, index M, index N, index K, const T* A, index lda, const T* B, index ldb,
-                 T* C, index ldc, bool acc) {
+                 T* C, index ldc, bool acc, const Epi& epi = {}) {
   const Matrix<T> a{A, lda, ta}, b{B, ldb, tb};
   with_isa(isa, [&]<Isa I>() {
     using S = Shape<T, I>;
-    gemm_blocked<T, S>(micro_kernels<T, I>(), M, N, K, DensePackA<S::MR, T>{a}, DensePackB<S::NR, T>{b}, C, ldc, acc);
+    gemm_blocked<T, S>(micro_kernels<T, I>(), M, N, K, DensePackA<S::MR, T>{a}, DensePackB<S::NR, T>{b}, C, ldc, acc,
+                       epi);
   });
 }
 
@@ -555,14 +614,15 @@ void split_columns(int threads, index N, F&& part) {
 
 /// The same, on a team of OpenMP threads (when not already inside a parallel region, and the
 /// product is big enough to pay for one): C's rows split over the team, B's packed panels shared
-/// (gemm_team); bit-identical to gemm_serial.
-template <class T>
+/// (gemm_team); bit-identical to gemm_serial, epilogue included.
+template <class T, class Epi = NoEpilogue>
 void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T* A, index lda, const T* B, index ldb,
-                   T* C, index ldc, bool acc) {
+                   T* C, index ldc, bool acc, const Epi& epi = {}) {
   const int threads = team_threads(M, N, K);
   if (threads > 1 && M < 24 * threads) {
     split_columns(threads, N, [&](index d0, index d1) {
-      gemm_serial<T>(isa, ta, tb, M, d1 - d0, K, A, lda, B + (tb ? d0 * ldb : d0), ldb, C + d0, ldc, acc);
+      gemm_serial<T>(isa, ta, tb, M, d1 - d0, K, A, lda, B + (tb ? d0 * ldb : d0), ldb, C + d0, ldc, acc,
+                     ShiftedEpilogue<Epi>{epi, 0, d0});
     });
     return;
   }
@@ -572,12 +632,40 @@ void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T
     with_isa(isa, [&]<Isa I>() {
       using S = Shape<T, I>;
       gemm_team<T, S>(threads, micro_kernels<T, I>(), M, N, K, DensePackA<S::MR, T>{a}, DensePackB<S::NR, T>{b}, C,
-                      ldc, acc);
+                      ldc, acc, epi);
     });
     return;
   }
 #endif
-  gemm_serial<T>(isa, ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc);
+  gemm_serial<T>(isa, ta, tb, M, N, K, A, lda, B, ldb, C, ldc, acc, epi);
+}
+
+/// A batch of products with the same shape, item b at A + b*sa, B + b*sb, C + b*sc: one kernel
+/// choice for all, and when each item is too small for a thread team of its own (attention's
+/// per-head blocks, a model's batched small matrices), the items shared out over the team, each
+/// the single-thread product gemm_parallel would run for it; so bit-identical to calling
+/// gemm_parallel per item. Items must not share C (a batch summed into one C is a loop of
+/// accumulating calls).
+template <class T>
+void gemm_batched(Isa isa, index batch, bool ta, bool tb, index M, index N, index K, const T* A, index sa, index lda,
+                  const T* B, index sb, index ldb, T* C, index sc, index ldc, bool acc) {
+  int threads = 1;
+#if defined(_OPENMP)
+  if (batch > 1 && team_threads(M, N, K) == 1 && !omp_in_parallel()) {
+    const double work = static_cast<double>(batch) * static_cast<double>(M) * static_cast<double>(N) *
+                        static_cast<double>(K);
+    threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()),
+                                                 static_cast<double>(batch), std::max(1.0, work / 262144.0)}));
+  }
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (index b = 0; b < batch; ++b)
+      gemm_serial<T>(isa, ta, tb, M, N, K, A + b * sa, lda, B + b * sb, ldb, C + b * sc, ldc, acc);
+    return;
+  }
+#endif
+  for (index b = 0; b < batch; ++b)
+    gemm_parallel<T>(isa, ta, tb, M, N, K, A + b * sa, lda, B + b * sb, ldb, C + b * sc, ldc, acc);
 }
 
 // ---- bf16 operands, f32 accumulation -------------------------------------------------------
