@@ -206,10 +206,9 @@ class GTape {
 
   /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
   /// Linear's weight, a LoRA adapter) run on bf16-rounded operands with f32 accumulation, and so
-  /// do the products of their input's gradient (torch.autocast("cpu", dtype=torch.bfloat16) for
-  /// matmul). The weight's own gradient stays a float32 product of float32 operands (more exact
-  /// than autocast's, and faster here: its operand is read transposed, which the bf16 packers
-  /// would convert element by element). Operands and gradients stay float32 tensors. DType::f32
+  /// do both products of their backward, the input's gradient and the weight's
+  /// (torch.autocast("cpu", dtype=torch.bfloat16) for matmul; nn keeps each product's f32 result
+  /// where PyTorch rounds it to bf16). Operands and gradients stay float32 tensors. DType::f32
   /// (the default; also after clear()) records products in their own dtype. Each product keeps
   /// the choice it was recorded with, so a replay does what the recording did.
   void set_autocast(DType t) {

@@ -919,13 +919,44 @@ struct alignas(64) TileConfig {
   _tile_stored(3, c + 16 * ldc + 16, cs);
 }
 
+/// The pair words of 16 rows r0.. of a transposed A (op(A) = X^T, so depth k of those rows is
+/// X's row k, the rows side by side) at `pairs` pair depths from k0, written to 16 panel rows
+/// of stride p16: two X rows (depths 2kp, 2kp + 1) convert to 16 rows' words at once (one
+/// vcvtne2ps2bf16, interleaved by vpermw), and 16 such vectors are a 16 x 16 block of words that
+/// transpose16 turns into each row's run of 16 words. Rows past nr read as zero. pairs: a
+/// multiple of 16.
+[[gnu::target("avx512f,avx512bw,avx512vl,avx512bf16")]] inline void pack_a_transposed(const float* x, index ld,
+                                                                                      index nr, index pairs,
+                                                                                      index p16, pair_word* dst) {
+  alignas(64) pair_word blk[16 * 16];
+  // word j of the interleave: bf16 j / 2 of the even depth (low half), or of the odd one (high)
+  alignas(64) static constexpr std::uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i inter = _mm512_load_si512(order);
+  const __mmask16 rows = static_cast<__mmask16>((1u << nr) - 1);
+  for (index kp0 = 0; kp0 < pairs; kp0 += 16) {
+    for (int u = 0; u < 16; ++u) {
+      const float* even = x + 2 * (kp0 + u) * ld;
+      const __m512 lo = _mm512_maskz_loadu_ps(rows, even), hi = _mm512_maskz_loadu_ps(rows, even + ld);
+      _mm512_store_si512(blk + 16 * u, _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+    transpose16(reinterpret_cast<const float*>(blk), 16, 16, reinterpret_cast<float*>(dst + kp0), p16);
+  }
+}
+
 /// Packs op(A)[i0 : i0+mc, k0 : k0+kc] as row-major pair panels of 32 rows x p16 words, zero past
 /// the edges. Full rows of an untransposed A convert 32 floats at a time (vcvtne2ps2bf16, round
-/// to nearest even; like every AVX512_BF16 conversion it flushes float32 denormals to zero).
+/// to nearest even; like every AVX512_BF16 conversion it flushes float32 denormals to zero); a
+/// transposed A (a weight gradient's dY^T) goes 16 rows x 32 depths at a time (pack_a_transposed).
 [[gnu::target("avx512f,avx512bw,avx512vl,avx512bf16")]] inline void pack_a(const Matrix<float>& m, index i0, index mc,
                                                                            index k0, index kc, index p16,
                                                                            pair_word* dst) {
-  for (index p = 0; p < mc; p += MR, dst += MR * p16)
+  const index vec_pairs = m.trans ? kc / 32 * 16 : 0;  // pairs the transposed path covers
+  for (index p = 0; p < mc; p += MR, dst += MR * p16) {
+    if (vec_pairs > 0)
+      for (index r0 = 0; r0 < MR && p + r0 < mc; r0 += 16)
+        pack_a_transposed(m.p + k0 * m.ld + i0 + p + r0, m.ld, std::min<index>(16, mc - p - r0), vec_pairs, p16,
+                          dst + r0 * p16);
     for (index r = 0; r < MR; ++r) {
       pair_word* w = dst + r * p16;
       if (p + r >= mc) {
@@ -933,7 +964,7 @@ struct alignas(64) TileConfig {
         continue;
       }
       const index row = i0 + p + r;
-      index kp = 0;
+      index kp = vec_pairs;
       if (!m.trans)
         for (const float* src = m.p + row * m.ld + k0; 2 * kp + 32 <= kc; kp += 16) {
           const __m512 lo = _mm512_loadu_ps(src + 2 * kp), hi = _mm512_loadu_ps(src + 2 * kp + 16);
@@ -946,6 +977,7 @@ struct alignas(64) TileConfig {
         w[kp] = lo | hi << 16;
       }
     }
+  }
 }
 
 /// C[M x N] (row stride ldc) (+)= bf16(op(A)) @ op(B) on the calling thread: A blocks of MB rows,

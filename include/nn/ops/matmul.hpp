@@ -10,8 +10,8 @@ namespace detail {
 
 /// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
 /// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
-/// attrs.code = 1: autocast (GTape::set_autocast): the forward product and dA on bf16-rounded
-/// operands with f32 accumulation (B::matmul_bf16), dB in float32.
+/// attrs.code = 1: autocast (GTape::set_autocast): the forward product, dA and dB on bf16-rounded
+/// operands with f32 accumulation (B::matmul_bf16), as torch.autocast's backward runs them.
 template <class B>
 struct MatmulPrim {
   static void mm(const Node<B>& n, const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
@@ -51,10 +51,8 @@ struct MatmulPrim {
     }
     if (tp.needs_grad(n, 1)) {
       GradSlot s = tp.grad_slot(n, 1);
-      // the weight's gradient stays a float32 product: its A operand is read transposed, which
-      // the bf16 packers convert element by element (slower than the f32 product they replace)
-      if (!tb) B::matmul(a2, !ta, g, false, s.g, s.acc);
-      else B::matmul(g, true, a2, ta, s.g, s.acc);
+      if (!tb) mm(n, a2, !ta, g, false, s.g, s.acc);
+      else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
   static constexpr OpDef<B> def{"matmul", &forward, &vjp};
@@ -68,8 +66,8 @@ struct MatmulPrim {
 /// every batch element. Result: (..., M, N).
 /// b may be a frozen bfloat16 matrix beside a float32 a (Precision::bf16): the product then runs
 /// on bf16 operands (a rounded) with f32 accumulation, and so does a's gradient (g op(b)^T).
-/// Under GTape::set_autocast(DType::bf16) a float32 matrix b is rounded the same way, and a's
-/// gradient's product too (b's gradient stays a float32 product).
+/// Under GTape::set_autocast(DType::bf16) a float32 matrix b is rounded the same way, and both
+/// gradients' products run on bf16-rounded operands too (f32 accumulation and results).
 template <class B>
 GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = false) {
   const Shape &sa = tp.shape(a), &sb = tp.shape(b);
