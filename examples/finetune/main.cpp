@@ -264,21 +264,10 @@ int run(const Args& a) {
         });
         loss += l.item() / a.grad_accum;
         tokens += b.inputs.numel();
-        if (!sum) {
-          sum = std::move(g);
-          continue;
-        }
-        std::vector<Tensor*> acc;
-        nn::detail::for_each(*sum, [&](const std::string&, Param& p) { acc.push_back(&p.value); });
-        std::size_t i = 0;
-        nn::detail::for_each(g, [&](const std::string&, const Param& p) {
-          if (p.value.defined()) cpu::copy(p.value, *acc[i], true);
-          ++i;
-        });
+        if (!sum) sum = std::move(g);
+        else nn::tree_add(*sum, g);
       }
-      nn::detail::for_each(*sum, [&](const std::string&, Param& p) {
-        if (p.value.defined()) cpu::unary(Unary::scale, 1.0 / a.grad_accum, p.value, p.value);
-      });
+      nn::tree_scale(*sum, 1.0 / a.grad_accum);
       opt.update(model, *sum);
     }
     train_curve.emplace_back(it, loss);

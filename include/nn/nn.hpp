@@ -33,6 +33,7 @@
 #include "layers/dropout.hpp"
 #include "io/safetensors.hpp"
 #include "module.hpp"
+#include "tree.hpp"
 #include "modules.hpp"
 #include "optim.hpp"
 #include "compile.hpp"
