@@ -9725,6 +9725,7 @@ std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
 #include <array>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -9741,6 +9742,12 @@ struct TapeReplayer {
   void replay(GTape<B>& tp) { tp.replay(); }
   void reset() {}  // the tape was recorded again
 };
+
+/// Whether loss_fn(GTape<B>&, const M&, GVar x N) -> GVar is a valid call.
+template <class F, class B, class M, std::size_t... I>
+constexpr bool loss_fn_fits(std::index_sequence<I...>) {
+  return std::is_invocable_r_v<GVar, F&, GTape<B>&, const M&, decltype((void)I, GVar{})...>;
+}
 }  // namespace detail
 
 /// The step `compile(model, opt, loss_fn)` returns. Calling it with the batch tensors runs one
@@ -9757,6 +9764,13 @@ struct TapeReplayer {
 /// calls without a reset().
 template <class B, class M, class F, std::size_t N>
 class CompiledStep {
+  static constexpr bool kFits = detail::loss_fn_fits<F, B, M>(std::make_index_sequence<N>{});
+  static_assert(kFits,
+                "nn::compile<N>(model, opt, loss_fn): loss_fn must be callable as "
+                "loss_fn(nn::GTape<B>& tp, const M& model, nn::GVar batch_1, ..., nn::GVar batch_N) -> nn::GVar "
+                "(the scalar loss), where N is compile's template argument, the number of batch tensors the step "
+                "is called with; take the model as const M& (or auto&)");
+
  public:
   CompiledStep(M& model, Optimizer& opt, F fn) : model_(&model), opt_(&opt), fn_(std::move(fn)) {}
 
@@ -9805,7 +9819,8 @@ class CompiledStep {
     std::array<GVar, N> vars{};
     for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
     for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
-    loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
+    if constexpr (kFits)  // else only the static_assert above speaks
+      loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
     tp_.backward(loss_);
     detail::for_each(
         *model_,
