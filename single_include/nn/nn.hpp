@@ -8760,6 +8760,19 @@ void tree_zero(M& t) {
   });
 }
 
+/// A deep copy of a model (or gradient tree): every Param and Buffer in fresh storage. A plain
+/// copy (`M b = a;`) shares its tensors with `a`, which is what value_and_grad and optimizers
+/// rely on; clone() is the snapshot that later updates of `a` leave alone.
+template <class M>
+  requires detail::ModuleType<M>
+M clone(const M& m) {
+  M c = m;
+  detail::for_each(
+      c, [](const std::string&, Param& p) { if (p.value.defined()) p.value = p.value.clone(); },
+      [](const std::string&, Buffer& b) { if (b.value.defined()) b.value = b.value.clone(); });
+  return c;
+}
+
 }  // namespace nn
 // ---- end nn/tree.hpp ----
 // ---- begin nn/modules.hpp ----

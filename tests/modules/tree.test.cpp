@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // Gradient trees as values (include/nn/tree.hpp): accumulating value_and_grad's gradients over
 // micro-batches with tree_add / tree_scale equals the gradient of the mean loss over the whole
-// batch; tree_zero, tree_map over one and two trees; structure and shape mismatches are errors.
+// batch; tree_zero, tree_map over one and two trees; structure and shape mismatches are errors;
+// clone() is a snapshot where a copy shares storage.
 #include "support/check.hpp"
 
 #include <nn/module.hpp>
@@ -108,4 +109,15 @@ TEST_CASE("trees of different structure or leaf shapes are an nn::Error naming t
   Mlp c = make_mlp();
   c.layers[1].bias.value = test::random_tensor({3}, DType::f64, 9);
   test::check_error([&] { tree_add(a, c); }, {"[tree_add]", "'layers.1.bias'", "(2)", "(3)"});
+}
+
+TEST_CASE("copies of a model share storage; nn::clone is a snapshot") {
+  Mlp m = make_mlp();
+  Mlp shared = m;
+  Mlp snap = nn::clone(m);
+  const double before = m.layers[0].weight.value.data<double>()[0];
+  m.layers[0].weight.value.data<double>()[0] = before + 1.0;
+  CHECK(shared.layers[0].weight.value.data<double>()[0] == before + 1.0);
+  CHECK(snap.layers[0].weight.value.data<double>()[0] == before);
+  CHECK(test::rel_err(snap.layers[1].bias.value, m.layers[1].bias.value) == 0.0);
 }
