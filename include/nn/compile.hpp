@@ -27,10 +27,17 @@ struct TapeReplayer {
   void reset() {}  // the tape was recorded again
 };
 
+/// GVar, once per batch index (a pack of N GVars from an index sequence). A member type, not an
+/// alias: nvcc's front end folds an alias that ignores its argument and then sees no pack.
+template <std::size_t>
+struct BatchVar {
+  using type = GVar;
+};
+
 /// Whether loss_fn(GTape<B>&, const M&, GVar x N) -> GVar is a valid call.
 template <class F, class B, class M, std::size_t... I>
 constexpr bool loss_fn_fits(std::index_sequence<I...>) {
-  return std::is_invocable_r_v<GVar, F&, GTape<B>&, const M&, decltype((void)I, GVar{})...>;
+  return std::is_invocable_r_v<GVar, F&, GTape<B>&, const M&, typename BatchVar<I>::type...>;
 }
 }  // namespace detail
 

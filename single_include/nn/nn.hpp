@@ -1984,8 +1984,8 @@ void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T
 template <class T>
 void gemm_batched(Isa isa, index batch, bool ta, bool tb, index M, index N, index K, const T* A, index sa, index lda,
                   const T* B, index sb, index ldb, T* C, index sc, index ldc, bool acc) {
-  int threads = 1;
 #if defined(_OPENMP)
+  int threads = 1;
   if (batch > 1 && team_threads(M, N, K) == 1 && !omp_in_parallel()) {
     const double work = static_cast<double>(batch) * static_cast<double>(M) * static_cast<double>(N) *
                         static_cast<double>(K);
@@ -9756,10 +9756,17 @@ struct TapeReplayer {
   void reset() {}  // the tape was recorded again
 };
 
+/// GVar, once per batch index (a pack of N GVars from an index sequence). A member type, not an
+/// alias: nvcc's front end folds an alias that ignores its argument and then sees no pack.
+template <std::size_t>
+struct BatchVar {
+  using type = GVar;
+};
+
 /// Whether loss_fn(GTape<B>&, const M&, GVar x N) -> GVar is a valid call.
 template <class F, class B, class M, std::size_t... I>
 constexpr bool loss_fn_fits(std::index_sequence<I...>) {
-  return std::is_invocable_r_v<GVar, F&, GTape<B>&, const M&, decltype((void)I, GVar{})...>;
+  return std::is_invocable_r_v<GVar, F&, GTape<B>&, const M&, typename BatchVar<I>::type...>;
 }
 }  // namespace detail
 

@@ -649,8 +649,8 @@ void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T
 template <class T>
 void gemm_batched(Isa isa, index batch, bool ta, bool tb, index M, index N, index K, const T* A, index sa, index lda,
                   const T* B, index sb, index ldb, T* C, index sc, index ldc, bool acc) {
-  int threads = 1;
 #if defined(_OPENMP)
+  int threads = 1;
   if (batch > 1 && team_threads(M, N, K) == 1 && !omp_in_parallel()) {
     const double work = static_cast<double>(batch) * static_cast<double>(M) * static_cast<double>(N) *
                         static_cast<double>(K);
