@@ -96,7 +96,7 @@ struct Body {
 struct Decoder {
   Body model;
   nn::Linear lm_head;
-  Config cfg;  // configuration: left out of NN_MODULE
+  Config cfg;  // set once by make_decoder; a recorded step bakes it in
 
   // ids, targets: (B, T) int32 -> mean next-token cross-entropy
   template <class B>
@@ -121,7 +121,7 @@ struct Decoder {
     return nn::cross_entropy(tp, logits, targets);
   }
 
-  NN_MODULE(Decoder, model, lm_head)
+  NN_MODULE(Decoder, model, lm_head, NN_UNCHECKED(cfg))
 };
 
 Decoder make_decoder(const Config& c) {

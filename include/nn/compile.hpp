@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "module.hpp"
+#include "optim/clip.hpp"
 #include "optim/optimizer.hpp"
 
 namespace nn {
@@ -45,14 +47,17 @@ constexpr bool loss_fn_fits(std::index_sequence<I...>) {
 /// training step (loss, gradients, optimizer update) and returns the loss (a 0-D tensor owned by
 /// the step: read it before the next call).
 ///
-/// It re-records, once, when an input's shape or dtype changes, when a module's train/eval mode
-/// changes, when a parameter is frozen or unfrozen, when the optimizer's non-tensor
-/// hyperparameters change (betas, momentum, ...), or after reset(). The learning rate and step
-/// count are tensors and change without re-recording. Random keys drawn on the tape
-/// (tp.random_key(), used by Dropout) are refilled from nn::random's global sequence before each
-/// replay, in recording order, so a compiled run draws exactly the masks an eager run draws.
-/// The model must keep its structure (no map_modules, no reassigned Param tensors) between
-/// calls without a reset().
+/// Configuration is structure (the module seed's rule): every call compares the batch's shapes
+/// and dtypes, the model's structure hash (detail::structure_hash: the tree, each Param's and
+/// Buffer's shape, dtype and storage, the frozen set, train/eval flags and every NN_STATIC
+/// value, such as a LoRA scale, a dropout p or an RMSNorm eps) and the optimizer's
+/// hyperparameter hash (its NN_OPTIMIZER fields). Any change records the step again, once: a
+/// module replaced through map_modules, a Param given a new tensor, a frozen layer, new betas.
+/// The learning rate and step count are tensors and change without re-recording. Random keys
+/// drawn on the tape (tp.random_key(), used by Dropout) are refilled from nn::random's global
+/// sequence before each replay, in recording order, so a compiled run draws exactly the masks an
+/// eager run draws. Members a module lists in NN_UNCHECKED are baked in; reset() forces a
+/// recording.
 template <class B, class M, class F, std::size_t N>
 class CompiledStep {
   static constexpr bool kFits = detail::loss_fn_fits<F, B, M>(std::make_index_sequence<N>{});
@@ -75,6 +80,18 @@ class CompiledStep {
     return tp_.value(loss_);
   }
 
+  /// Clips the gradients to a global norm before each update, as
+  /// `opt.update(model, nn::clip_grad_norm(grads, max_norm).first)` does in an eager step: the
+  /// norm is summed over the tape's gradient buffers in tree order and they are scaled in place
+  /// (no allocation), so the result equals the eager one bit for bit. A negative value turns
+  /// clipping off (the default).
+  CompiledStep& clip_grad_norm(double max_norm) {
+    clip_ = max_norm;
+    return *this;
+  }
+  /// The global gradient norm of the last call, before clipping (0 when not clipping).
+  double grad_norm() const { return grad_norm_; }
+
   /// How many times the step has been recorded (1 after the first call when nothing changed).
   int recordings() const { return recordings_; }
   /// Forces the next call to record again.
@@ -85,8 +102,8 @@ class CompiledStep {
  private:
   struct Entry {
     std::string path;
-    Param* param;
-    const Tensor* grad;  // the tape's gradient buffer of this parameter
+    Tensor param;  // shares the Param's storage (a handle, so a moved module cannot leave it dangling)
+    Tensor* grad;  // the tape's gradient buffer of this parameter
   };
 
   bool stale(const std::array<const Tensor*, N>& in) const {
@@ -95,35 +112,27 @@ class CompiledStep {
       const Tensor& t = tp_.value(inputs_[i]);
       if (!(in[i]->shape() == t.shape()) || in[i]->dtype() != t.dtype()) return true;
     }
-    for (const auto& [flag, value] : modes_)
-      if (*flag != value) return true;
-    for (const auto& [p, trainable] : params_seen_)
-      if (p->trainable != trainable) return true;
-    return opt_->hyper_hash() != hyper_;
+    return detail::structure_hash(static_cast<const M&>(*model_)) != structure_ || opt_->hyper_hash() != hyper_;
   }
 
   void record(const std::array<const Tensor*, N>& in) {
     tp_.clear();
     entries_.clear();
-    modes_.clear();
-    params_seen_.clear();
     std::array<GVar, N> vars{};
     for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
     for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
     if constexpr (kFits)  // else only the static_assert above speaks
       loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
     tp_.backward(loss_);
-    detail::for_each(
-        *model_,
-        [&](const std::string& path, Param& p) {
-          params_seen_.emplace_back(&p, p.trainable);
-          if (!p.trainable || !is_floating(p.value.dtype())) return;
-          std::optional<GVar> v = tp_.find_param(p.value);
-          if (!v) detail::fail("compile", "trainable parameter '", path, "' is not used by the loss");
-          opt_->init_param(path, p.value);
-          entries_.push_back({path, &p, &tp_.grad(*v)});
-        },
-        detail::ignore, [&](const std::string&, auto& mod) { modes_.emplace_back(&mod.nn_training_, mod.nn_training_); });
+    detail::for_each(*model_, [&](const std::string& path, Param& p) {
+      if (!p.trainable || !is_floating(p.value.dtype())) return;
+      std::optional<GVar> v = tp_.find_param(p.value);
+      if (!v) detail::fail("compile", "trainable parameter '", path, "' is not used by the loss");
+      opt_->init_param(path, p.value);
+      // The tape owns the buffer; clipping scales it in place between backward and the update.
+      entries_.push_back({path, p.value, const_cast<Tensor*>(&tp_.grad(*v))});
+    });
+    structure_ = detail::structure_hash(static_cast<const M&>(*model_));
     hyper_ = opt_->hyper_hash();
     replayer_.reset();
     recorded_ = true;
@@ -138,8 +147,18 @@ class CompiledStep {
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
   void update() {
+    if (clip_ >= 0) clip();
     opt_->begin_step();
-    for (Entry& e : entries_) opt_->apply(e.path, e.param->value, *e.grad);
+    for (Entry& e : entries_) opt_->apply(e.path, e.param, *e.grad);
+  }
+
+  // nn::clip_grad_norm's arithmetic (optim/clip.hpp) on the tape's buffers, in place.
+  void clip() {
+    double sq = 0;
+    for (const Entry& e : entries_) sq += B::sum_squares(*e.grad);
+    grad_norm_ = std::sqrt(sq);
+    const double scale = detail::clip_scale(clip_, grad_norm_);
+    for (Entry& e : entries_) B::unary(Unary::scale, scale, *e.grad, *e.grad);
   }
 
   M* model_;
@@ -150,9 +169,8 @@ class CompiledStep {
   std::array<GVar, N> inputs_{};
   GVar loss_{};
   std::vector<Entry> entries_;
-  std::vector<std::pair<const bool*, bool>> modes_;
-  std::vector<std::pair<const Param*, bool>> params_seen_;
-  std::uint64_t hyper_ = 0;
+  std::uint64_t structure_ = 0, hyper_ = 0;
+  double clip_ = -1, grad_norm_ = 0;
   bool recorded_ = false;
   int recordings_ = 0;
 };

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cpu.hpp"
+#include "statics.hpp"
 #include "tape.hpp"
 
 namespace nn {
@@ -91,12 +92,29 @@ template <class T>
 constexpr bool field_ok() {
   using U = std::remove_cvref_t<T>;
   if constexpr (is_renamed<U>::value) return field_ok<decltype(std::declval<U>().ref)>();
+  else if constexpr (is_statics<U>::value || is_unchecked<U>::value) return true;
   else if constexpr (std::is_same_v<U, Param> || std::is_same_v<U, Buffer>) return true;
   else if constexpr (ModuleType<U>) return true;
   else if constexpr (is_vector<U>::value || is_optional<U>::value) return field_ok<typename U::value_type>();
   else if constexpr (is_variant<U>::value)
     return []<class... A>(std::variant<A...>*) { return (field_ok<A>() && ...); }(static_cast<U*>(nullptr));
   else return false;
+}
+
+/// Whether every member of an NN_STATIC(...) can be configuration (true for other items).
+template <class T>
+constexpr bool statics_ok() {
+  if constexpr (is_statics<T>::value)
+    return []<class... A>(Statics<A...>*) { return (static_ok<A>() && ...); }(static_cast<T*>(nullptr));
+  else return true;
+}
+
+/// How many data members one NN_MODULE item stands for.
+template <class T>
+constexpr std::size_t item_members() {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (is_statics<U>::value || is_unchecked<U>::value) return U::count;
+  else return 1;
 }
 
 template <class V, class T>
@@ -106,6 +124,36 @@ void visit_field(V& v, const char* name, T& field) {
 template <class V, class T>
 void visit_field(V& v, const char*, Renamed<T> r) {
   v(r.name, r.ref);
+}
+template <class V, class... T>
+void visit_field(V&, const char*, Statics<T...>) {}  // configuration: not a tree node
+template <class V, class... T>
+void visit_field(V&, const char*, Unchecked<T...>) {}
+
+template <class T>
+void visit_static(StaticSink&, const T&) {}
+template <class... T>
+void visit_static(StaticSink& s, const Statics<T...>& st) {
+  st.visit(s);
+}
+
+/// Brace-initialisation probing (as Boost.PFR counts an aggregate's fields): converts to any
+/// member type, so T{AnyField{} x n} compiles exactly when the aggregate T has at least n
+/// members.
+struct AnyField {
+  template <class T>
+  operator T&() const&& noexcept;  // NOLINT: implicit by design; never defined (unevaluated)
+};
+template <class T, std::size_t... I>
+constexpr bool takes_fields(std::index_sequence<I...>) {
+  return requires { T{((void)I, AnyField{})...}; };
+}
+/// For an aggregate module: true when it has more data members than NN_MODULE accounts for
+/// (`listed` items' members plus the training flag NN_MODULE adds).
+template <class T, std::size_t listed>
+constexpr bool has_unlisted_members() {
+  if constexpr (!std::is_aggregate_v<T>) return false;
+  else return takes_fields<T>(std::make_index_sequence<listed + 2>{});
 }
 
 inline std::string join_path(const std::string& prefix, const std::string& name) {
@@ -287,6 +335,57 @@ void tree_to_device(X& m, Device dev) {
     if (x.value.defined() && x.value.device() != dev) x.value = x.value.to(dev);
   };
   for_each(m, move, move);
+}
+
+/// The structure of a module tree as one hash: the tree's shape (field names, vector lengths,
+/// which optionals are engaged, which variant alternatives hold), each Param's and Buffer's
+/// shape, dtype, device, address and storage identity, the frozen set, every module's train/eval flag and
+/// every NN_STATIC value. A compiled step compares it on every call; nothing here allocates.
+struct StructureHasher {
+  HashSink sink;
+
+  void tensor(const Tensor& t) {
+    sink.fnv.pod(&t);  // a tape binds the Tensor object by address (a moved module records again)
+    sink.fnv.pod(t.raw());
+    sink.fnv.pod(t.dtype());
+    sink.fnv.pod(t.device());
+    sink.fnv.pod(t.rank());
+    for (std::int64_t d : t.shape()) sink.fnv.pod(d);
+  }
+  template <class X>
+  void node(const X& x) {
+    using U = std::remove_cvref_t<X>;
+    if constexpr (std::is_same_v<U, Param>) {
+      tensor(x.value);
+      sink.fnv.pod(x.trainable);
+    } else if constexpr (std::is_same_v<U, Buffer>) {
+      tensor(x.value);
+    } else if constexpr (ModuleType<U>) {
+      sink.fnv.pod(U::nn_type_name);  // the literal's address: unique per type within a process
+      sink.fnv.pod(x.nn_training_);
+      x.nn_visit([&](const char* name, const auto& field) {
+        sink.fnv.pod(name);
+        node(field);
+      });
+      x.nn_visit_static(sink);
+    } else if constexpr (is_vector<U>::value) {
+      sink.fnv.pod(x.size());
+      for (const auto& e : x) node(e);
+    } else if constexpr (is_optional<U>::value) {
+      sink.fnv.pod(x.has_value());
+      if (x) node(*x);
+    } else if constexpr (is_variant<U>::value) {
+      sink.fnv.pod(x.index());
+      std::visit([&](const auto& alt) { node(alt); }, x);
+    }
+  }
+};
+
+template <class X>
+std::uint64_t structure_hash(const X& m) {
+  StructureHasher h;
+  h.node(m);
+  return h.sink.fnv.h;
 }
 
 /// map_modules: calls f(path, T&) on every submodule of type T whose path satisfies pred. When
@@ -495,18 +594,32 @@ int set_precision(X& m, Precision p) {
 #define NN_RENAME(member, name) ::nn::detail::renamed(member, name)
 
 #define NN_DETAIL_VISIT_FIELD(f) ::nn::detail::visit_field(nn_v, #f, f);
+#define NN_DETAIL_VISIT_STATIC(f) ::nn::detail::visit_static(nn_s, f);
+#define NN_DETAIL_COUNT_FIELD(f) +::nn::detail::item_members<decltype(f)>()
 #define NN_DETAIL_CHECK_FIELD(f)                                                                    \
   static_assert(::nn::detail::field_ok<decltype(f)>(),                                              \
                 "NN_MODULE: field '" #f "' must be an nn::Param, an nn::Buffer, a module, or a "    \
                 "std::vector / std::optional / std::variant of those (a bare nn::Tensor needs a "   \
-                "role: nn::Param or nn::Buffer; configuration is simply left out of NN_MODULE)");
+                "role: nn::Param or nn::Buffer; configuration goes in NN_STATIC(...), a cache in "  \
+                "NN_UNCHECKED(...))");                                                              \
+  static_assert(::nn::detail::statics_ok<decltype(f)>(),                                            \
+                "NN_MODULE: every member of " #f " must be a number, a flag, an enum or a std::string");
 
-/// Reflects a module's fields (none, or up to 64), in declaration order, and gives it the module API as
-/// members: parameters(), trainable_parameters(), num_params(), num_trainable(), summary(),
-/// display(), freeze(pred), unfreeze(pred), train(bool), training(), map_modules<T>(pred, f),
-/// to(dtype), save_weights(path), save_trainable(path), load_weights(path or tensors),
-/// load_weights_partial(path or tensors). Put it last in the struct: it adds one data member (the training flag), and last
-/// keeps aggregate initialisation of the fields as written.
+/// Reflects a module's fields (none, or up to 64 items), in declaration order, and gives it the
+/// module API as members: parameters(), trainable_parameters(), num_params(), num_trainable(),
+/// summary(), display(), freeze(pred), unfreeze(pred), train(bool), training(),
+/// map_modules<T>(pred, f), to(dtype), save_weights(path), save_trainable(path),
+/// load_weights(path or tensors), load_weights_partial(path or tensors). Put it last in the
+/// struct: it adds one data member (the training flag), and last keeps aggregate initialisation
+/// of the fields as written.
+///
+/// Every data member has a role: a field (a module, Param, Buffer, or a vector / optional /
+/// variant of those), configuration in NN_STATIC(a_, b_) (hashed into the structure a compiled
+/// step checks, so a change records the step again), or NN_UNCHECKED(c_) (a cache or
+/// bookkeeping a recorded step may bake in). For an aggregate (public members, no constructors)
+/// a member with no role is a compile error, found by brace-initialisation probing; for a class
+/// with private members or constructors C++ cannot count the members, so the list is the
+/// author's word (a base class's members are not counted either).
 #define NN_MODULE(Type, ...)                                                                              \
   static constexpr const char* nn_type_name = #Type;                                                      \
   bool nn_training_ = true;                                                                               \
@@ -518,7 +631,19 @@ int set_precision(X& m, Precision p) {
   void nn_visit([[maybe_unused]] NnV&& nn_v) const {                                                      \
     __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_VISIT_FIELD, __VA_ARGS__))                                    \
   }                                                                                                       \
-  void nn_check_fields() const { __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_CHECK_FIELD, __VA_ARGS__)) }     \
+  /** Every NN_STATIC value, as (name, value). */                                                       \
+  void nn_visit_static([[maybe_unused]] ::nn::StaticSink& nn_s) const {                                   \
+    __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_VISIT_STATIC, __VA_ARGS__))                                   \
+  }                                                                                                       \
+  void nn_check_fields() const {                                                                          \
+    __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_CHECK_FIELD, __VA_ARGS__))                                    \
+    static_assert(!::nn::detail::has_unlisted_members<Type, 0 __VA_OPT__(NN_DETAIL_FOR_EACH(              \
+                                                                NN_DETAIL_COUNT_FIELD, __VA_ARGS__))>(), \
+                  "NN_MODULE(" #Type ", ...): " #Type " has a data member that NN_MODULE does not list: "  \
+                  "list each as a field (a module, nn::Param, nn::Buffer), as configuration in "         \
+                  "NN_STATIC(...) (a compiled step records again when it changes), or in "               \
+                  "NN_UNCHECKED(...)");                                                                   \
+  }                                                                                                       \
   /** (path, tensor) of every Param and Buffer, in declaration order. */                                  \
   std::vector<std::pair<std::string, ::nn::Tensor>> parameters() const {                                  \
     return ::nn::detail::tree_parameters(*this, false);                                                   \

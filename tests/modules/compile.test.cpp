@@ -29,13 +29,6 @@ GVar mse(GTape<B>& tp, const Mlp& m, GVar x, GVar y) {
   return mean(tp, mul(tp, d, d));
 }
 
-std::vector<double> flat(const Mlp& m) {
-  std::vector<double> out;
-  for (auto& [p, t] : m.parameters())
-    for (double v : t.to_doubles()) out.push_back(v);
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE_TEMPLATE("replayed steps equal eager steps bit for bit", T, float, double) {
@@ -56,7 +49,7 @@ TEST_CASE_TEMPLATE("replayed steps equal eager steps bit for bit", T, float, dou
     CHECK(loss_c.item() == loss_e.item());  // bitwise
   }
   CHECK(step.recordings() == 1);
-  CHECK(flat(eager) == flat(compiled));  // bitwise, every parameter
+  CHECK(test::flat_values(eager) == test::flat_values(compiled));  // bitwise, every parameter
 }
 
 TEST_CASE("a compiled step re-records once on a shape, mode, freeze or hyperparameter change") {

@@ -42,8 +42,8 @@ struct Block {
   Dense q_proj;
   std::optional<Norm> qn;                 // reflected as q_norm
   std::variant<Dense, Other> mixer;       // transparent
-  int heads = 4;                          // configuration: not listed
-  NN_MODULE(Block, q_proj, NN_RENAME(qn, "q_norm"), mixer)
+  int heads = 4;                          // configuration: part of the structure
+  NN_MODULE(Block, q_proj, NN_RENAME(qn, "q_norm"), mixer, NN_STATIC(heads))
 };
 
 struct Net {

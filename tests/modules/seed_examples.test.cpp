@@ -37,11 +37,12 @@ double train(const nn::Tensor& x, const nn::Tensor& y) {
 struct Attention {
   nn::Linear q_proj;                 // a submodule: q_proj.weight, q_proj.bias
   std::optional<nn::RmsNorm> qn;     // reflected as q_norm; empty contributes nothing
-  int heads = 4;                     // configuration: not listed, not saved
-  nn::Tensor freqs;                  // a computed constant: not listed, not saved
+  int heads = 4;                     // configuration: hashed into the structure, not saved
+  nn::Tensor freqs;                  // a computed constant: not saved, not loaded
   nn::Buffer running_mean;           // saved and loaded, never trained
   nn::Param gate;                    // a raw parameter
-  NN_MODULE(Attention, q_proj, NN_RENAME(qn, "q_norm"), running_mean, gate)
+  NN_MODULE(Attention, q_proj, NN_RENAME(qn, "q_norm"), running_mean, gate, NN_STATIC(heads),
+            NN_UNCHECKED(freqs))
 };
 // --8<-- [end:attention]
 

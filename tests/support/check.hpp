@@ -118,9 +118,18 @@ inline std::vector<std::string> paths(const std::vector<std::pair<std::string, T
   return out;
 }
 
+/// Every parameter and buffer of a model, flattened in tree order (bitwise comparisons of runs).
+template <class M>
+std::vector<double> flat_values(const M& m) {
+  std::vector<double> out;
+  for (const auto& [p, t] : m.parameters())
+    for (double v : t.to_doubles()) out.push_back(v);
+  return out;
+}
+
 /// Runs `fn`, expects an nn::Error whose message contains every fragment.
-template <class Fn>
-void check_error(Fn&& fn, std::initializer_list<std::string> fragments) {
+template <class Fn, class Fragments = std::initializer_list<std::string>>
+void check_error(Fn&& fn, const Fragments& fragments) {
   try {
     fn();
   } catch (const nn::Error& e) {

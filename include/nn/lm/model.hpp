@@ -297,7 +297,9 @@ struct CausalLM {
     return out.device() == Device::cpu ? out : out.to(Device::cpu);
   }
 
-  NN_MODULE(CausalLM, model, lm_head)
+  // config_ fixes the shapes (hashed through the tensors) and the RoPE table; it is set at
+  // construction and read-only afterwards, so a recorded step may bake it in.
+  NN_MODULE(CausalLM, model, lm_head, NN_UNCHECKED(config_))
 
  private:
   CausalLM(const ModelConfig& cfg, DType dt, bool zero) : config_(cfg) {

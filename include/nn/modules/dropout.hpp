@@ -23,7 +23,7 @@ struct Dropout {
     return dropout(tp, x, p_, tp.random_key());
   }
 
-  NN_MODULE(Dropout)
+  NN_MODULE(Dropout, NN_STATIC(p_))
 
  private:
   double p_ = 0.5;

@@ -39,7 +39,7 @@ struct Linear {
     return bias ? linear(tp, x, nn::param(tp, weight), nn::param(tp, *bias)) : linear(tp, x, nn::param(tp, weight));
   }
 
-  NN_MODULE(Linear, weight, bias)
+  NN_MODULE(Linear, weight, bias, NN_UNCHECKED(before_bias_, after_bias_))
 
  private:
   Tensor before_bias_, after_bias_;  // the global RNG state around the bias draw

@@ -72,7 +72,7 @@ struct LoraLinear {
     return out;
   }
 
-  NN_MODULE(LoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, drop)
+  NN_MODULE(LoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, drop, NN_STATIC(scale_, rslora_))
 
  private:
   double scale_ = 20.0;

@@ -26,7 +26,7 @@ struct RmsNorm {
     return rmsnorm(tp, x, nn::param(tp, weight), eps_);
   }
 
-  NN_MODULE(RmsNorm, weight)
+  NN_MODULE(RmsNorm, weight, NN_STATIC(eps_))
 
  private:
   double eps_ = 1e-5;
@@ -65,7 +65,7 @@ struct LayerNorm {
     return layernorm(tp, x, nn::param(tp, *weight), nn::param(tp, *bias), eps_);
   }
 
-  NN_MODULE(LayerNorm, weight, bias)
+  NN_MODULE(LayerNorm, weight, bias, NN_STATIC(eps_))
 
  private:
   double eps_ = 1e-5;

@@ -36,7 +36,7 @@ struct Rope {
     return rope(tp, x, t.cos, t.sin, traditional_);
   }
 
-  NN_MODULE(Rope)
+  NN_MODULE(Rope, NN_STATIC(dims_, traditional_, base_, scale_))
 
  private:
   std::int64_t dims_ = 0;

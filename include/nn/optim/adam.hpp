@@ -19,9 +19,7 @@ class Adam : public Optimizer {
   Adam& eps(double e) { eps_ = e; return *this; }
   Adam& bias_correction(bool on = true) { bias_correction_ = on; return *this; }
 
-  std::uint64_t hyper_hash() const override {
-    return detail::hash_values(b1_, b2_, eps_, bias_correction_, decoupled_wd());
-  }
+  NN_OPTIMIZER(Adam, Optimizer, b1_, b2_, eps_, bias_correction_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     B::adam_update(p, g, slot(path, "m"), slot(path, "v"), lr_, step_, b1_, b2_, eps_, decoupled_wd(), bias_correction_);
   }
@@ -44,6 +42,8 @@ class AdamW : public Adam<B> {
   AdamW& betas(double b1, double b2) { Adam<B>::betas(b1, b2); return *this; }
   AdamW& eps(double e) { Adam<B>::eps(e); return *this; }
   AdamW& bias_correction(bool on = true) { Adam<B>::bias_correction(on); return *this; }
+
+  NN_OPTIMIZER(AdamW, Adam<B>, wd_)
 
  protected:
   double decoupled_wd() const override { return wd_; }

@@ -9,6 +9,11 @@
 
 namespace nn {
 
+namespace detail {
+/// The factor clip_grad_norm scales by: min(max_norm / (norm + 1e-6), 1) (MLX's).
+inline double clip_scale(double max_norm, double norm) { return std::min(max_norm / (norm + 1e-6), 1.0); }
+}  // namespace detail
+
 /// Returns {clipped, norm}: norm = sqrt(sum over every gradient of sum(g^2)) (one global norm,
 /// not per tensor), and clipped = grads * min(max_norm / (norm + 1e-6), 1) in new tensors (the
 /// input tree is not modified). Empty (frozen) gradients stay empty.
@@ -20,7 +25,7 @@ std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
     if (g.value.defined()) sq += B::sum_squares(g.value);
   });
   const double norm = std::sqrt(sq);
-  const double scale = std::min(max_norm / (norm + 1e-6), 1.0);
+  const double scale = detail::clip_scale(max_norm, norm);
   M out = grads;
   detail::for_each(out, [&](const std::string&, Param& g) {
     if (!g.value.defined()) return;

@@ -16,7 +16,7 @@ class Lion : public Optimizer {
   Lion& betas(double b1, double b2) { b1_ = b1; b2_ = b2; return *this; }
   Lion& weight_decay(double w) { wd_ = w; return *this; }
 
-  std::uint64_t hyper_hash() const override { return detail::hash_values(b1_, b2_, wd_); }
+  NN_OPTIMIZER(Lion, Optimizer, b1_, b2_, wd_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     B::lion_update(p, g, slot(path, "m"), lr_, b1_, b2_, wd_);
   }

@@ -44,10 +44,29 @@ class MultiOptimizer : public Optimizer {
     fallback_->begin_step();
   }
   void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
-  std::uint64_t hyper_hash() const override {
-    std::uint64_t h = fallback_->hyper_hash();
-    for (const auto& g : groups_) h = detail::hash_values(h, g.second->hyper_hash());
-    return h;
+  std::string type_name() const override { return "MultiOptimizer"; }
+  /// Each member's type and fields, prefixed by its index ("0.type", "0.b1", ..., the default
+  /// optimizer last), as its state is.
+  void visit_config(StaticSink& sink) const override {
+    struct Prefixed final : StaticSink {
+      StaticSink& inner;
+      std::string prefix, name;
+      explicit Prefixed(StaticSink& s) : inner(s) {}
+      void field(std::string_view n, const StaticValue& v) override {
+        name = prefix;
+        name += n;
+        inner.field(name, v);
+      }
+    } p(sink);
+    for (std::size_t k = 0; k <= groups_.size(); ++k) {
+      p.prefix = std::to_string(k) + ".";
+      const std::string type = member(k).type_name();
+      p.field("type", detail::static_value(type));
+      member(k).visit_config(p);
+    }
+  }
+  void describe_rate(std::vector<std::pair<std::string, std::string>>& out, const std::string& prefix) const override {
+    for (std::size_t k = 0; k <= groups_.size(); ++k) member(k).describe_rate(out, prefix + std::to_string(k) + ".");
   }
   void apply(const std::string& path, Tensor& p, const Tensor& g) override { route(path).apply(path, p, g); }
 

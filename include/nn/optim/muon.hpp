@@ -24,7 +24,7 @@ class Muon : public Optimizer {
   Muon& nesterov(bool on = true) { nesterov_ = on; return *this; }
   Muon& ns_steps(int n) { steps_ = n; return *this; }
 
-  std::uint64_t hyper_hash() const override { return detail::hash_values(mu_, wd_, nesterov_, steps_); }
+  NN_OPTIMIZER(Muon, Optimizer, mu_, wd_, nesterov_, steps_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     Slots& w = work_.at(path);
     Tensor& u = w.at("u");

@@ -21,17 +21,6 @@ inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
   return dev == Device::cpu ? z : z.to(dev);
 }
 
-/// FNV-1a over the bytes of some doubles / ints (hyperparameter hashes; allocation-free).
-template <class... V>
-std::uint64_t hash_values(const V&... v) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&](const auto& x) {
-    const auto* b = reinterpret_cast<const unsigned char*>(&x);
-    for (std::size_t i = 0; i < sizeof(x); ++i) h = (h ^ b[i]) * 1099511628211ull;
-  };
-  (mix(v), ...);
-  return h;
-}
 }  // namespace detail
 
 /// The base of every optimizer (usable through std::unique_ptr<Optimizer>).
@@ -162,9 +151,38 @@ class Optimizer {
   }
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
-  /// A hash of the non-tensor hyperparameters (betas, momentum, ...): a compiled step
-  /// re-records when it changes. The learning rate and step are tensors and are not in it.
-  virtual std::uint64_t hyper_hash() const { return 0; }
+  /// The optimizer's type as a checkpoint records it ("AdamW"); NN_OPTIMIZER defines it.
+  virtual std::string type_name() const { return "Optimizer"; }
+  /// Visits the non-tensor hyperparameters (betas, momentum, weight decay, ...) as
+  /// NN_OPTIMIZER lists them, base class first. Not the learning rate or the step: those are
+  /// tensors, a replayed step reads them without recording again.
+  virtual void visit_config(StaticSink&) const {}
+  /// A hash of the type and visit_config's fields: a compiled step records again when it changes.
+  std::uint64_t hyper_hash() const {
+    detail::HashSink h;
+    const std::string type = type_name();
+    h.field("type", detail::static_value(type));
+    visit_config(h);
+    return h.fnv.h;
+  }
+  /// The configuration as a checkpoint's metadata holds it: {"type", "AdamW"}, {"b1", "0.9"},
+  /// ..., and {"schedule", "cosine_decay(...)"} or, without one, {"learning_rate", "0.001"}.
+  std::vector<std::pair<std::string, std::string>> describe() const {
+    struct Collect final : StaticSink {
+      std::vector<std::pair<std::string, std::string>> out;
+      void field(std::string_view name, const StaticValue& v) override { out.emplace_back(name, v.str()); }
+    } c;
+    c.out.emplace_back("type", type_name());
+    visit_config(c);
+    describe_rate(c.out, "");
+    return std::move(c.out);
+  }
+  /// Adds {prefix + "schedule", description}, or {prefix + "learning_rate", value} without a
+  /// schedule (MultiOptimizer adds its members' with their group prefix).
+  virtual void describe_rate(std::vector<std::pair<std::string, std::string>>& out, const std::string& prefix) const {
+    if (schedule_) out.emplace_back(prefix + "schedule", schedule_.description());
+    else out.emplace_back(prefix + "learning_rate", detail::static_value(learning_rate()).str());
+  }
 
  protected:
   void copy_state(const Optimizer& o) {
@@ -232,3 +250,14 @@ class Optimizer {
 };
 
 }  // namespace nn
+
+/// Declares an optimizer's name and hyperparameters inside its class:
+/// `NN_OPTIMIZER(Lion, Optimizer, b1_, b2_, wd_)`. The fields are hashed into hyper_hash() (a
+/// compiled step records again when one changes) and written to, and checked by, a checkpoint
+/// (nn::save / nn::load_into), after the base class's fields.
+#define NN_OPTIMIZER(Name, Base, ...)                                          \
+  std::string type_name() const override { return #Name; }                    \
+  void visit_config(::nn::StaticSink& sink) const override {                   \
+    Base::visit_config(sink);                                                  \
+    ::nn::detail::statics(#__VA_ARGS__, __VA_ARGS__).visit(sink);              \
+  }

@@ -20,7 +20,7 @@ class Sgd : public Optimizer {
   /// Nesterov momentum; needs momentum > 0 and no dampening (as MLX and PyTorch).
   Sgd& nesterov(bool on = true) { nesterov_ = on; return check(); }
 
-  std::uint64_t hyper_hash() const override { return detail::hash_values(momentum_, dampening_, wd_, nesterov_); }
+  NN_OPTIMIZER(Sgd, Optimizer, momentum_, dampening_, wd_, nesterov_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     Tensor none;
     B::sgd_update(p, g, momentum_ > 0 ? slot(path, "v") : none, lr_, momentum_, dampening_, wd_, nesterov_);
