@@ -8,7 +8,8 @@
 //   bench_finetune --model PATH [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
 //                  [--rank 8] [--scale 20] [--keys q_proj,v_proj] [--precision f32|bf16]
 //
-// Prints one `RESULT key=value ...` line (tokens/s from the median step).
+// Prints one `RESULT key=value ...` line (tokens/s from the median step), and the cost of the
+// compiled step's per-call structure check beside the step.
 #include <nn/nn.hpp>
 #include <nn/lm/pretrained.hpp>
 
@@ -85,6 +86,16 @@ int main(int argc, char** argv) try {
   const double cpu_ms = (bench::cpu_seconds() - cpu0) * 1e3 / steps;
   std::sort(ms.begin(), ms.end());
   const double median_ms = ms[ms.size() / 2];
+  // What the compiled step's staleness check costs on every call: the model's structure hash
+  // (its whole tree, with every NN_STATIC value) and the optimizer's hyperparameter hash.
+  std::uint64_t sink = 0;
+  const auto h0 = std::chrono::steady_clock::now();
+  constexpr int kHashes = 200;
+  for (int i = 0; i < kHashes; ++i) sink += nn::detail::structure_hash(model) + opt.hyper_hash();
+  const double check_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / kHashes;
+  std::printf("structure check: %.1f us per call (%.4f%% of the median step; checksum %016llx)\n", check_us,
+              100.0 * check_us / (median_ms * 1e3), static_cast<unsigned long long>(sink));
   std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
               "rss_start_mb=%.1f rss_now_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld "
               "precision=%s\n",

@@ -33,7 +33,7 @@ struct Args {
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
       save_every = 50, threads = 0, max_tokens = 40;
   std::uint64_t seed = 0;
-  bool resume = false, peft = true;
+  bool resume = false, resume_new_hyper = false, peft = true;
 };
 
 const char* kUsage =
@@ -45,6 +45,8 @@ const char* kUsage =
     "  --keys q_proj,v_proj  projections to adapt (q k v o _proj, gate up down _proj)\n"
     "  --lr 1e-4 --schedule cosine|constant --warmup N --iters 100 --batch 4 --seq 256 --grad-accum 1\n"
     "  --val-every 25 --val-batches 4 --save-every 50 --resume --adapter-path adapters --no-peft\n"
+    "  --resume              continue from ADAPTER_PATH/checkpoint.safetensors; the schedule and optimizer flags\n"
+    "                        must be the run's (checked) unless --resume-new-hyperparameters\n"
     "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n"
     "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
     "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
@@ -61,7 +63,7 @@ Args parse(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) nn::detail::fail("finetune", "unexpected argument '", k, "'\n", kUsage);
     k = k.substr(2);
-    if (k == "rslora" || k == "resume" || k == "no-peft") {
+    if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft") {
       kv[k] = "1";
       continue;
     }
@@ -107,6 +109,7 @@ Args parse(int argc, char** argv) {
   num("max-tokens", a.max_tokens);
   if (kv.erase("rslora")) a.lora.rslora = true;
   if (kv.erase("resume")) a.resume = true;
+  if (kv.erase("resume-new-hyperparameters")) a.resume = a.resume_new_hyper = true;
   if (kv.erase("no-peft")) a.peft = false;
   std::string keys = "q_proj,v_proj";
   str("keys", keys);
@@ -171,7 +174,7 @@ double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches
 }
 
 Schedule make_schedule(const Args& a) {
-  Schedule main = a.schedule == "cosine" ? cosine_decay(a.lr, std::max(1, a.iters - a.warmup)) : Schedule([lr = a.lr](std::int64_t) { return lr; });
+  Schedule main = a.schedule == "cosine" ? cosine_decay(a.lr, std::max(1, a.iters - a.warmup)) : constant_schedule(a.lr);
   if (a.warmup == 0) return main;
   // mlx-lm's warm-up: a linear ramp from 0, then the main schedule from step warmup + 1
   return join_schedules({linear_schedule(0.0, a.lr, a.warmup), main}, {a.warmup + 1});
@@ -223,7 +226,11 @@ int run(const Args& a) {
   BatchOrder order(data.train, static_cast<std::size_t>(a.batch), a.seed);
   if (a.resume) {
     if (!fs::exists(ckpt)) nn::detail::fail("finetune", "--resume: no checkpoint at ", ckpt.string());
-    load_into(ckpt, model, opt);
+    try {
+      load_into(ckpt, model, opt, nn::LoadOptions{.allow_new_hyperparameters = a.resume_new_hyper});
+    } catch (const nn::Error& e) {
+      nn::detail::fail("finetune", e.what(), "\n(finetune: --resume-new-hyperparameters resumes with these flags on purpose)");
+    }
     // the batch order is a function of the seed: replay it up to where the run stopped
     for (std::int64_t i = 0; i < opt.step() * a.grad_accum; ++i) order.next();
     std::printf("resumed at step %lld\n", static_cast<long long>(opt.step()));

@@ -23,8 +23,22 @@ args=(--model "$model" --data "$work/data" --batch 2 --seq 32 --val-every 1 --va
       --adapter-path "$work/out" --max-tokens 4 --prompt "Recite Proverbs 1:1 from the King James Bible." --rslora
       --logits-out "$work/out/logits.safetensors")
 "$exe" "${args[@]}" --iters 1
-"$exe" "${args[@]}" --iters 2 --resume | tee "$work/resume.log"
+# the cosine schedule depends on --iters: the checkpoint refuses another one, naming it
+if "$exe" "${args[@]}" --iters 2 --resume > "$work/refused.log" 2>&1; then
+  echo "finetune smoke: a resume with another schedule was accepted" >&2; exit 1
+fi
+grep -q "optimizer schedule: join_schedules\|optimizer schedule: cosine_decay" "$work/refused.log" ||
+  { cat "$work/refused.log" >&2; echo "finetune smoke: the refusal does not name the schedule" >&2; exit 1; }
+"$exe" "${args[@]}" --iters 2 --resume-new-hyperparameters | tee "$work/resume.log"
 grep -q "resumed at step 1" "$work/resume.log"
+# a constant schedule: 1 step + a resumed step is bitwise 2 steps straight (adapter-sized checkpoint)
+"$exe" "${args[@]}" --schedule constant --adapter-path "$work/c1" --iters 1 --no-peft >/dev/null
+"$exe" "${args[@]}" --schedule constant --adapter-path "$work/c1" --iters 2 --no-peft --resume >/dev/null
+"$exe" "${args[@]}" --schedule constant --adapter-path "$work/c2" --iters 2 --no-peft >/dev/null
+cmp "$work/c1/adapters.safetensors" "$work/c2/adapters.safetensors" ||
+  { echo "finetune smoke: the resumed run differs from the straight one" >&2; exit 1; }
+size=$(stat -c %s "$work/c1/checkpoint.safetensors")
+((size < 20000000)) || { echo "finetune smoke: checkpoint is $size bytes, not adapter-sized" >&2; exit 1; }
 for f in adapters.safetensors adapter_config.json peft/adapter_model.safetensors peft/adapter_config.json \
          checkpoint.safetensors metrics.jsonl loss.svg logits.safetensors; do
   [[ -s $work/out/$f ]] || { echo "finetune smoke: missing $f" >&2; exit 1; }
@@ -32,7 +46,7 @@ done
 # --precision bf16: the frozen base stored in bfloat16, trained and resumed from its checkpoint
 "$exe" "${args[@]}" --adapter-path "$work/bf16" --precision bf16 --iters 1 | tee "$work/bf16.log"
 grep -q "precision bf16: [0-9]* frozen matrices stored in bfloat16" "$work/bf16.log"
-"$exe" "${args[@]}" --adapter-path "$work/bf16" --precision bf16 --iters 2 --resume | tee "$work/bf16-resume.log"
+"$exe" "${args[@]}" --adapter-path "$work/bf16" --precision bf16 --iters 2 --resume-new-hyperparameters | tee "$work/bf16-resume.log"
 grep -q "resumed at step 1" "$work/bf16-resume.log"
 [[ -s $work/bf16/adapters.safetensors ]] || { echo "finetune smoke: bf16 run wrote no adapters" >&2; exit 1; }
 # --grad-accum 2: two micro-batches' gradients summed (nn::tree_add) and averaged before one update

@@ -13,12 +13,12 @@
 // nn/ops/attention.hpp, nn/ops/glu.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp,
 // nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp,
 // nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp,
-// nn/io/safetensors.hpp, nn/module.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp,
-// nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp,
-// nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
-// nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/multi.hpp,
-// nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/lm/config.hpp,
-// nn/lm/model.hpp, nn/lm/gguf.hpp, nn/lm/load.hpp
+// nn/io/safetensors.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp,
+// nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
+// nn/modules/dropout.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
+// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
+// nn/optim/muon.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp,
+// nn/io/checkpoint.hpp, nn/lm/config.hpp, nn/lm/model.hpp, nn/lm/gguf.hpp, nn/lm/load.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -8127,6 +8127,181 @@ inline std::vector<std::byte> serialize_safetensors(const std::vector<Safetensor
 #include <variant>
 #include <vector>
 
+// ---- begin nn/statics.hpp ----
+// Static configuration: the numbers, flags and strings a module or an optimizer is configured
+// with (a LoRA scale, a dropout p, Adam's betas). They are part of the structure, as the module
+// seed says: a compiled step hashes them and records again when one changes, and a checkpoint
+// writes an optimizer's and checks them on resume. A module lists them in NN_MODULE with
+// NN_STATIC(...), an optimizer in NN_OPTIMIZER(...); both go through the one visitor here.
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+
+namespace nn {
+
+/// One configuration value as a hash or a checkpoint sees it.
+struct StaticValue {
+  enum class Kind { number, integer, boolean, text } kind = Kind::number;
+  double number = 0;
+  std::int64_t integer = 0;
+  std::string_view text;
+
+  /// As a checkpoint's metadata writes it: numbers with 17 significant digits (exact round
+  /// trip), flags as "true" / "false".
+  std::string str() const {
+    switch (kind) {
+      case Kind::number: {
+        char buf[40];
+        std::snprintf(buf, sizeof buf, "%.17g", number);
+        return buf;
+      }
+      case Kind::integer: return std::to_string(integer);
+      case Kind::boolean: return integer ? "true" : "false";
+      case Kind::text: return std::string(text);
+    }
+    return {};
+  }
+};
+
+/// Receives configuration fields one by one: field(name, value). Names are the member names as
+/// written, without a trailing underscore ("scale_" is reported as "scale").
+struct StaticSink {
+  virtual void field(std::string_view name, const StaticValue& v) = 0;
+
+ protected:
+  ~StaticSink() = default;
+};
+
+namespace detail {
+
+/// 64-bit FNV-1a over bytes; used for structure and hyperparameter hashes (allocation-free).
+struct Fnv {
+  std::uint64_t h = 1469598103934665603ull;
+  void bytes(const void* p, std::size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  template <class T>
+  void pod(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    bytes(&v, sizeof v);
+  }
+};
+
+/// A sink that hashes names and values.
+struct HashSink final : StaticSink {
+  Fnv fnv;
+  void field(std::string_view name, const StaticValue& v) override {
+    fnv.bytes(name.data(), name.size());
+    fnv.pod(v.kind);
+    switch (v.kind) {
+      case StaticValue::Kind::number: {
+        const double d = v.number == 0 ? 0.0 : v.number;  // -0.0 and 0.0 configure the same
+        fnv.pod(d);
+        break;
+      }
+      case StaticValue::Kind::text: fnv.bytes(v.text.data(), v.text.size()); break;
+      default: fnv.pod(v.integer);
+    }
+  }
+};
+
+/// Whether a member can be static configuration: a number, a flag, an enum or a string.
+template <class T>
+constexpr bool static_ok() {
+  using U = std::remove_cvref_t<T>;
+  return std::is_arithmetic_v<U> || std::is_enum_v<U> || std::is_same_v<U, std::string>;
+}
+
+template <class T>
+StaticValue static_value(const T& v) {
+  StaticValue out;
+  if constexpr (std::is_same_v<T, bool>) {
+    out.kind = StaticValue::Kind::boolean;
+    out.integer = v ? 1 : 0;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    out.kind = StaticValue::Kind::number;
+    out.number = static_cast<double>(v);
+  } else if constexpr (std::is_integral_v<T>) {
+    out.kind = StaticValue::Kind::integer;
+    out.integer = static_cast<std::int64_t>(v);
+  } else if constexpr (std::is_enum_v<T>) {
+    out.kind = StaticValue::Kind::integer;
+    out.integer = static_cast<std::int64_t>(v);
+  } else {
+    out.kind = StaticValue::Kind::text;
+    out.text = v;
+  }
+  return out;
+}
+
+/// The next name of a stringized list "a_, b_, c" from `pos`, trailing underscore dropped.
+inline std::string_view next_static_name(std::string_view names, std::size_t& pos) {
+  while (pos < names.size() && (names[pos] == ' ' || names[pos] == ',')) ++pos;
+  std::size_t end = names.find(',', pos);
+  if (end == std::string_view::npos) end = names.size();
+  std::string_view name = names.substr(pos, end - pos);
+  pos = end;
+  while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+  if (name.size() > 1 && name.back() == '_') name.remove_suffix(1);
+  return name;
+}
+
+/// What NN_STATIC(a, b) expands to inside NN_MODULE: the names as written and references to
+/// the members.
+template <class... T>
+struct Statics {
+  const char* names;
+  std::tuple<T&...> refs;
+  static constexpr std::size_t count = sizeof...(T);
+
+  void visit(StaticSink& sink) const {
+    std::size_t pos = 0;
+    std::string_view all(names);
+    std::apply([&](const auto&... v) { (sink.field(next_static_name(all, pos), static_value(v)), ...); }, refs);
+  }
+};
+template <class... T>
+Statics<T...> statics(const char* names, T&... refs) {
+  return {names, std::tie(refs...)};
+}
+
+/// What NN_UNCHECKED(a, b) expands to: members that are deliberately neither reflected nor
+/// configuration (caches, bookkeeping). Only counted, so the field check knows they are meant.
+template <class... T>
+struct Unchecked {
+  static constexpr std::size_t count = sizeof...(T);
+};
+template <class... T>
+Unchecked<T...> unchecked(T&...) {
+  return {};
+}
+
+template <class T>
+struct is_statics : std::false_type {};
+template <class... T>
+struct is_statics<Statics<T...>> : std::true_type {};
+template <class T>
+struct is_unchecked : std::false_type {};
+template <class... T>
+struct is_unchecked<Unchecked<T...>> : std::true_type {};
+
+}  // namespace detail
+}  // namespace nn
+
+/// Static configuration of a module, listed in its NN_MODULE: NN_MODULE(LoraLinear, ...,
+/// NN_STATIC(scale_, rslora_)). Numbers, flags, enums and strings; hashed into the structure a
+/// compiled step checks on every call, so changing one records the step again.
+#define NN_STATIC(...) ::nn::detail::statics(#__VA_ARGS__, __VA_ARGS__)
+/// Members a module deliberately keeps outside its tree and its configuration (a cached table,
+/// RNG bookkeeping): listed so the field check accepts them. A compiled step does not see them
+/// change: their values are baked into a recorded step.
+#define NN_UNCHECKED(...) ::nn::detail::unchecked(__VA_ARGS__)
+// ---- end nn/statics.hpp ----
 
 namespace nn {
 
@@ -8201,12 +8376,29 @@ template <class T>
 constexpr bool field_ok() {
   using U = std::remove_cvref_t<T>;
   if constexpr (is_renamed<U>::value) return field_ok<decltype(std::declval<U>().ref)>();
+  else if constexpr (is_statics<U>::value || is_unchecked<U>::value) return true;
   else if constexpr (std::is_same_v<U, Param> || std::is_same_v<U, Buffer>) return true;
   else if constexpr (ModuleType<U>) return true;
   else if constexpr (is_vector<U>::value || is_optional<U>::value) return field_ok<typename U::value_type>();
   else if constexpr (is_variant<U>::value)
     return []<class... A>(std::variant<A...>*) { return (field_ok<A>() && ...); }(static_cast<U*>(nullptr));
   else return false;
+}
+
+/// Whether every member of an NN_STATIC(...) can be configuration (true for other items).
+template <class T>
+constexpr bool statics_ok() {
+  if constexpr (is_statics<T>::value)
+    return []<class... A>(Statics<A...>*) { return (static_ok<A>() && ...); }(static_cast<T*>(nullptr));
+  else return true;
+}
+
+/// How many data members one NN_MODULE item stands for.
+template <class T>
+constexpr std::size_t item_members() {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (is_statics<U>::value || is_unchecked<U>::value) return U::count;
+  else return 1;
 }
 
 template <class V, class T>
@@ -8216,6 +8408,36 @@ void visit_field(V& v, const char* name, T& field) {
 template <class V, class T>
 void visit_field(V& v, const char*, Renamed<T> r) {
   v(r.name, r.ref);
+}
+template <class V, class... T>
+void visit_field(V&, const char*, Statics<T...>) {}  // configuration: not a tree node
+template <class V, class... T>
+void visit_field(V&, const char*, Unchecked<T...>) {}
+
+template <class T>
+void visit_static(StaticSink&, const T&) {}
+template <class... T>
+void visit_static(StaticSink& s, const Statics<T...>& st) {
+  st.visit(s);
+}
+
+/// Brace-initialisation probing (as Boost.PFR counts an aggregate's fields): converts to any
+/// member type, so T{AnyField{} x n} compiles exactly when the aggregate T has at least n
+/// members.
+struct AnyField {
+  template <class T>
+  operator T&() const&& noexcept;  // NOLINT: implicit by design; never defined (unevaluated)
+};
+template <class T, std::size_t... I>
+constexpr bool takes_fields(std::index_sequence<I...>) {
+  return requires { T{((void)I, AnyField{})...}; };
+}
+/// For an aggregate module: true when it has more data members than NN_MODULE accounts for
+/// (`listed` items' members plus the training flag NN_MODULE adds).
+template <class T, std::size_t listed>
+constexpr bool has_unlisted_members() {
+  if constexpr (!std::is_aggregate_v<T>) return false;
+  else return takes_fields<T>(std::make_index_sequence<listed + 2>{});
 }
 
 inline std::string join_path(const std::string& prefix, const std::string& name) {
@@ -8397,6 +8619,57 @@ void tree_to_device(X& m, Device dev) {
     if (x.value.defined() && x.value.device() != dev) x.value = x.value.to(dev);
   };
   for_each(m, move, move);
+}
+
+/// The structure of a module tree as one hash: the tree's shape (field names, vector lengths,
+/// which optionals are engaged, which variant alternatives hold), each Param's and Buffer's
+/// shape, dtype, device, address and storage identity, the frozen set, every module's train/eval flag and
+/// every NN_STATIC value. A compiled step compares it on every call; nothing here allocates.
+struct StructureHasher {
+  HashSink sink;
+
+  void tensor(const Tensor& t) {
+    sink.fnv.pod(&t);  // a tape binds the Tensor object by address (a moved module records again)
+    sink.fnv.pod(t.raw());
+    sink.fnv.pod(t.dtype());
+    sink.fnv.pod(t.device());
+    sink.fnv.pod(t.rank());
+    for (std::int64_t d : t.shape()) sink.fnv.pod(d);
+  }
+  template <class X>
+  void node(const X& x) {
+    using U = std::remove_cvref_t<X>;
+    if constexpr (std::is_same_v<U, Param>) {
+      tensor(x.value);
+      sink.fnv.pod(x.trainable);
+    } else if constexpr (std::is_same_v<U, Buffer>) {
+      tensor(x.value);
+    } else if constexpr (ModuleType<U>) {
+      sink.fnv.pod(U::nn_type_name);  // the literal's address: unique per type within a process
+      sink.fnv.pod(x.nn_training_);
+      x.nn_visit([&](const char* name, const auto& field) {
+        sink.fnv.pod(name);
+        node(field);
+      });
+      x.nn_visit_static(sink);
+    } else if constexpr (is_vector<U>::value) {
+      sink.fnv.pod(x.size());
+      for (const auto& e : x) node(e);
+    } else if constexpr (is_optional<U>::value) {
+      sink.fnv.pod(x.has_value());
+      if (x) node(*x);
+    } else if constexpr (is_variant<U>::value) {
+      sink.fnv.pod(x.index());
+      std::visit([&](const auto& alt) { node(alt); }, x);
+    }
+  }
+};
+
+template <class X>
+std::uint64_t structure_hash(const X& m) {
+  StructureHasher h;
+  h.node(m);
+  return h.sink.fnv.h;
 }
 
 /// map_modules: calls f(path, T&) on every submodule of type T whose path satisfies pred. When
@@ -8605,18 +8878,32 @@ int set_precision(X& m, Precision p) {
 #define NN_RENAME(member, name) ::nn::detail::renamed(member, name)
 
 #define NN_DETAIL_VISIT_FIELD(f) ::nn::detail::visit_field(nn_v, #f, f);
+#define NN_DETAIL_VISIT_STATIC(f) ::nn::detail::visit_static(nn_s, f);
+#define NN_DETAIL_COUNT_FIELD(f) +::nn::detail::item_members<decltype(f)>()
 #define NN_DETAIL_CHECK_FIELD(f)                                                                    \
   static_assert(::nn::detail::field_ok<decltype(f)>(),                                              \
                 "NN_MODULE: field '" #f "' must be an nn::Param, an nn::Buffer, a module, or a "    \
                 "std::vector / std::optional / std::variant of those (a bare nn::Tensor needs a "   \
-                "role: nn::Param or nn::Buffer; configuration is simply left out of NN_MODULE)");
+                "role: nn::Param or nn::Buffer; configuration goes in NN_STATIC(...), a cache in "  \
+                "NN_UNCHECKED(...))");                                                              \
+  static_assert(::nn::detail::statics_ok<decltype(f)>(),                                            \
+                "NN_MODULE: every member of " #f " must be a number, a flag, an enum or a std::string");
 
-/// Reflects a module's fields (none, or up to 64), in declaration order, and gives it the module API as
-/// members: parameters(), trainable_parameters(), num_params(), num_trainable(), summary(),
-/// display(), freeze(pred), unfreeze(pred), train(bool), training(), map_modules<T>(pred, f),
-/// to(dtype), save_weights(path), save_trainable(path), load_weights(path or tensors),
-/// load_weights_partial(path or tensors). Put it last in the struct: it adds one data member (the training flag), and last
-/// keeps aggregate initialisation of the fields as written.
+/// Reflects a module's fields (none, or up to 64 items), in declaration order, and gives it the
+/// module API as members: parameters(), trainable_parameters(), num_params(), num_trainable(),
+/// summary(), display(), freeze(pred), unfreeze(pred), train(bool), training(),
+/// map_modules<T>(pred, f), to(dtype), save_weights(path), save_trainable(path),
+/// load_weights(path or tensors), load_weights_partial(path or tensors). Put it last in the
+/// struct: it adds one data member (the training flag), and last keeps aggregate initialisation
+/// of the fields as written.
+///
+/// Every data member has a role: a field (a module, Param, Buffer, or a vector / optional /
+/// variant of those), configuration in NN_STATIC(a_, b_) (hashed into the structure a compiled
+/// step checks, so a change records the step again), or NN_UNCHECKED(c_) (a cache or
+/// bookkeeping a recorded step may bake in). For an aggregate (public members, no constructors)
+/// a member with no role is a compile error, found by brace-initialisation probing; for a class
+/// with private members or constructors C++ cannot count the members, so the list is the
+/// author's word (a base class's members are not counted either).
 #define NN_MODULE(Type, ...)                                                                              \
   static constexpr const char* nn_type_name = #Type;                                                      \
   bool nn_training_ = true;                                                                               \
@@ -8628,7 +8915,19 @@ int set_precision(X& m, Precision p) {
   void nn_visit([[maybe_unused]] NnV&& nn_v) const {                                                      \
     __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_VISIT_FIELD, __VA_ARGS__))                                    \
   }                                                                                                       \
-  void nn_check_fields() const { __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_CHECK_FIELD, __VA_ARGS__)) }     \
+  /** Every NN_STATIC value, as (name, value). */                                                       \
+  void nn_visit_static([[maybe_unused]] ::nn::StaticSink& nn_s) const {                                   \
+    __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_VISIT_STATIC, __VA_ARGS__))                                   \
+  }                                                                                                       \
+  void nn_check_fields() const {                                                                          \
+    __VA_OPT__(NN_DETAIL_FOR_EACH(NN_DETAIL_CHECK_FIELD, __VA_ARGS__))                                    \
+    static_assert(!::nn::detail::has_unlisted_members<Type, 0 __VA_OPT__(NN_DETAIL_FOR_EACH(              \
+                                                                NN_DETAIL_COUNT_FIELD, __VA_ARGS__))>(), \
+                  "NN_MODULE(" #Type ", ...): " #Type " has a data member that NN_MODULE does not list: "  \
+                  "list each as a field (a module, nn::Param, nn::Buffer), as configuration in "         \
+                  "NN_STATIC(...) (a compiled step records again when it changes), or in "               \
+                  "NN_UNCHECKED(...)");                                                                   \
+  }                                                                                                       \
   /** (path, tensor) of every Param and Buffer, in declaration order. */                                  \
   std::vector<std::pair<std::string, ::nn::Tensor>> parameters() const {                                  \
     return ::nn::detail::tree_parameters(*this, false);                                                   \
@@ -8815,7 +9114,7 @@ struct Linear {
     return bias ? linear(tp, x, nn::param(tp, weight), nn::param(tp, *bias)) : linear(tp, x, nn::param(tp, weight));
   }
 
-  NN_MODULE(Linear, weight, bias)
+  NN_MODULE(Linear, weight, bias, NN_UNCHECKED(before_bias_, after_bias_))
 
  private:
   Tensor before_bias_, after_bias_;  // the global RNG state around the bias draw
@@ -8878,7 +9177,7 @@ struct RmsNorm {
     return rmsnorm(tp, x, nn::param(tp, weight), eps_);
   }
 
-  NN_MODULE(RmsNorm, weight)
+  NN_MODULE(RmsNorm, weight, NN_STATIC(eps_))
 
  private:
   double eps_ = 1e-5;
@@ -8917,7 +9216,7 @@ struct LayerNorm {
     return layernorm(tp, x, nn::param(tp, *weight), nn::param(tp, *bias), eps_);
   }
 
-  NN_MODULE(LayerNorm, weight, bias)
+  NN_MODULE(LayerNorm, weight, bias, NN_STATIC(eps_))
 
  private:
   double eps_ = 1e-5;
@@ -8960,7 +9259,7 @@ struct Rope {
     return rope(tp, x, t.cos, t.sin, traditional_);
   }
 
-  NN_MODULE(Rope)
+  NN_MODULE(Rope, NN_STATIC(dims_, traditional_, base_, scale_))
 
  private:
   std::int64_t dims_ = 0;
@@ -8992,7 +9291,7 @@ struct Dropout {
     return dropout(tp, x, p_, tp.random_key());
   }
 
-  NN_MODULE(Dropout)
+  NN_MODULE(Dropout, NN_STATIC(p_))
 
  private:
   double p_ = 0.5;
@@ -9068,7 +9367,7 @@ struct LoraLinear {
     return out;
   }
 
-  NN_MODULE(LoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, drop)
+  NN_MODULE(LoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, drop, NN_STATIC(scale_, rslora_))
 
  private:
   double scale_ = 20.0;
@@ -9100,27 +9399,71 @@ struct LoraLinear {
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <numbers>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 
 namespace nn {
 
-/// A learning rate as a function of the optimizer's step count (0 for the first update).
-using Schedule = std::function<double(std::int64_t)>;
+/// A learning rate as a function of the optimizer's step count (0 for the first update), with a
+/// description a checkpoint records and checks on resume: "cosine_decay(init=0.001, ...)" for the
+/// schedules below, "custom" for any other function (two custom schedules compare equal: name
+/// one with Schedule(fn, "my_warmup(...)") to have a resume check it).
+class Schedule {
+ public:
+  Schedule() = default;
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, Schedule> && std::is_invocable_r_v<double, F&, std::int64_t>)
+  Schedule(F fn, std::string description = "custom") : fn_(std::move(fn)), description_(std::move(description)) {}
+
+  double operator()(std::int64_t step) const { return fn_(step); }
+  explicit operator bool() const { return static_cast<bool>(fn_); }
+  /// What this schedule is, as a checkpoint writes it ("" for no schedule).
+  const std::string& description() const { return description_; }
+
+ private:
+  std::function<double(std::int64_t)> fn_;
+  std::string description_;
+};
+
+namespace detail {
+/// "name(a=1, b=2)" with numbers at 17 significant digits (exact round trip).
+inline std::string describe_call(const char* name, std::initializer_list<std::pair<const char*, double>> args) {
+  std::string out = std::string(name) + "(";
+  bool first = true;
+  for (const auto& [k, v] : args) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    out += (first ? "" : ", ") + std::string(k) + "=" + buf;
+    first = false;
+  }
+  return out + ")";
+}
+}  // namespace detail
+
+/// lr at every step (in double, as a plain learning rate is): a schedule where an API wants one.
+inline Schedule constant_schedule(double lr) {
+  return Schedule([lr](std::int64_t) { return lr; }, detail::describe_call("constant_schedule", {{"lr", lr}}));
+}
 
 /// init * rate^step
 inline Schedule exponential_decay(double init, double decay_rate) {
   const float i = static_cast<float>(init), r = static_cast<float>(decay_rate);
-  return [=](std::int64_t step) { return static_cast<double>(i * std::pow(r, static_cast<float>(step))); };
+  return Schedule([=](std::int64_t step) { return static_cast<double>(i * std::pow(r, static_cast<float>(step))); },
+                  detail::describe_call("exponential_decay", {{"init", init}, {"decay_rate", decay_rate}}));
 }
 
 /// init * rate^(step / step_size), integer division
 inline Schedule step_decay(double init, double decay_rate, std::int64_t step_size) {
   if (step_size <= 0) detail::fail("step_decay", "step_size must be positive, got ", step_size);
   const float i = static_cast<float>(init), r = static_cast<float>(decay_rate);
-  return [=](std::int64_t step) { return static_cast<double>(i * std::pow(r, static_cast<float>(step / step_size))); };
+  return Schedule(
+      [=](std::int64_t step) { return static_cast<double>(i * std::pow(r, static_cast<float>(step / step_size))); },
+      detail::describe_call("step_decay", {{"init", init}, {"decay_rate", decay_rate}, {"step_size", double(step_size)}}));
 }
 
 /// end + 0.5 (1 + cos(pi min(step, decay_steps) / decay_steps)) (init - end)
@@ -9129,18 +9472,22 @@ inline Schedule cosine_decay(double init, std::int64_t decay_steps, double end =
   // MLX: (pi / decay_steps) and (init - end) are Python doubles, rounded once to float32.
   const float k = static_cast<float>(std::numbers::pi / static_cast<double>(decay_steps));
   const float e = static_cast<float>(end), span = static_cast<float>(init - end);
-  return [=](std::int64_t step) {
-    const float s = static_cast<float>(std::min(step, decay_steps));
-    const float decay = 0.5f * (1.0f + std::cos(k * s));
-    return static_cast<double>(e + decay * span);
-  };
+  return Schedule(
+      [=](std::int64_t step) {
+        const float s = static_cast<float>(std::min(step, decay_steps));
+        const float decay = 0.5f * (1.0f + std::cos(k * s));
+        return static_cast<double>(e + decay * span);
+      },
+      detail::describe_call("cosine_decay", {{"init", init}, {"decay_steps", double(decay_steps)}, {"end", end}}));
 }
 
 /// init + min(step, steps) (end - init) / steps: a linear warm-up when init < end.
 inline Schedule linear_schedule(double init, double end, std::int64_t steps) {
   if (steps <= 0) detail::fail("linear_schedule", "steps must be positive, got ", steps);
   const float i = static_cast<float>(init), slope = static_cast<float>((end - init) / static_cast<double>(steps));
-  return [=](std::int64_t step) { return static_cast<double>(static_cast<float>(std::min(step, steps)) * slope + i); };
+  return Schedule(
+      [=](std::int64_t step) { return static_cast<double>(static_cast<float>(std::min(step, steps)) * slope + i); },
+      detail::describe_call("linear_schedule", {{"init", init}, {"end", end}, {"steps", double(steps)}}));
 }
 
 /// schedules[0] until boundaries[0], then schedules[1] on (step - boundaries[0]), and so on.
@@ -9148,12 +9495,19 @@ inline Schedule join_schedules(std::vector<Schedule> schedules, std::vector<std:
   if (schedules.empty() || boundaries.size() + 1 != schedules.size())
     detail::fail("join_schedules", "needs one boundary fewer than schedules, got ", schedules.size(),
                  " schedules and ", boundaries.size(), " boundaries");
-  return [=](std::int64_t step) {
-    double out = schedules[0](step);
-    for (std::size_t i = 0; i < boundaries.size(); ++i)
-      if (step >= boundaries[i]) out = schedules[i + 1](step - boundaries[i]);
-    return out;
-  };
+  std::string description = "join_schedules([";
+  for (std::size_t i = 0; i < schedules.size(); ++i) description += (i ? ", " : "") + schedules[i].description();
+  description += "], [";
+  for (std::size_t i = 0; i < boundaries.size(); ++i) description += (i ? ", " : "") + std::to_string(boundaries[i]);
+  description += "])";
+  return Schedule(
+      [=](std::int64_t step) {
+        double out = schedules[0](step);
+        for (std::size_t i = 0; i < boundaries.size(); ++i)
+          if (step >= boundaries[i]) out = schedules[i + 1](step - boundaries[i]);
+        return out;
+      },
+      std::move(description));
 }
 
 }  // namespace nn
@@ -9168,17 +9522,6 @@ inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
   return dev == Device::cpu ? z : z.to(dev);
 }
 
-/// FNV-1a over the bytes of some doubles / ints (hyperparameter hashes; allocation-free).
-template <class... V>
-std::uint64_t hash_values(const V&... v) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&](const auto& x) {
-    const auto* b = reinterpret_cast<const unsigned char*>(&x);
-    for (std::size_t i = 0; i < sizeof(x); ++i) h = (h ^ b[i]) * 1099511628211ull;
-  };
-  (mix(v), ...);
-  return h;
-}
 }  // namespace detail
 
 /// The base of every optimizer (usable through std::unique_ptr<Optimizer>).
@@ -9309,9 +9652,38 @@ class Optimizer {
   }
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
-  /// A hash of the non-tensor hyperparameters (betas, momentum, ...): a compiled step
-  /// re-records when it changes. The learning rate and step are tensors and are not in it.
-  virtual std::uint64_t hyper_hash() const { return 0; }
+  /// The optimizer's type as a checkpoint records it ("AdamW"); NN_OPTIMIZER defines it.
+  virtual std::string type_name() const { return "Optimizer"; }
+  /// Visits the non-tensor hyperparameters (betas, momentum, weight decay, ...) as
+  /// NN_OPTIMIZER lists them, base class first. Not the learning rate or the step: those are
+  /// tensors, a replayed step reads them without recording again.
+  virtual void visit_config(StaticSink&) const {}
+  /// A hash of the type and visit_config's fields: a compiled step records again when it changes.
+  std::uint64_t hyper_hash() const {
+    detail::HashSink h;
+    const std::string type = type_name();
+    h.field("type", detail::static_value(type));
+    visit_config(h);
+    return h.fnv.h;
+  }
+  /// The configuration as a checkpoint's metadata holds it: {"type", "AdamW"}, {"b1", "0.9"},
+  /// ..., and {"schedule", "cosine_decay(...)"} or, without one, {"learning_rate", "0.001"}.
+  std::vector<std::pair<std::string, std::string>> describe() const {
+    struct Collect final : StaticSink {
+      std::vector<std::pair<std::string, std::string>> out;
+      void field(std::string_view name, const StaticValue& v) override { out.emplace_back(name, v.str()); }
+    } c;
+    c.out.emplace_back("type", type_name());
+    visit_config(c);
+    describe_rate(c.out, "");
+    return std::move(c.out);
+  }
+  /// Adds {prefix + "schedule", description}, or {prefix + "learning_rate", value} without a
+  /// schedule (MultiOptimizer adds its members' with their group prefix).
+  virtual void describe_rate(std::vector<std::pair<std::string, std::string>>& out, const std::string& prefix) const {
+    if (schedule_) out.emplace_back(prefix + "schedule", schedule_.description());
+    else out.emplace_back(prefix + "learning_rate", detail::static_value(learning_rate()).str());
+  }
 
  protected:
   void copy_state(const Optimizer& o) {
@@ -9379,6 +9751,17 @@ class Optimizer {
 };
 
 }  // namespace nn
+
+/// Declares an optimizer's name and hyperparameters inside its class:
+/// `NN_OPTIMIZER(Lion, Optimizer, b1_, b2_, wd_)`. The fields are hashed into hyper_hash() (a
+/// compiled step records again when one changes) and written to, and checked by, a checkpoint
+/// (nn::save / nn::load_into), after the base class's fields.
+#define NN_OPTIMIZER(Name, Base, ...)                                          \
+  std::string type_name() const override { return #Name; }                    \
+  void visit_config(::nn::StaticSink& sink) const override {                   \
+    Base::visit_config(sink);                                                  \
+    ::nn::detail::statics(#__VA_ARGS__, __VA_ARGS__).visit(sink);              \
+  }
 // ---- end nn/optim/optimizer.hpp ----
 // ---- begin nn/optim/sgd.hpp ----
 // Stochastic gradient descent with momentum, dampening, Nesterov and weight decay (MLX's SGD).
@@ -9400,7 +9783,7 @@ class Sgd : public Optimizer {
   /// Nesterov momentum; needs momentum > 0 and no dampening (as MLX and PyTorch).
   Sgd& nesterov(bool on = true) { nesterov_ = on; return check(); }
 
-  std::uint64_t hyper_hash() const override { return detail::hash_values(momentum_, dampening_, wd_, nesterov_); }
+  NN_OPTIMIZER(Sgd, Optimizer, momentum_, dampening_, wd_, nesterov_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     Tensor none;
     B::sgd_update(p, g, momentum_ > 0 ? slot(path, "v") : none, lr_, momentum_, dampening_, wd_, nesterov_);
@@ -9441,9 +9824,7 @@ class Adam : public Optimizer {
   Adam& eps(double e) { eps_ = e; return *this; }
   Adam& bias_correction(bool on = true) { bias_correction_ = on; return *this; }
 
-  std::uint64_t hyper_hash() const override {
-    return detail::hash_values(b1_, b2_, eps_, bias_correction_, decoupled_wd());
-  }
+  NN_OPTIMIZER(Adam, Optimizer, b1_, b2_, eps_, bias_correction_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     B::adam_update(p, g, slot(path, "m"), slot(path, "v"), lr_, step_, b1_, b2_, eps_, decoupled_wd(), bias_correction_);
   }
@@ -9466,6 +9847,8 @@ class AdamW : public Adam<B> {
   AdamW& betas(double b1, double b2) { Adam<B>::betas(b1, b2); return *this; }
   AdamW& eps(double e) { Adam<B>::eps(e); return *this; }
   AdamW& bias_correction(bool on = true) { Adam<B>::bias_correction(on); return *this; }
+
+  NN_OPTIMIZER(AdamW, Adam<B>, wd_)
 
  protected:
   double decoupled_wd() const override { return wd_; }
@@ -9492,7 +9875,7 @@ class Lion : public Optimizer {
   Lion& betas(double b1, double b2) { b1_ = b1; b2_ = b2; return *this; }
   Lion& weight_decay(double w) { wd_ = w; return *this; }
 
-  std::uint64_t hyper_hash() const override { return detail::hash_values(b1_, b2_, wd_); }
+  NN_OPTIMIZER(Lion, Optimizer, b1_, b2_, wd_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     B::lion_update(p, g, slot(path, "m"), lr_, b1_, b2_, wd_);
   }
@@ -9530,7 +9913,7 @@ class Muon : public Optimizer {
   Muon& nesterov(bool on = true) { nesterov_ = on; return *this; }
   Muon& ns_steps(int n) { steps_ = n; return *this; }
 
-  std::uint64_t hyper_hash() const override { return detail::hash_values(mu_, wd_, nesterov_, steps_); }
+  NN_OPTIMIZER(Muon, Optimizer, mu_, wd_, nesterov_, steps_)
   void apply(const std::string& path, Tensor& p, const Tensor& g) override {
     Slots& w = work_.at(path);
     Tensor& u = w.at("u");
@@ -9638,10 +10021,29 @@ class MultiOptimizer : public Optimizer {
     fallback_->begin_step();
   }
   void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
-  std::uint64_t hyper_hash() const override {
-    std::uint64_t h = fallback_->hyper_hash();
-    for (const auto& g : groups_) h = detail::hash_values(h, g.second->hyper_hash());
-    return h;
+  std::string type_name() const override { return "MultiOptimizer"; }
+  /// Each member's type and fields, prefixed by its index ("0.type", "0.b1", ..., the default
+  /// optimizer last), as its state is.
+  void visit_config(StaticSink& sink) const override {
+    struct Prefixed final : StaticSink {
+      StaticSink& inner;
+      std::string prefix, name;
+      explicit Prefixed(StaticSink& s) : inner(s) {}
+      void field(std::string_view n, const StaticValue& v) override {
+        name = prefix;
+        name += n;
+        inner.field(name, v);
+      }
+    } p(sink);
+    for (std::size_t k = 0; k <= groups_.size(); ++k) {
+      p.prefix = std::to_string(k) + ".";
+      const std::string type = member(k).type_name();
+      p.field("type", detail::static_value(type));
+      member(k).visit_config(p);
+    }
+  }
+  void describe_rate(std::vector<std::pair<std::string, std::string>>& out, const std::string& prefix) const override {
+    for (std::size_t k = 0; k <= groups_.size(); ++k) member(k).describe_rate(out, prefix + std::to_string(k) + ".");
   }
   void apply(const std::string& path, Tensor& p, const Tensor& g) override { route(path).apply(path, p, g); }
 
@@ -9705,6 +10107,11 @@ class MultiOptimizer : public Optimizer {
 
 namespace nn {
 
+namespace detail {
+/// The factor clip_grad_norm scales by: min(max_norm / (norm + 1e-6), 1) (MLX's).
+inline double clip_scale(double max_norm, double norm) { return std::min(max_norm / (norm + 1e-6), 1.0); }
+}  // namespace detail
+
 /// Returns {clipped, norm}: norm = sqrt(sum over every gradient of sum(g^2)) (one global norm,
 /// not per tensor), and clipped = grads * min(max_norm / (norm + 1e-6), 1) in new tensors (the
 /// input tree is not modified). Empty (frozen) gradients stay empty.
@@ -9716,7 +10123,7 @@ std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
     if (g.value.defined()) sq += B::sum_squares(g.value);
   });
   const double norm = std::sqrt(sq);
-  const double scale = std::min(max_norm / (norm + 1e-6), 1.0);
+  const double scale = detail::clip_scale(max_norm, norm);
   M out = grads;
   detail::for_each(out, [&](const std::string&, Param& g) {
     if (!g.value.defined()) return;
@@ -9736,6 +10143,7 @@ std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
 // buffers it owns, with no re-recording and no heap allocation.
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -9774,14 +10182,17 @@ constexpr bool loss_fn_fits(std::index_sequence<I...>) {
 /// training step (loss, gradients, optimizer update) and returns the loss (a 0-D tensor owned by
 /// the step: read it before the next call).
 ///
-/// It re-records, once, when an input's shape or dtype changes, when a module's train/eval mode
-/// changes, when a parameter is frozen or unfrozen, when the optimizer's non-tensor
-/// hyperparameters change (betas, momentum, ...), or after reset(). The learning rate and step
-/// count are tensors and change without re-recording. Random keys drawn on the tape
-/// (tp.random_key(), used by Dropout) are refilled from nn::random's global sequence before each
-/// replay, in recording order, so a compiled run draws exactly the masks an eager run draws.
-/// The model must keep its structure (no map_modules, no reassigned Param tensors) between
-/// calls without a reset().
+/// Configuration is structure (the module seed's rule): every call compares the batch's shapes
+/// and dtypes, the model's structure hash (detail::structure_hash: the tree, each Param's and
+/// Buffer's shape, dtype and storage, the frozen set, train/eval flags and every NN_STATIC
+/// value, such as a LoRA scale, a dropout p or an RMSNorm eps) and the optimizer's
+/// hyperparameter hash (its NN_OPTIMIZER fields). Any change records the step again, once: a
+/// module replaced through map_modules, a Param given a new tensor, a frozen layer, new betas.
+/// The learning rate and step count are tensors and change without re-recording. Random keys
+/// drawn on the tape (tp.random_key(), used by Dropout) are refilled from nn::random's global
+/// sequence before each replay, in recording order, so a compiled run draws exactly the masks an
+/// eager run draws. Members a module lists in NN_UNCHECKED are baked in; reset() forces a
+/// recording.
 template <class B, class M, class F, std::size_t N>
 class CompiledStep {
   static constexpr bool kFits = detail::loss_fn_fits<F, B, M>(std::make_index_sequence<N>{});
@@ -9804,6 +10215,18 @@ class CompiledStep {
     return tp_.value(loss_);
   }
 
+  /// Clips the gradients to a global norm before each update, as
+  /// `opt.update(model, nn::clip_grad_norm(grads, max_norm).first)` does in an eager step: the
+  /// norm is summed over the tape's gradient buffers in tree order and they are scaled in place
+  /// (no allocation), so the result equals the eager one bit for bit. A negative value turns
+  /// clipping off (the default).
+  CompiledStep& clip_grad_norm(double max_norm) {
+    clip_ = max_norm;
+    return *this;
+  }
+  /// The global gradient norm of the last call, before clipping (0 when not clipping).
+  double grad_norm() const { return grad_norm_; }
+
   /// How many times the step has been recorded (1 after the first call when nothing changed).
   int recordings() const { return recordings_; }
   /// Forces the next call to record again.
@@ -9814,8 +10237,8 @@ class CompiledStep {
  private:
   struct Entry {
     std::string path;
-    Param* param;
-    const Tensor* grad;  // the tape's gradient buffer of this parameter
+    Tensor param;  // shares the Param's storage (a handle, so a moved module cannot leave it dangling)
+    Tensor* grad;  // the tape's gradient buffer of this parameter
   };
 
   bool stale(const std::array<const Tensor*, N>& in) const {
@@ -9824,35 +10247,27 @@ class CompiledStep {
       const Tensor& t = tp_.value(inputs_[i]);
       if (!(in[i]->shape() == t.shape()) || in[i]->dtype() != t.dtype()) return true;
     }
-    for (const auto& [flag, value] : modes_)
-      if (*flag != value) return true;
-    for (const auto& [p, trainable] : params_seen_)
-      if (p->trainable != trainable) return true;
-    return opt_->hyper_hash() != hyper_;
+    return detail::structure_hash(static_cast<const M&>(*model_)) != structure_ || opt_->hyper_hash() != hyper_;
   }
 
   void record(const std::array<const Tensor*, N>& in) {
     tp_.clear();
     entries_.clear();
-    modes_.clear();
-    params_seen_.clear();
     std::array<GVar, N> vars{};
     for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
     for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
     if constexpr (kFits)  // else only the static_assert above speaks
       loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
     tp_.backward(loss_);
-    detail::for_each(
-        *model_,
-        [&](const std::string& path, Param& p) {
-          params_seen_.emplace_back(&p, p.trainable);
-          if (!p.trainable || !is_floating(p.value.dtype())) return;
-          std::optional<GVar> v = tp_.find_param(p.value);
-          if (!v) detail::fail("compile", "trainable parameter '", path, "' is not used by the loss");
-          opt_->init_param(path, p.value);
-          entries_.push_back({path, &p, &tp_.grad(*v)});
-        },
-        detail::ignore, [&](const std::string&, auto& mod) { modes_.emplace_back(&mod.nn_training_, mod.nn_training_); });
+    detail::for_each(*model_, [&](const std::string& path, Param& p) {
+      if (!p.trainable || !is_floating(p.value.dtype())) return;
+      std::optional<GVar> v = tp_.find_param(p.value);
+      if (!v) detail::fail("compile", "trainable parameter '", path, "' is not used by the loss");
+      opt_->init_param(path, p.value);
+      // The tape owns the buffer; clipping scales it in place between backward and the update.
+      entries_.push_back({path, p.value, const_cast<Tensor*>(&tp_.grad(*v))});
+    });
+    structure_ = detail::structure_hash(static_cast<const M&>(*model_));
     hyper_ = opt_->hyper_hash();
     replayer_.reset();
     recorded_ = true;
@@ -9867,8 +10282,18 @@ class CompiledStep {
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
   void update() {
+    if (clip_ >= 0) clip();
     opt_->begin_step();
-    for (Entry& e : entries_) opt_->apply(e.path, e.param->value, *e.grad);
+    for (Entry& e : entries_) opt_->apply(e.path, e.param, *e.grad);
+  }
+
+  // nn::clip_grad_norm's arithmetic (optim/clip.hpp) on the tape's buffers, in place.
+  void clip() {
+    double sq = 0;
+    for (const Entry& e : entries_) sq += B::sum_squares(*e.grad);
+    grad_norm_ = std::sqrt(sq);
+    const double scale = detail::clip_scale(clip_, grad_norm_);
+    for (Entry& e : entries_) B::unary(Unary::scale, scale, *e.grad, *e.grad);
   }
 
   M* model_;
@@ -9879,9 +10304,8 @@ class CompiledStep {
   std::array<GVar, N> inputs_{};
   GVar loss_{};
   std::vector<Entry> entries_;
-  std::vector<std::pair<const bool*, bool>> modes_;
-  std::vector<std::pair<const Param*, bool>> params_seen_;
-  std::uint64_t hyper_ = 0;
+  std::uint64_t structure_ = 0, hyper_ = 0;
+  double clip_ = -1, grad_norm_ = 0;
   bool recorded_ = false;
   int recordings_ = 0;
 };
@@ -10003,46 +10427,226 @@ void save_weights_impl(const M& m, const std::filesystem::path& path, bool train
 }  // namespace nn::detail
 // ---- end nn/io/weights.hpp ----
 // ---- begin nn/io/checkpoint.hpp ----
-// Whole-run checkpoints: a model, its optimizer's state tree and the global RNG key in one
-// safetensors file, saved atomically and loaded all-or-nothing.
+// Whole-run checkpoints: what training changes (trainable parameters, the optimizer's state, the
+// global RNG key) and what the run was (the optimizer's type, hyperparameters and schedule, the
+// frozen set with a fingerprint of the frozen tensors) in one safetensors file, saved atomically
+// and loaded all-or-nothing.
+
+#include <cstring>
+#include <map>
+#include <set>
+#include <sstream>
 
 
 namespace nn {
 
-/// Saves model ("model.<path>"), optimizer state ("optimizer.step", "optimizer.slots.<path>.m",
-/// ...) and the global random key ("rng.key") to `path` (written to a temporary file, then
-/// renamed). Resuming with load_into and training on is bitwise the run without the pause.
+/// What load_into may accept beyond an exact match.
+struct LoadOptions {
+  /// Resume with other hyperparameters than the checkpoint's (betas, weight decay, momentum, the
+  /// schedule or the constant learning rate): the given optimizer's values are kept, the file's
+  /// state (step, slots) is loaded. The optimizer's type must still match: its state would not.
+  bool allow_new_hyperparameters = false;
+};
+
+namespace detail {
+
+/// A content hash of a tensor's bytes (four 64-bit multiply-xor lanes, then FNV over the tail):
+/// fast enough to fingerprint a frozen base of hundreds of MB on every save and load.
+inline std::uint64_t content_hash(const Tensor& t0) {
+  const Tensor t = t0.device() == Device::cpu ? t0 : t0.to(Device::cpu);
+  const auto* p = static_cast<const unsigned char*>(t.raw());
+  const std::size_t n = t.nbytes();
+  std::uint64_t lane[4] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull, 0x27D4EB2F165667C5ull};
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int k = 0; k < 4; ++k) {
+      std::uint64_t w;
+      std::memcpy(&w, p + i + 8 * k, 8);
+      lane[k] = (lane[k] ^ w) * 0x100000001B3ull;
+      lane[k] ^= lane[k] >> 29;
+    }
+  Fnv f;
+  f.pod(lane);
+  f.bytes(p + i, n - i);
+  f.pod(n);
+  return f.h;
+}
+
+/// "float32 (576, 49152) 0123456789abcdef": a frozen tensor as the checkpoint's metadata records it.
+inline std::string fingerprint(const Tensor& t) {
+  char hex[24];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(content_hash(t)));
+  return std::string(dtype_name(t.dtype())) + " " + t.shape().str() + " " + hex;
+}
+
+/// The frozen part of a model: every frozen Param and every Buffer, by path, with its fingerprint.
+template <class M>
+std::map<std::string, std::string> frozen_fingerprints(const M& model) {
+  std::map<std::string, std::string> out;
+  for_each(
+      model, [&](const std::string& p, const Param& x) { if (!x.trainable && x.value.defined()) out[p] = fingerprint(x.value); },
+      [&](const std::string& p, const Buffer& x) { if (x.value.defined()) out[p] = fingerprint(x.value); });
+  return out;
+}
+
+inline constexpr const char* kOptimizerKey = "optimizer.";  // metadata: the optimizer's configuration
+inline constexpr const char* kFrozenKey = "frozen.";        // metadata: one entry per frozen tensor
+
+/// The version-1 load (whole model in the file, nothing but tensors checked), kept so older
+/// checkpoints still resume.
+template <class M>
+void load_checkpoint_v1(const std::string& source, const NamedTensorList& model_part, const NamedTensorList& opt_part,
+                        const Tensor& key, M& model, Optimizer& opt) {
+  auto plan = plan_load(model, model_part, true, source, "model.");
+  opt.check_state(opt_part);
+  apply_load(plan);
+  opt.load_state(opt_part);
+  random::set_state(key);
+}
+
+}  // namespace detail
+
+/// Saves a run to `path` (written to a temporary file, then renamed):
+/// - tensors: the trainable parameters ("model.<path>"), the optimizer's state
+///   ("optimizer.step", "optimizer.slots.<path>.m", ...) and the global random key ("rng.key");
+/// - metadata: the optimizer's type, hyperparameters and schedule ("optimizer.type",
+///   "optimizer.b1", "optimizer.schedule", ...) and, for each frozen parameter and buffer, its
+///   dtype, shape and a content hash ("frozen.<path>"), which load_into verifies.
+/// A LoRA run's checkpoint is adapter-sized: the frozen base is fingerprinted, not stored.
+/// Resuming with load_into and training on is bitwise the run without the pause.
 template <class M>
 void save(const std::filesystem::path& path, const M& model, const Optimizer& opt) {
   NamedTensors all;
-  for (auto& [p, t] : model.parameters()) all.emplace_back("model." + p, t);
+  for (auto& [p, t] : detail::tree_parameters(model, true)) all.emplace_back("model." + p, t);
   for (auto& [p, t] : opt.state()) all.emplace_back("optimizer." + p, t);
   all.emplace_back("rng.key", random::state());
-  save_safetensors(path, all, {{"format", "nn-checkpoint"}, {"nn_version", NN_VERSION_STRING}});
+  std::map<std::string, std::string> meta{{"format", "nn-checkpoint"}, {"nn_checkpoint", "2"}, {"nn_version", NN_VERSION_STRING}};
+  for (auto& [k, v] : opt.describe()) meta[detail::kOptimizerKey + k] = v;
+  for (auto& [p, fp] : detail::frozen_fingerprints(model)) meta[detail::kFrozenKey + p] = fp;
+  save_safetensors(path, all, meta);
 }
 
 /// Loads a checkpoint written by save() into `model` and `opt` and restores the random key.
-/// Everything is checked first (every model name, shape and dtype, the optimizer's entries, the
-/// key): on any error nothing is changed.
+/// Everything is checked before anything changes, and every difference is reported in one
+/// nn::Error: the optimizer's type, each hyperparameter and the schedule (unless
+/// options.allow_new_hyperparameters), the frozen set and each frozen tensor's dtype, shape and
+/// content, each trainable parameter's name, shape and dtype, and the optimizer's state (also
+/// against a fresh optimizer: every slot must belong to a trainable parameter of its shape). On
+/// any error the model, the optimizer and the random key are as they were.
 template <class M>
-void load_into(const std::filesystem::path& path, M& model, Optimizer& opt) {
+void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, const LoadOptions& options = {}) {
+  const std::string src = path.string();
   SafetensorsFile file(path);
-  auto fmt = file.metadata().find("format");
-  if (fmt == file.metadata().end() || fmt->second != "nn-checkpoint")
-    detail::fail("load_into", path.string(), ": not an nn checkpoint (metadata format is '",
-                 fmt == file.metadata().end() ? std::string("missing") : fmt->second, "')");
+  const auto& meta = file.metadata();
+  auto fmt = meta.find("format");
+  if (fmt == meta.end() || fmt->second != "nn-checkpoint")
+    detail::fail("load_into", src, ": not an nn checkpoint (metadata format is '",
+                 fmt == meta.end() ? std::string("missing") : fmt->second, "')");
   detail::NamedTensorList model_part, opt_part;
   Tensor key;
   for (auto& [name, t] : file.tensors()) {
     if (name.rfind("model.", 0) == 0) model_part.emplace_back(name.substr(6), t);
     else if (name.rfind("optimizer.", 0) == 0) opt_part.emplace_back(name.substr(10), t);
     else if (name == "rng.key") key = t;
-    else detail::fail("load_into", path.string(), ": unknown entry '", name, "'");
+    else detail::fail("load_into", src, ": unknown entry '", name, "'");
   }
   if (!key.defined() || key.dtype() != DType::u32 || !(key.shape() == Shape{2}))
-    detail::fail("load_into", path.string(), ": missing or malformed 'rng.key' (uint32 (2))");
-  auto plan = detail::plan_load(model, model_part, true, path.string(), "model.");
-  opt.check_state(opt_part);
+    detail::fail("load_into", src, ": missing or malformed 'rng.key' (uint32 (2))");
+  auto version = meta.find("nn_checkpoint");
+  if (version == meta.end()) return detail::load_checkpoint_v1(src, model_part, opt_part, key, model, opt);
+  if (version->second != "2")
+    detail::fail("load_into", src, ": checkpoint version ", version->second, " is newer than this nn reads (2)");
+
+  std::vector<std::string> diffs;
+  auto quote = [](const std::string& s) { return "'" + s + "'"; };
+
+  // The optimizer: its type always, its hyperparameters and schedule unless allowed to differ.
+  std::map<std::string, std::string> saved_cfg, given_cfg;
+  for (const auto& [k, v] : meta)
+    if (k.rfind(detail::kOptimizerKey, 0) == 0) saved_cfg[k.substr(std::strlen(detail::kOptimizerKey))] = v;
+  for (auto& [k, v] : opt.describe()) given_cfg[k] = v;
+  for (const auto& [k, v] : saved_cfg) {
+    auto g = given_cfg.find(k);
+    const bool is_type = k == "type" || k.ends_with(".type");
+    if (!is_type && options.allow_new_hyperparameters) continue;
+    if (g == given_cfg.end()) diffs.push_back("optimizer " + k + ": " + v + " in the file, not set on the given optimizer");
+    else if (g->second != v) diffs.push_back("optimizer " + k + ": " + v + " in the file, " + g->second + " given");
+  }
+  for (const auto& [k, v] : given_cfg)
+    if (!saved_cfg.count(k) && !(options.allow_new_hyperparameters && k != "type" && !k.ends_with(".type")))
+      diffs.push_back("optimizer " + k + ": not in the file, " + v + " given");
+  const bool same_type = diffs.empty() || saved_cfg["type"] == given_cfg["type"];
+
+  // The frozen set and its content.
+  std::map<std::string, std::string> saved_frozen;
+  for (const auto& [k, v] : meta)
+    if (k.rfind(detail::kFrozenKey, 0) == 0) saved_frozen[k.substr(std::strlen(detail::kFrozenKey))] = v;
+  const std::map<std::string, std::string> frozen = detail::frozen_fingerprints(model);
+  for (const auto& [p, fp] : saved_frozen) {
+    auto g = frozen.find(p);
+    if (g == frozen.end()) diffs.push_back("frozen " + quote(p) + ": frozen in the file, trainable or absent here");
+    else if (g->second != fp) diffs.push_back("frozen " + quote(p) + ": the file's is " + fp + ", the model's " + g->second);
+  }
+  for (const auto& [p, fp] : frozen)
+    if (!saved_frozen.count(p)) diffs.push_back("frozen " + quote(p) + ": frozen here, not frozen in the file");
+
+  // The trainable parameters: every one in the file with its shape and dtype, nothing else.
+  std::map<std::string, const Tensor*> given;
+  for (const auto& [name, t] : model_part) given[name] = &t;
+  std::vector<std::pair<Tensor*, const Tensor*>> plan;
+  std::map<std::string, const Tensor*> trainable;
+  detail::for_each(model, [&](const std::string& p, Param& x) {
+    if (!x.trainable) return;
+    trainable[p] = &x.value;
+    auto it = given.find(p);
+    if (it == given.end()) return diffs.push_back("model " + quote(p) + ": trainable here, not in the file");
+    const Tensor& t = *it->second;
+    if (x.value.defined() && (!(t.shape() == x.value.shape()) || t.dtype() != x.value.dtype()))
+      return diffs.push_back("model " + quote(p) + ": the file's is " + t.shape().str() + " " + dtype_name(t.dtype()) +
+                             ", the model's " + x.value.shape().str() + " " + dtype_name(x.value.dtype()));
+    plan.emplace_back(&x.value, &t);
+  });
+  for (const auto& [name, t] : given)
+    if (!trainable.count(name)) diffs.push_back("model " + quote(name) + ": in the file, not a trainable parameter here");
+
+  // The optimizer's state: as the optimizer checks it, and every slot against its parameter, so a
+  // fresh optimizer (no slots yet) is checked too. MultiOptimizer's entries are "<k>.slots....".
+  if (same_type) {
+    try {
+      opt.check_state(opt_part);
+    } catch (const Error& e) {
+      diffs.push_back(std::string("optimizer state: ") + e.what());
+    }
+    for (const auto& [name, t] : opt_part) {
+      const std::size_t at = name.rfind("slots.", 0) == 0 ? 0 : name.find(".slots.");
+      if (at == std::string::npos) continue;
+      const std::size_t begin = name.find("slots.", at) + 6, end = name.rfind('.');
+      if (end <= begin) continue;
+      const std::string p = name.substr(begin, end - begin);
+      auto it = trainable.find(p);
+      if (it == trainable.end()) diffs.push_back("optimizer " + quote(name) + ": a slot of no trainable parameter here");
+      else if (t.defined() && it->second->defined() && !(t.shape() == it->second->shape()))
+        diffs.push_back("optimizer " + quote(name) + ": " + t.shape().str() + " in the file, the parameter is " +
+                        it->second->shape().str());
+    }
+  }
+
+  if (!diffs.empty()) {
+    std::ostringstream os;
+    os << src << ": the checkpoint does not fit this run (nothing was loaded); " << diffs.size() << " difference"
+       << (diffs.size() == 1 ? "" : "s") << ":";
+    for (const std::string& d : diffs) os << "\n  " << d;
+    if (!options.allow_new_hyperparameters)
+      os << "\n(to resume with other hyperparameters on purpose: load_into(path, model, opt, "
+            "nn::LoadOptions{.allow_new_hyperparameters = true}))";
+    detail::fail("load_into", os.str());
+  }
+
+  if (options.allow_new_hyperparameters)  // keep the given optimizer's learning rate(s)
+    for (const auto& [name, t] : opt.state())
+      if (name == "learning_rate" || name.ends_with(".learning_rate"))
+        for (auto& [n, saved] : opt_part)
+          if (n == name) saved = t.clone();
   detail::apply_load(plan);
   opt.load_state(opt_part);
   random::set_state(key);
@@ -10624,7 +11228,9 @@ struct CausalLM {
     return out.device() == Device::cpu ? out : out.to(Device::cpu);
   }
 
-  NN_MODULE(CausalLM, model, lm_head)
+  // config_ fixes the shapes (hashed through the tensors) and the RoPE table; it is set at
+  // construction and read-only afterwards, so a recorded step may bake it in.
+  NN_MODULE(CausalLM, model, lm_head, NN_UNCHECKED(config_))
 
  private:
   CausalLM(const ModelConfig& cfg, DType dt, bool zero) : config_(cfg) {

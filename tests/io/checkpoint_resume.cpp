@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
   const int N = 7, M = 6;
   nn::random::seed(42);
   Net m{nn::Linear(5, 16), nn::Dropout(0.25), nn::Linear(16, 2)};
+  // one frozen tensor: the checkpoint stores only the trainable ones and fingerprints this one
+  m.freeze([](const std::string& p) { return p == "l1.bias"; });
   nn::AdamW opt(nn::cosine_decay(1e-2, N + M));
   try {
     if (mode == "straight") {
