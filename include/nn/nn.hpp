@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// The umbrella header: the whole CPU library. (nn/cuda.hpp adds the CUDA policy.)
+// The umbrella header: the core CPU library (tensors, tape, ops, layers, modules, optimizers,
+// compiled steps, weights and checkpoints). The LLM kit is <nn/lm.hpp>; nn/cuda.hpp adds the CUDA
+// policy.
 #pragma once
 
 #include "config.hpp"
@@ -39,7 +41,3 @@
 #include "compile.hpp"
 #include "io/weights.hpp"
 #include "io/checkpoint.hpp"
-#include "lm/config.hpp"
-#include "lm/model.hpp"
-#include "lm/gguf.hpp"
-#include "lm/load.hpp"
