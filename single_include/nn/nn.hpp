@@ -9401,7 +9401,6 @@ struct LoraLinear {
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <numbers>
 #include <string>
@@ -9433,14 +9432,12 @@ class Schedule {
 };
 
 namespace detail {
-/// "name(a=1, b=2)" with numbers at 17 significant digits (exact round trip).
+/// "name(a=1, b=2)", numbers as StaticValue writes them (17 significant digits: exact round trip).
 inline std::string describe_call(const char* name, std::initializer_list<std::pair<const char*, double>> args) {
   std::string out = std::string(name) + "(";
   bool first = true;
   for (const auto& [k, v] : args) {
-    char buf[48];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    out += (first ? "" : ", ") + std::string(k) + "=" + buf;
+    out += (first ? "" : ", ") + std::string(k) + "=" + static_value(v).str();
     first = false;
   }
   return out + ")";
@@ -9655,16 +9652,16 @@ class Optimizer {
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
   /// The optimizer's type as a checkpoint records it ("AdamW"); NN_OPTIMIZER defines it.
-  virtual std::string type_name() const { return "Optimizer"; }
+  virtual const char* type_name() const { return "Optimizer"; }
   /// Visits the non-tensor hyperparameters (betas, momentum, weight decay, ...) as
   /// NN_OPTIMIZER lists them, base class first. Not the learning rate or the step: those are
   /// tensors, a replayed step reads them without recording again.
   virtual void visit_config(StaticSink&) const {}
-  /// A hash of the type and visit_config's fields: a compiled step records again when it changes.
+  /// A hash of the type and visit_config's fields (allocation-free: a compiled step computes it on
+  /// every call and records again when it changes).
   std::uint64_t hyper_hash() const {
     detail::HashSink h;
-    const std::string type = type_name();
-    h.field("type", detail::static_value(type));
+    h.field("type", detail::static_value(std::string_view(type_name())));
     visit_config(h);
     return h.fnv.h;
   }
@@ -9759,7 +9756,7 @@ class Optimizer {
 /// compiled step records again when one changes) and written to, and checked by, a checkpoint
 /// (nn::save / nn::load_into), after the base class's fields.
 #define NN_OPTIMIZER(Name, Base, ...)                                          \
-  std::string type_name() const override { return #Name; }                    \
+  const char* type_name() const override { return #Name; }                    \
   void visit_config(::nn::StaticSink& sink) const override {                   \
     Base::visit_config(sink);                                                  \
     ::nn::detail::statics(#__VA_ARGS__, __VA_ARGS__).visit(sink);              \
@@ -10023,7 +10020,7 @@ class MultiOptimizer : public Optimizer {
     fallback_->begin_step();
   }
   void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
-  std::string type_name() const override { return "MultiOptimizer"; }
+  const char* type_name() const override { return "MultiOptimizer"; }
   /// Each member's type and fields, prefixed by its index ("0.type", "0.b1", ..., the default
   /// optimizer last), as its state is.
   void visit_config(StaticSink& sink) const override {
@@ -10039,8 +10036,7 @@ class MultiOptimizer : public Optimizer {
     } p(sink);
     for (std::size_t k = 0; k <= groups_.size(); ++k) {
       p.prefix = std::to_string(k) + ".";
-      const std::string type = member(k).type_name();
-      p.field("type", detail::static_value(type));
+      p.field("type", detail::static_value(std::string_view(member(k).type_name())));
       member(k).visit_config(p);
     }
   }
@@ -10340,36 +10336,55 @@ struct WeightSlot {
   Tensor* target;
 };
 
+/// Every Param and Buffer of a model (trainable_only: the trainable Params alone, what a
+/// checkpoint stores).
 template <class M>
-std::vector<WeightSlot> weight_slots(M& m) {
+std::vector<WeightSlot> weight_slots(M& m, bool trainable_only = false) {
   std::vector<WeightSlot> out;
   for_each(
-      m, [&](const std::string& p, Param& x) { out.push_back({p, &x.value}); },
-      [&](const std::string& p, Buffer& x) { out.push_back({p, &x.value}); });
+      m, [&](const std::string& p, Param& x) { if (!trainable_only || x.trainable) out.push_back({p, &x.value}); },
+      [&](const std::string& p, Buffer& x) { if (!trainable_only) out.push_back({p, &x.value}); });
   return out;
 }
 
-/// Appends "label: a, b, c" (at most 20 names, then "... and N more").
-inline void list_names(std::ostringstream& os, const char* label, const std::vector<std::string>& names) {
-  if (names.empty()) return;
-  os << "\n  " << names.size() << ' ' << label << ": ";
+/// "N label: a, b, c" (at most 20 names, then "... and N more").
+inline std::string list_names(const char* label, const std::vector<std::string>& names) {
+  std::ostringstream os;
+  os << names.size() << ' ' << label << ": ";
   for (std::size_t i = 0; i < names.size() && i < 20; ++i) os << (i ? ", " : "") << names[i];
   if (names.size() > 20) os << ", ... and " << names.size() - 20 << " more";
+  return os.str();
 }
 
-/// The plan of a load: which slot gets which tensor. Raises (naming every missing, unknown and
-/// mismatched name at once) before anything is written, so a failed load changes nothing.
+/// A load worked out before anything is written: which slot gets which tensor, and every name
+/// that does not fit, by kind.
+struct LoadPlan {
+  std::vector<std::pair<Tensor*, const Tensor*>> writes;
+  std::vector<std::string> missing, unknown, mismatched, duplicated;
+
+  /// One "N kind: names" line per kind that has any (empty when the load fits).
+  std::vector<std::string> problems() const {
+    std::vector<std::string> out;
+    for (const auto& [label, names] : {std::pair{"missing", &missing}, std::pair{"unknown", &unknown},
+                                       std::pair{"mismatched", &mismatched}, std::pair{"duplicated", &duplicated}})
+      if (!names->empty()) out.push_back(list_names(label, *names));
+    return out;
+  }
+};
+
+/// Plans a load of `named` into the slots of `m` (see weight_slots); names in the plan's lists
+/// carry `prefix`. Strict: every slot must be given and every given name must be a slot.
 template <class M>
-std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensorList& named, bool strict,
-                                                         const std::string& source, const std::string& prefix = "") {
-  std::vector<WeightSlot> slots = weight_slots(m);
+LoadPlan plan_weights(M& m, const NamedTensorList& named, bool strict, const std::string& prefix = "",
+                      bool trainable_only = false) {
+  std::vector<WeightSlot> slots = weight_slots(m, trainable_only);
   std::map<std::string, const Tensor*> given;
-  std::vector<std::string> dup, unknown, missing, mismatched;
+  LoadPlan out;
+  auto& [plan, missing, unknown, mismatched, dup] = out;
   for (const auto& [name, t] : named) {
     if (!given.emplace(name, &t).second) dup.push_back(name);
   }
   std::map<std::string, bool> known;
-  std::vector<std::pair<Tensor*, const Tensor*>> plan;
   for (const WeightSlot& s : slots) {
     known[s.path] = true;
     auto it = given.find(s.path);
@@ -10389,16 +10404,23 @@ std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensor
   }
   for (const auto& [name, t] : given)
     if (strict && !known.count(name)) unknown.push_back(prefix + name);
-  if (!dup.empty() || !unknown.empty() || !missing.empty() || !mismatched.empty()) {
+  return out;
+}
+
+/// The plan of a load: which slot gets which tensor. Raises (naming every missing, unknown and
+/// mismatched name at once) before anything is written, so a failed load changes nothing.
+template <class M>
+std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensorList& named, bool strict,
+                                                         const std::string& source, const std::string& prefix = "") {
+  LoadPlan plan = plan_weights(m, named, strict, prefix);
+  const std::vector<std::string> problems = plan.problems();
+  if (!problems.empty()) {
     std::ostringstream os;
     os << source << ": the weights do not fit the model (nothing was loaded)";
-    list_names(os, "missing", missing);
-    list_names(os, "unknown", unknown);
-    list_names(os, "mismatched", mismatched);
-    list_names(os, "duplicated", dup);
+    for (const std::string& p : problems) os << "\n  " << p;
     fail("load_weights", os.str());
   }
-  return plan;
+  return std::move(plan.writes);
 }
 
 /// Writes a plan: into the existing storage when there is one (so tapes and compiled steps bound
@@ -10436,7 +10458,6 @@ void save_weights_impl(const M& m, const std::filesystem::path& path, bool train
 
 #include <cstring>
 #include <map>
-#include <set>
 #include <sstream>
 
 
@@ -10567,17 +10588,17 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
   for (const auto& [k, v] : meta)
     if (k.rfind(detail::kOptimizerKey, 0) == 0) saved_cfg[k.substr(std::strlen(detail::kOptimizerKey))] = v;
   for (auto& [k, v] : opt.describe()) given_cfg[k] = v;
+  auto checked = [&](const std::string& k) {  // a type ("type", "0.type") always is
+    return !options.allow_new_hyperparameters || k == "type" || k.ends_with(".type");
+  };
   for (const auto& [k, v] : saved_cfg) {
+    if (!checked(k)) continue;
     auto g = given_cfg.find(k);
-    const bool is_type = k == "type" || k.ends_with(".type");
-    if (!is_type && options.allow_new_hyperparameters) continue;
     if (g == given_cfg.end()) diffs.push_back("optimizer " + k + ": " + v + " in the file, not set on the given optimizer");
     else if (g->second != v) diffs.push_back("optimizer " + k + ": " + v + " in the file, " + g->second + " given");
   }
   for (const auto& [k, v] : given_cfg)
-    if (!saved_cfg.count(k) && !(options.allow_new_hyperparameters && k != "type" && !k.ends_with(".type")))
-      diffs.push_back("optimizer " + k + ": not in the file, " + v + " given");
-  const bool same_type = diffs.empty() || saved_cfg["type"] == given_cfg["type"];
+    if (checked(k) && !saved_cfg.count(k)) diffs.push_back("optimizer " + k + ": not in the file, " + v + " given");
 
   // The frozen set and its content.
   std::map<std::string, std::string> saved_frozen;
@@ -10593,27 +10614,15 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
     if (!saved_frozen.count(p)) diffs.push_back("frozen " + quote(p) + ": frozen here, not frozen in the file");
 
   // The trainable parameters: every one in the file with its shape and dtype, nothing else.
-  std::map<std::string, const Tensor*> given;
-  for (const auto& [name, t] : model_part) given[name] = &t;
-  std::vector<std::pair<Tensor*, const Tensor*>> plan;
+  detail::LoadPlan plan = detail::plan_weights(model, model_part, true, "model.", true);
+  for (const std::string& p : plan.problems()) diffs.push_back("trainable parameters, " + p);
   std::map<std::string, const Tensor*> trainable;
-  detail::for_each(model, [&](const std::string& p, Param& x) {
-    if (!x.trainable) return;
-    trainable[p] = &x.value;
-    auto it = given.find(p);
-    if (it == given.end()) return diffs.push_back("model " + quote(p) + ": trainable here, not in the file");
-    const Tensor& t = *it->second;
-    if (x.value.defined() && (!(t.shape() == x.value.shape()) || t.dtype() != x.value.dtype()))
-      return diffs.push_back("model " + quote(p) + ": the file's is " + t.shape().str() + " " + dtype_name(t.dtype()) +
-                             ", the model's " + x.value.shape().str() + " " + dtype_name(x.value.dtype()));
-    plan.emplace_back(&x.value, &t);
-  });
-  for (const auto& [name, t] : given)
-    if (!trainable.count(name)) diffs.push_back("model " + quote(name) + ": in the file, not a trainable parameter here");
+  for (const detail::WeightSlot& s : detail::weight_slots(model, true)) trainable[s.path] = s.target;
 
-  // The optimizer's state: as the optimizer checks it, and every slot against its parameter, so a
-  // fresh optimizer (no slots yet) is checked too. MultiOptimizer's entries are "<k>.slots....".
-  if (same_type) {
+  // The optimizer's state (when the types match: else the type is the difference): as the
+  // optimizer checks it, and every slot against its parameter, so a fresh optimizer (no slots
+  // yet) is checked too. MultiOptimizer's entries are "<k>.slots....".
+  if (saved_cfg["type"] == given_cfg["type"]) {
     try {
       opt.check_state(opt_part);
     } catch (const Error& e) {
@@ -10649,7 +10658,7 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
       if (name == "learning_rate" || name.ends_with(".learning_rate"))
         for (auto& [n, saved] : opt_part)
           if (n == name) saved = t.clone();
-  detail::apply_load(plan);
+  detail::apply_load(plan.writes);
   opt.load_state(opt_part);
   random::set_state(key);
 }

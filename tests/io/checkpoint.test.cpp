@@ -184,7 +184,7 @@ TEST_CASE("the frozen set and the frozen base's content are verified") {
     Adam o(1e-2);
     refused(tmp("lora.safetensors"), b, o,
             {"frozen 'head.weight': frozen in the file, trainable or absent here",
-             "model 'head.weight': trainable here, not in the file"});
+             "trainable parameters, 2 missing: model.head.weight, model.head.bias"});
   }
   {  // another base: same names and shapes, other values
     Adapted b = make_adapted();
@@ -197,7 +197,7 @@ TEST_CASE("the frozen set and the frozen base's content are verified") {
     Adapted b = make_adapted(4);
     Adam o(1e-2);
     refused(tmp("lora.safetensors"), b, o,
-            {"model 'q.lora_a': the file's is (8, 2) float32, the model's (8, 4) float32",
+            {"mismatched: model.q.lora_a (file (8, 2) float32, model (8, 4) float32)",
              "optimizer 'slots.q.lora_a.m': (8, 2) in the file, the parameter is (8, 4)"});
   }
 }

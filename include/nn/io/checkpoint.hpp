@@ -7,7 +7,6 @@
 
 #include <cstring>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include "../optim/optimizer.hpp"
@@ -141,17 +140,17 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
   for (const auto& [k, v] : meta)
     if (k.rfind(detail::kOptimizerKey, 0) == 0) saved_cfg[k.substr(std::strlen(detail::kOptimizerKey))] = v;
   for (auto& [k, v] : opt.describe()) given_cfg[k] = v;
+  auto checked = [&](const std::string& k) {  // a type ("type", "0.type") always is
+    return !options.allow_new_hyperparameters || k == "type" || k.ends_with(".type");
+  };
   for (const auto& [k, v] : saved_cfg) {
+    if (!checked(k)) continue;
     auto g = given_cfg.find(k);
-    const bool is_type = k == "type" || k.ends_with(".type");
-    if (!is_type && options.allow_new_hyperparameters) continue;
     if (g == given_cfg.end()) diffs.push_back("optimizer " + k + ": " + v + " in the file, not set on the given optimizer");
     else if (g->second != v) diffs.push_back("optimizer " + k + ": " + v + " in the file, " + g->second + " given");
   }
   for (const auto& [k, v] : given_cfg)
-    if (!saved_cfg.count(k) && !(options.allow_new_hyperparameters && k != "type" && !k.ends_with(".type")))
-      diffs.push_back("optimizer " + k + ": not in the file, " + v + " given");
-  const bool same_type = diffs.empty() || saved_cfg["type"] == given_cfg["type"];
+    if (checked(k) && !saved_cfg.count(k)) diffs.push_back("optimizer " + k + ": not in the file, " + v + " given");
 
   // The frozen set and its content.
   std::map<std::string, std::string> saved_frozen;
@@ -167,27 +166,15 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
     if (!saved_frozen.count(p)) diffs.push_back("frozen " + quote(p) + ": frozen here, not frozen in the file");
 
   // The trainable parameters: every one in the file with its shape and dtype, nothing else.
-  std::map<std::string, const Tensor*> given;
-  for (const auto& [name, t] : model_part) given[name] = &t;
-  std::vector<std::pair<Tensor*, const Tensor*>> plan;
+  detail::LoadPlan plan = detail::plan_weights(model, model_part, true, "model.", true);
+  for (const std::string& p : plan.problems()) diffs.push_back("trainable parameters, " + p);
   std::map<std::string, const Tensor*> trainable;
-  detail::for_each(model, [&](const std::string& p, Param& x) {
-    if (!x.trainable) return;
-    trainable[p] = &x.value;
-    auto it = given.find(p);
-    if (it == given.end()) return diffs.push_back("model " + quote(p) + ": trainable here, not in the file");
-    const Tensor& t = *it->second;
-    if (x.value.defined() && (!(t.shape() == x.value.shape()) || t.dtype() != x.value.dtype()))
-      return diffs.push_back("model " + quote(p) + ": the file's is " + t.shape().str() + " " + dtype_name(t.dtype()) +
-                             ", the model's " + x.value.shape().str() + " " + dtype_name(x.value.dtype()));
-    plan.emplace_back(&x.value, &t);
-  });
-  for (const auto& [name, t] : given)
-    if (!trainable.count(name)) diffs.push_back("model " + quote(name) + ": in the file, not a trainable parameter here");
+  for (const detail::WeightSlot& s : detail::weight_slots(model, true)) trainable[s.path] = s.target;
 
-  // The optimizer's state: as the optimizer checks it, and every slot against its parameter, so a
-  // fresh optimizer (no slots yet) is checked too. MultiOptimizer's entries are "<k>.slots....".
-  if (same_type) {
+  // The optimizer's state (when the types match: else the type is the difference): as the
+  // optimizer checks it, and every slot against its parameter, so a fresh optimizer (no slots
+  // yet) is checked too. MultiOptimizer's entries are "<k>.slots....".
+  if (saved_cfg["type"] == given_cfg["type"]) {
     try {
       opt.check_state(opt_part);
     } catch (const Error& e) {
@@ -223,7 +210,7 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
       if (name == "learning_rate" || name.ends_with(".learning_rate"))
         for (auto& [n, saved] : opt_part)
           if (n == name) saved = t.clone();
-  detail::apply_load(plan);
+  detail::apply_load(plan.writes);
   opt.load_state(opt_part);
   random::set_state(key);
 }

@@ -17,36 +17,55 @@ struct WeightSlot {
   Tensor* target;
 };
 
+/// Every Param and Buffer of a model (trainable_only: the trainable Params alone, what a
+/// checkpoint stores).
 template <class M>
-std::vector<WeightSlot> weight_slots(M& m) {
+std::vector<WeightSlot> weight_slots(M& m, bool trainable_only = false) {
   std::vector<WeightSlot> out;
   for_each(
-      m, [&](const std::string& p, Param& x) { out.push_back({p, &x.value}); },
-      [&](const std::string& p, Buffer& x) { out.push_back({p, &x.value}); });
+      m, [&](const std::string& p, Param& x) { if (!trainable_only || x.trainable) out.push_back({p, &x.value}); },
+      [&](const std::string& p, Buffer& x) { if (!trainable_only) out.push_back({p, &x.value}); });
   return out;
 }
 
-/// Appends "label: a, b, c" (at most 20 names, then "... and N more").
-inline void list_names(std::ostringstream& os, const char* label, const std::vector<std::string>& names) {
-  if (names.empty()) return;
-  os << "\n  " << names.size() << ' ' << label << ": ";
+/// "N label: a, b, c" (at most 20 names, then "... and N more").
+inline std::string list_names(const char* label, const std::vector<std::string>& names) {
+  std::ostringstream os;
+  os << names.size() << ' ' << label << ": ";
   for (std::size_t i = 0; i < names.size() && i < 20; ++i) os << (i ? ", " : "") << names[i];
   if (names.size() > 20) os << ", ... and " << names.size() - 20 << " more";
+  return os.str();
 }
 
-/// The plan of a load: which slot gets which tensor. Raises (naming every missing, unknown and
-/// mismatched name at once) before anything is written, so a failed load changes nothing.
+/// A load worked out before anything is written: which slot gets which tensor, and every name
+/// that does not fit, by kind.
+struct LoadPlan {
+  std::vector<std::pair<Tensor*, const Tensor*>> writes;
+  std::vector<std::string> missing, unknown, mismatched, duplicated;
+
+  /// One "N kind: names" line per kind that has any (empty when the load fits).
+  std::vector<std::string> problems() const {
+    std::vector<std::string> out;
+    for (const auto& [label, names] : {std::pair{"missing", &missing}, std::pair{"unknown", &unknown},
+                                       std::pair{"mismatched", &mismatched}, std::pair{"duplicated", &duplicated}})
+      if (!names->empty()) out.push_back(list_names(label, *names));
+    return out;
+  }
+};
+
+/// Plans a load of `named` into the slots of `m` (see weight_slots); names in the plan's lists
+/// carry `prefix`. Strict: every slot must be given and every given name must be a slot.
 template <class M>
-std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensorList& named, bool strict,
-                                                         const std::string& source, const std::string& prefix = "") {
-  std::vector<WeightSlot> slots = weight_slots(m);
+LoadPlan plan_weights(M& m, const NamedTensorList& named, bool strict, const std::string& prefix = "",
+                      bool trainable_only = false) {
+  std::vector<WeightSlot> slots = weight_slots(m, trainable_only);
   std::map<std::string, const Tensor*> given;
-  std::vector<std::string> dup, unknown, missing, mismatched;
+  LoadPlan out;
+  auto& [plan, missing, unknown, mismatched, dup] = out;
   for (const auto& [name, t] : named) {
     if (!given.emplace(name, &t).second) dup.push_back(name);
   }
   std::map<std::string, bool> known;
-  std::vector<std::pair<Tensor*, const Tensor*>> plan;
   for (const WeightSlot& s : slots) {
     known[s.path] = true;
     auto it = given.find(s.path);
@@ -66,16 +85,23 @@ std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensor
   }
   for (const auto& [name, t] : given)
     if (strict && !known.count(name)) unknown.push_back(prefix + name);
-  if (!dup.empty() || !unknown.empty() || !missing.empty() || !mismatched.empty()) {
+  return out;
+}
+
+/// The plan of a load: which slot gets which tensor. Raises (naming every missing, unknown and
+/// mismatched name at once) before anything is written, so a failed load changes nothing.
+template <class M>
+std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensorList& named, bool strict,
+                                                         const std::string& source, const std::string& prefix = "") {
+  LoadPlan plan = plan_weights(m, named, strict, prefix);
+  const std::vector<std::string> problems = plan.problems();
+  if (!problems.empty()) {
     std::ostringstream os;
     os << source << ": the weights do not fit the model (nothing was loaded)";
-    list_names(os, "missing", missing);
-    list_names(os, "unknown", unknown);
-    list_names(os, "mismatched", mismatched);
-    list_names(os, "duplicated", dup);
+    for (const std::string& p : problems) os << "\n  " << p;
     fail("load_weights", os.str());
   }
-  return plan;
+  return std::move(plan.writes);
 }
 
 /// Writes a plan: into the existing storage when there is one (so tapes and compiled steps bound

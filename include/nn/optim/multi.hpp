@@ -44,7 +44,7 @@ class MultiOptimizer : public Optimizer {
     fallback_->begin_step();
   }
   void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
-  std::string type_name() const override { return "MultiOptimizer"; }
+  const char* type_name() const override { return "MultiOptimizer"; }
   /// Each member's type and fields, prefixed by its index ("0.type", "0.b1", ..., the default
   /// optimizer last), as its state is.
   void visit_config(StaticSink& sink) const override {
@@ -60,8 +60,7 @@ class MultiOptimizer : public Optimizer {
     } p(sink);
     for (std::size_t k = 0; k <= groups_.size(); ++k) {
       p.prefix = std::to_string(k) + ".";
-      const std::string type = member(k).type_name();
-      p.field("type", detail::static_value(type));
+      p.field("type", detail::static_value(std::string_view(member(k).type_name())));
       member(k).visit_config(p);
     }
   }

@@ -152,16 +152,16 @@ class Optimizer {
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
   /// The optimizer's type as a checkpoint records it ("AdamW"); NN_OPTIMIZER defines it.
-  virtual std::string type_name() const { return "Optimizer"; }
+  virtual const char* type_name() const { return "Optimizer"; }
   /// Visits the non-tensor hyperparameters (betas, momentum, weight decay, ...) as
   /// NN_OPTIMIZER lists them, base class first. Not the learning rate or the step: those are
   /// tensors, a replayed step reads them without recording again.
   virtual void visit_config(StaticSink&) const {}
-  /// A hash of the type and visit_config's fields: a compiled step records again when it changes.
+  /// A hash of the type and visit_config's fields (allocation-free: a compiled step computes it on
+  /// every call and records again when it changes).
   std::uint64_t hyper_hash() const {
     detail::HashSink h;
-    const std::string type = type_name();
-    h.field("type", detail::static_value(type));
+    h.field("type", detail::static_value(std::string_view(type_name())));
     visit_config(h);
     return h.fnv.h;
   }
@@ -256,7 +256,7 @@ class Optimizer {
 /// compiled step records again when one changes) and written to, and checked by, a checkpoint
 /// (nn::save / nn::load_into), after the base class's fields.
 #define NN_OPTIMIZER(Name, Base, ...)                                          \
-  std::string type_name() const override { return #Name; }                    \
+  const char* type_name() const override { return #Name; }                    \
   void visit_config(::nn::StaticSink& sink) const override {                   \
     Base::visit_config(sink);                                                  \
     ::nn::detail::statics(#__VA_ARGS__, __VA_ARGS__).visit(sink);              \

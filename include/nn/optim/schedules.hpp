@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <numbers>
 #include <string>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "../config.hpp"
+#include "../statics.hpp"
 
 namespace nn {
 
@@ -41,14 +41,12 @@ class Schedule {
 };
 
 namespace detail {
-/// "name(a=1, b=2)" with numbers at 17 significant digits (exact round trip).
+/// "name(a=1, b=2)", numbers as StaticValue writes them (17 significant digits: exact round trip).
 inline std::string describe_call(const char* name, std::initializer_list<std::pair<const char*, double>> args) {
   std::string out = std::string(name) + "(";
   bool first = true;
   for (const auto& [k, v] : args) {
-    char buf[48];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    out += (first ? "" : ", ") + std::string(k) + "=" + buf;
+    out += (first ? "" : ", ") + std::string(k) + "=" + static_value(v).str();
     first = false;
   }
   return out + ")";
