@@ -25,6 +25,14 @@
 #else
 #define NN_HD
 #endif
+// Put before `template <...> NN_HD`: a generic function both backends call, which the CPU also
+// instantiates with Eigen array expressions (host-only types). nvcc then compiles each
+// instantiation for the side that calls it instead of warning about host calls from device code.
+#if defined(__CUDACC__)
+#define NN_HD_GENERIC _Pragma("nv_exec_check_disable")
+#else
+#define NN_HD_GENERIC
+#endif
 
 namespace nn {
 

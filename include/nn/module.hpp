@@ -15,11 +15,14 @@
 #include <variant>
 #include <vector>
 
-#include "backend/cpu.hpp"
 #include "statics.hpp"
 #include "tape.hpp"
 
 namespace nn {
+
+/// The host backend (backend/cpu.hpp), declared here only as value_and_grad's default: the
+/// module layer sits above the tape and names no backend's kernels.
+struct cpu;
 
 /// A trainable tensor of a module. `trainable` is what freeze()/unfreeze() flip.
 struct Param {

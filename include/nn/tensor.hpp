@@ -182,17 +182,24 @@ inline std::shared_ptr<Storage> host_storage(std::size_t bytes) {
   return s;
 }
 
-/// Allocator for non-host devices, installed by a device backend header (nn/cuda.hpp), so a
-/// CPU-only program never links the CUDA runtime.
+/// A non-host device's allocator and its copy to and from the host, installed by that device's
+/// backend header when a program includes it (so a CPU-only program links no device runtime).
+/// One slot per Device; the tensor layer itself knows no device but the host.
 using DeviceAllocFn = std::shared_ptr<Storage> (*)(std::size_t bytes);
 using DeviceCopyFn = void (*)(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes);
-inline DeviceAllocFn& cuda_alloc_hook() {
-  static DeviceAllocFn fn = nullptr;
-  return fn;
+inline constexpr std::size_t kDeviceSlots = 8;
+inline DeviceAllocFn& device_alloc_hook(Device d) {
+  static DeviceAllocFn fns[kDeviceSlots] = {};
+  return fns[static_cast<std::size_t>(d) % kDeviceSlots];
 }
-inline DeviceCopyFn& cuda_copy_hook() {
-  static DeviceCopyFn fn = nullptr;
-  return fn;
+inline DeviceCopyFn& device_copy_hook(Device d) {
+  static DeviceCopyFn fns[kDeviceSlots] = {};
+  return fns[static_cast<std::size_t>(d) % kDeviceSlots];
+}
+/// The error for a device whose backend is not in this program.
+[[noreturn]] inline void no_device_backend(const char* op, Device d) {
+  fail(op, "a tensor on device '", d, "' needs that device's backend: include its header (<nn/", d,
+       ".hpp>) in a build for it");
 }
 
 template <class T>
@@ -255,8 +262,8 @@ class Tensor {
     if (dev == Device::cpu) {
       t.st_ = detail::host_storage(bytes);
     } else {
-      auto fn = detail::cuda_alloc_hook();
-      if (!fn) detail::fail("tensor", "a CUDA tensor needs #include <nn/cuda.hpp> and a CUDA build");
+      auto fn = detail::device_alloc_hook(dev);
+      if (!fn) detail::no_device_backend("tensor", dev);
       t.st_ = fn(bytes);
     }
     return t;
@@ -368,6 +375,17 @@ class Tensor {
     return t;
   }
 
+  /// Copies src's elements into this tensor's storage (same shape and dtype), wherever either
+  /// lives: host or device, through the device's copy hook. Views of this storage see the change.
+  void copy_from(const Tensor& src) {
+    require_defined("copy_from");
+    src.require_defined("copy_from");
+    if (!(src.shape_ == shape_) || src.dtype_ != dtype_)
+      detail::fail("copy_from", "source ", src.shape_.str(), " ", dtype_name(src.dtype_), " does not match ",
+                   shape_.str(), " ", dtype_name(dtype_));
+    copy_bytes(*this, src);
+  }
+
   /// Host <-> device copy (a no-op copy when already there).
   Tensor to(Device dev) const {
     require_defined("to");
@@ -413,8 +431,9 @@ class Tensor {
     if (dst.device() == Device::cpu && src.device() == Device::cpu) {
       std::memcpy(dst.raw(), src.raw(), src.nbytes());
     } else {
-      auto fn = detail::cuda_copy_hook();
-      if (!fn) detail::fail("tensor", "copying a CUDA tensor needs #include <nn/cuda.hpp>");
+      const Device dev = dst.device() != Device::cpu ? dst.device() : src.device();
+      auto fn = detail::device_copy_hook(dev);
+      if (!fn) detail::no_device_backend("tensor", dev);
       fn(dst.raw(), dst.device(), src.raw(), src.device(), src.nbytes());
     }
   }
@@ -427,7 +446,8 @@ class Tensor {
 /// Prints like PyTorch: values, then shape and dtype; long dimensions are elided with "...".
 inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   if (!t.defined()) return os << "Tensor(empty)";
-  if (t.device() != Device::cpu) return os << "Tensor(shape=" << t.shape() << ", dtype=" << t.dtype() << ", device=cuda)";
+  if (t.device() != Device::cpu)
+    return os << "Tensor(shape=" << t.shape() << ", dtype=" << t.dtype() << ", device=" << t.device() << ")";
   const Shape& s = t.shape();
   std::ios::fmtflags f = os.flags();
   auto prec = os.precision();

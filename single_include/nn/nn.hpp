@@ -6,19 +6,23 @@
 // Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
 //
 // Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/random.hpp,
-// nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/backend/gemm.hpp, nn/backend/cpu_info.hpp,
-// nn/backend/math.hpp, nn/tape.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp,
-// nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
-// nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
-// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp,
-// nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp,
-// nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp,
-// nn/io/safetensors.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp,
-// nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
-// nn/modules/dropout.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
-// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
-// nn/optim/muon.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp,
-// nn/io/checkpoint.hpp
+// nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/backend/cpu_info.hpp, nn/backend/cpu/common.hpp,
+// nn/backend/math.hpp, nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp,
+// nn/backend/cpu/matmul.hpp, nn/backend/gemm.hpp, nn/backend/cpu/shape.hpp,
+// nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp,
+// nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp,
+// nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp,
+// nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
+// nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
+// nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
+// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
+// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
+// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/module.hpp, nn/statics.hpp,
+// nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp,
+// nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/lora.hpp,
+// nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp,
+// nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp,
+// nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -51,6 +55,14 @@
 #define NN_HD __host__ __device__
 #else
 #define NN_HD
+#endif
+// Put before `template <...> NN_HD`: a generic function both backends call, which the CPU also
+// instantiates with Eigen array expressions (host-only types). nvcc then compiles each
+// instantiation for the side that calls it instead of warning about host calls from device code.
+#if defined(__CUDACC__)
+#define NN_HD_GENERIC _Pragma("nv_exec_check_disable")
+#else
+#define NN_HD_GENERIC
 #endif
 
 namespace nn {
@@ -307,17 +319,24 @@ inline std::shared_ptr<Storage> host_storage(std::size_t bytes) {
   return s;
 }
 
-/// Allocator for non-host devices, installed by a device backend header (nn/cuda.hpp), so a
-/// CPU-only program never links the CUDA runtime.
+/// A non-host device's allocator and its copy to and from the host, installed by that device's
+/// backend header when a program includes it (so a CPU-only program links no device runtime).
+/// One slot per Device; the tensor layer itself knows no device but the host.
 using DeviceAllocFn = std::shared_ptr<Storage> (*)(std::size_t bytes);
 using DeviceCopyFn = void (*)(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t bytes);
-inline DeviceAllocFn& cuda_alloc_hook() {
-  static DeviceAllocFn fn = nullptr;
-  return fn;
+inline constexpr std::size_t kDeviceSlots = 8;
+inline DeviceAllocFn& device_alloc_hook(Device d) {
+  static DeviceAllocFn fns[kDeviceSlots] = {};
+  return fns[static_cast<std::size_t>(d) % kDeviceSlots];
 }
-inline DeviceCopyFn& cuda_copy_hook() {
-  static DeviceCopyFn fn = nullptr;
-  return fn;
+inline DeviceCopyFn& device_copy_hook(Device d) {
+  static DeviceCopyFn fns[kDeviceSlots] = {};
+  return fns[static_cast<std::size_t>(d) % kDeviceSlots];
+}
+/// The error for a device whose backend is not in this program.
+[[noreturn]] inline void no_device_backend(const char* op, Device d) {
+  fail(op, "a tensor on device '", d, "' needs that device's backend: include its header (<nn/", d,
+       ".hpp>) in a build for it");
 }
 
 template <class T>
@@ -380,8 +399,8 @@ class Tensor {
     if (dev == Device::cpu) {
       t.st_ = detail::host_storage(bytes);
     } else {
-      auto fn = detail::cuda_alloc_hook();
-      if (!fn) detail::fail("tensor", "a CUDA tensor needs #include <nn/cuda.hpp> and a CUDA build");
+      auto fn = detail::device_alloc_hook(dev);
+      if (!fn) detail::no_device_backend("tensor", dev);
       t.st_ = fn(bytes);
     }
     return t;
@@ -493,6 +512,17 @@ class Tensor {
     return t;
   }
 
+  /// Copies src's elements into this tensor's storage (same shape and dtype), wherever either
+  /// lives: host or device, through the device's copy hook. Views of this storage see the change.
+  void copy_from(const Tensor& src) {
+    require_defined("copy_from");
+    src.require_defined("copy_from");
+    if (!(src.shape_ == shape_) || src.dtype_ != dtype_)
+      detail::fail("copy_from", "source ", src.shape_.str(), " ", dtype_name(src.dtype_), " does not match ",
+                   shape_.str(), " ", dtype_name(dtype_));
+    copy_bytes(*this, src);
+  }
+
   /// Host <-> device copy (a no-op copy when already there).
   Tensor to(Device dev) const {
     require_defined("to");
@@ -538,8 +568,9 @@ class Tensor {
     if (dst.device() == Device::cpu && src.device() == Device::cpu) {
       std::memcpy(dst.raw(), src.raw(), src.nbytes());
     } else {
-      auto fn = detail::cuda_copy_hook();
-      if (!fn) detail::fail("tensor", "copying a CUDA tensor needs #include <nn/cuda.hpp>");
+      const Device dev = dst.device() != Device::cpu ? dst.device() : src.device();
+      auto fn = detail::device_copy_hook(dev);
+      if (!fn) detail::no_device_backend("tensor", dev);
       fn(dst.raw(), dst.device(), src.raw(), src.device(), src.nbytes());
     }
   }
@@ -552,7 +583,8 @@ class Tensor {
 /// Prints like PyTorch: values, then shape and dtype; long dimensions are elided with "...".
 inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   if (!t.defined()) return os << "Tensor(empty)";
-  if (t.device() != Device::cpu) return os << "Tensor(shape=" << t.shape() << ", dtype=" << t.dtype() << ", device=cuda)";
+  if (t.device() != Device::cpu)
+    return os << "Tensor(shape=" << t.shape() << ", dtype=" << t.dtype() << ", device=" << t.device() << ")";
   const Shape& s = t.shape();
   std::ios::fmtflags f = os.flags();
   auto prec = os.precision();
@@ -1135,56 +1167,12 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 // CBLAS (OpenBLAS) when NN_USE_BLAS is defined and that BLAS picked real kernels for this CPU, or
 // on Eigen's GEMM with NN_GEMM_EIGEN (and compilers without GCC vector extensions). Either way
 // nn's OpenMP threads do the splitting (omp_set_num_threads / OMP_NUM_THREADS set the count).
-
-#include <cctype>
-#include <cmath>
-#include <limits>
-#include <numbers>
-#include <new>
-
-#include <Eigen/Core>
-
-#if defined(NN_USE_BLAS)
-#include <cblas.h>
-#endif
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-#if defined(__SSE2__) || defined(__AVX__)
-#include <immintrin.h>
-#endif
-
-// ---- begin nn/backend/gemm.hpp ----
-// nn's own GEMM: a BLIS-style packed, blocked product C (+)= op(A) @ op(B) on row-major matrices,
-// with micro-kernels for AVX-512, AVX2+FMA and the compiler's baseline, all in one binary and
-// chosen at run time from CPUID feature bits (backend/cpu_info.hpp), never from a CPU model name.
 //
-// Why nn owns it: a BLAS picks its kernels from a table of CPU models, and Debian's OpenBLAS
-// 0.3.21 falls back to SSE3 kernels on CPUs newer than its table (Sapphire Rapids runs at a
-// fifth of its speed). Owning the loops also gives the hooks the rest of nn needs: caller-supplied
-// packing (quantized weights dequantized straight into packed panels) and an epilogue per tile.
-//
-// One micro-kernel body serves every instruction set: it is written with GCC/Clang vector
-// extensions and inlined into a small entry function per ISA marked with a target attribute, so
-// the compiler emits zmm FMAs in one, ymm FMAs in another and SSE2 in the baseline one, with no
-// -m flags on the user's command line.
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <new>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+// The kernels live in backend/cpu/, one file per family, mirroring ops/: elementwise, reduce,
+// matmul (and the GEMM engine), shape, index, random, softmax, cross_entropy, and the fused
+// norm, rope, attention and glu, and optim (the optimizer updates). Per-element math both
+// backends share is in backend/math.hpp. nn::cpu gathers the families by inheritance, so
+// `cpu::matmul(...)` and `B::matmul(...)` in a template both find them.
 
 // ---- begin nn/backend/cpu_info.hpp ----
 // nn::cpu_info(): what this x86 CPU can run, read from CPUID feature bits and the OS's XCR0 state
@@ -1369,6 +1357,875 @@ struct CpuInfo {
 
 }  // namespace nn
 // ---- end nn/backend/cpu_info.hpp ----
+// ---- begin nn/backend/cpu/common.hpp ----
+// What every family of nn::cpu's kernels shares: dtype dispatch, the OpenMP loop helpers,
+// broadcasting strides, and the vectorised row math (Eigen array maps, exp, exact sqrt).
+
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <new>
+
+#include <Eigen/Core>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__SSE2__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+// ---- begin nn/backend/math.hpp ----
+// The math of every elementwise primitive, forward and derivative side by side, and the
+// per-element math of the fused primitives and the optimizer updates, compiled for the host and
+// (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas: a kernel in
+// backend/cpu/ or backend/cuda/ loops, reduces and dispatches, and takes its arithmetic from here.
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <type_traits>
+
+
+namespace nn::detail {
+
+// The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
+// to), CUDA's device versions under nvcc (never the fast intrinsics).
+// clang-format off
+NN_HD inline float m_exp(float x) { return ::expf(x); }
+NN_HD inline double m_exp(double x) { return ::exp(x); }
+NN_HD inline float m_log(float x) { return ::logf(x); }
+NN_HD inline double m_log(double x) { return ::log(x); }
+NN_HD inline float m_sqrt(float x) { return ::sqrtf(x); }
+NN_HD inline double m_sqrt(double x) { return ::sqrt(x); }
+NN_HD inline float m_tanh(float x) { return ::tanhf(x); }
+NN_HD inline double m_tanh(double x) { return ::tanh(x); }
+NN_HD inline float m_erf(float x) { return ::erff(x); }
+NN_HD inline double m_erf(double x) { return ::erf(x); }
+NN_HD inline float m_pow(float x, float a) { return ::powf(x, a); }
+NN_HD inline double m_pow(double x, double a) { return ::pow(x, a); }
+NN_HD inline float m_abs(float x) { return ::fabsf(x); }
+NN_HD inline double m_abs(double x) { return ::fabs(x); }
+// clang-format on
+
+template <class T>
+NN_HD inline T sigmoid(T x) {
+  return T(1) / (T(1) + m_exp(-x));
+}
+
+/// The forward math of every unary op.
+template <class T>
+NN_HD inline T unary_f(Unary op, T x, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
+  switch (op) {
+    case Unary::neg: return -x;
+    case Unary::exp: return m_exp(x);
+    case Unary::log: return m_log(x);
+    case Unary::sqrt: return m_sqrt(x);
+    case Unary::rsqrt: return T(1) / m_sqrt(x);
+    case Unary::tanh: return m_tanh(x);
+    case Unary::sigmoid: return sigmoid(x);
+    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::abs: return m_abs(x);
+    case Unary::pow: return m_pow(x, a);
+    case Unary::silu: return x * sigmoid(x);
+    case Unary::gelu: return T(0.5) * x * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
+    case Unary::gelu_approx: return T(0.5) * x * (T(1) + m_tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
+    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
+    case Unary::scale: return a * x;
+    case Unary::add_scalar: return x + a;
+  }
+  return x;
+}
+
+/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
+/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
+template <class T>
+NN_HD inline T unary_df(Unary op, T x, T y, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);
+  switch (op) {
+    case Unary::neg: return T(-1);
+    case Unary::exp: return y;
+    case Unary::log: return T(1) / x;
+    case Unary::sqrt: return T(0.5) / y;
+    case Unary::rsqrt: return T(-0.5) * y / x;
+    case Unary::tanh: return T(1) - y * y;
+    case Unary::sigmoid: return y * (T(1) - y);
+    case Unary::relu: return x > T(0) ? T(1) : T(0);
+    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
+    case Unary::pow: return a == T(0) ? T(0) : a * m_pow(x, a - T(1));
+    case Unary::silu: {
+      T s = sigmoid(x);
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Unary::gelu: {
+      T cdf = T(0.5) * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
+      T pdf = m_exp(T(-0.5) * x * x) / m_sqrt(T(2) * std::numbers::pi_v<T>);
+      return cdf + x * pdf;
+    }
+    case Unary::gelu_approx: {
+      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
+      T t = m_tanh(u);
+      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
+    }
+    case Unary::gelu_fast: {
+      T s = sigmoid(T(1.702) * x);
+      return s + x * T(1.702) * s * (T(1) - s);
+    }
+    case Unary::scale: return a;
+    case Unary::add_scalar: return T(1);
+  }
+  return T(0);
+}
+
+template <class T>
+NN_HD inline T binary_f(Binary op, T a, T b) {
+  switch (op) {
+    case Binary::add: return a + b;
+    case Binary::sub: return a - b;
+    case Binary::mul: return a * b;
+    case Binary::div: return a / b;
+    case Binary::maximum: return a >= b ? a : b;
+    case Binary::minimum: return a <= b ? a : b;
+  }
+  return a;
+}
+
+/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
+/// to a (documented in ops/elementwise.hpp).
+template <class T>
+NN_HD inline T binary_df(Binary op, int which, T a, T b) {
+  switch (op) {
+    case Binary::add: return T(1);
+    case Binary::sub: return which == 0 ? T(1) : T(-1);
+    case Binary::mul: return which == 0 ? b : a;
+    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
+    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
+    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
+  }
+  return T(0);
+}
+
+template <class T>
+NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
+  if (acc) y[i] += v;
+  else y[i] = v;
+}
+
+// ---- fused primitives and optimizer updates: the per-element math ----------------------------
+// Generic over the value V: a scalar (a CUDA thread's element, a CPU scalar loop) or an Eigen
+// array expression (the CPU's vectorised chunks), so the CPU keeps its vector code and both
+// backends still read one formula. T is V's scalar type. Eigen's vectorised exp is not glibc's:
+// the formula is shared, the last bits of exp are each backend's (tests compare with tolerance).
+
+template <class V, class = void>
+struct scalar_of {
+  using type = V;
+};
+template <class V>
+struct scalar_of<V, std::void_t<typename V::Scalar>> {
+  using type = typename V::Scalar;
+};
+template <class V>
+using scalar_of_t = typename scalar_of<V>::type;
+
+/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+NN_HD_GENERIC template <class V>
+NN_HD inline auto v_exp(const V& x) {
+  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else return x.exp();
+}
+
+/// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
+struct SwiGluMath {
+  NN_HD_GENERIC template <class V>
+  NN_HD static auto sig(const V& a) {
+    using T = scalar_of_t<V>;
+    return T(1) / (T(1) + v_exp(-a));
+  }
+  NN_HD_GENERIC template <class V, class U>
+  NN_HD static auto y(const V& a, const U& u) {
+    return (a * sig(a)) * u;
+  }
+  NN_HD_GENERIC template <class V, class U, class G, class S>
+  NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
+    using T = scalar_of_t<V>;
+    return (g * u) * (s * (T(1) + a * (T(1) - s)));
+  }
+  NN_HD_GENERIC template <class V, class G, class S>
+  NN_HD static auto dup(const V& a, const G& g, const S& s) {
+    return g * (a * s);
+  }
+};
+
+/// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
+/// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
+struct RmsNormMath {
+  template <class T>
+  NN_HD static T rstd(T sum_sq, T inv_c, T eps) {
+    return T(1) / m_sqrt(inv_c * sum_sq + eps);
+  }
+  template <class T>
+  NN_HD static T vjp_coef(T rstd, T inv_c, T sum_ux) {
+    return rstd * rstd * rstd * inv_c * sum_ux;
+  }
+  NN_HD_GENERIC template <class T, class U, class X>
+  NN_HD static auto gx(T rstd, const U& u, T c, const X& x) {
+    return rstd * u - c * x;
+  }
+};
+
+/// RoPE's rotation of a feature pair (a1, a2) by an angle with cosine c and sine s (the inverse,
+/// the vjp, passes -s): (a1 c - a2 s, a1 s + a2 c).
+struct RopeMath {
+  template <class T>
+  NN_HD static T first(T a1, T a2, T c, T s) {
+    return a1 * c - a2 * s;
+  }
+  template <class T>
+  NN_HD static T second(T a1, T a2, T c, T s) {
+    return a1 * s + a2 * c;
+  }
+};
+
+// The optimizer updates (MLX's arithmetic order). make() forms the scalars on the host, in the
+// parameter's dtype T, as MLX does: 1 - b in double and then rounded (in float32, T(1) - T(0.999)
+// is 1.3e-5 away from T(0.001)); the learning rate rounded to T first (MLX's
+// learning_rate.astype(gradient.dtype)).
+
+/// SGD: g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
+/// update = nesterov ? g + mu v : v; p -= lr update.
+template <class T>
+struct SgdMath {
+  T l, mu, d, w;
+  bool has_wd, damp, nesterov;
+  static SgdMath make(double lr, double momentum, double dampening, double wd, bool nesterov) {
+    return {static_cast<T>(lr), static_cast<T>(momentum), static_cast<T>(1 - dampening), static_cast<T>(wd), wd != 0,
+            dampening > 0, nesterov};
+  }
+  /// One element; v is null without momentum.
+  NN_HD void operator()(T& p, T g, T* v) const {
+    const T gi = has_wd ? g + w * p : g;
+    if (!v) {
+      p = p - l * gi;
+      return;
+    }
+    T vi = mu * *v;
+    vi += damp ? d * gi : gi;
+    *v = vi;
+    p = p - l * (nesterov ? gi + mu * vi : vi);
+  }
+};
+
+/// Adam / AdamW: decoupled wd first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
+/// v = b2 v + (1-b2) g^2; p -= c1 m / (sqrt(v) c2 + eps) with c1 = lr / (1 - b1^t),
+/// c2 = 1 / sqrt(1 - b2^t) under bias correction, else c1 = lr, c2 = 1 (the same bits as
+/// lr m / (sqrt v + eps): x 1 is exact). t = step, already incremented.
+template <class T>
+struct AdamMath {
+  T B1, B2, E, C1, C2, decay, c1, c2;
+  bool decoupled;
+  static AdamMath make(double lr, double step, double b1, double b2, double eps, double decoupled_wd,
+                       bool bias_correction) {
+    AdamMath a;
+    const T l = static_cast<T>(lr), t = static_cast<T>(step);
+    a.B1 = static_cast<T>(b1), a.B2 = static_cast<T>(b2), a.E = static_cast<T>(eps);
+    a.C1 = static_cast<T>(1 - b1), a.C2 = static_cast<T>(1 - b2);
+    a.decay = T(1) - l * static_cast<T>(decoupled_wd);
+    a.c1 = bias_correction ? l / (T(1) - std::pow(a.B1, t)) : l;
+    a.c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(a.B2, t)) : T(1);
+    a.decoupled = decoupled_wd != 0;
+    return a;
+  }
+  NN_HD_GENERIC template <class M, class G>
+  NN_HD auto m(const M& m, const G& g) const {
+    return B1 * m + C1 * g;
+  }
+  NN_HD_GENERIC template <class V, class G>
+  NN_HD auto v(const V& v, const G& g) const {
+    return B2 * v + C2 * (g * g);
+  }
+  /// What p loses this step, from the new m and sqrt of the new v.
+  NN_HD_GENERIC template <class M, class R>
+  NN_HD auto delta(const M& m, const R& root_v) const {
+    return (c1 * m) / (root_v * c2 + E);
+  }
+};
+
+/// Lion: c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
+template <class T>
+struct LionMath {
+  T l, B1, B2, C1, C2, decay;
+  bool has_wd;
+  static LionMath make(double lr, double b1, double b2, double wd) {
+    const T l = static_cast<T>(lr);
+    return {l, static_cast<T>(b1), static_cast<T>(b2), static_cast<T>(1 - b1), static_cast<T>(1 - b2),
+            T(1) - l * static_cast<T>(wd), wd > 0};
+  }
+  NN_HD void operator()(T& p, T g, T& m) const {
+    const T c = B1 * m + C1 * g;
+    m = B2 * m + C2 * g;
+    const T pi = has_wd ? decay * p : p;
+    const T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
+    p = pi - l * sg;
+  }
+};
+
+/// Muon's momentum: g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
+template <class T>
+struct MuonMomentumMath {
+  T mu, w, c;
+  bool has_wd, nesterov;
+  static MuonMomentumMath make(double momentum, double wd, bool nesterov) {
+    return {static_cast<T>(momentum), static_cast<T>(wd), static_cast<T>(1 - momentum), wd != 0, nesterov};
+  }
+  NN_HD void operator()(T p, T g, T& v, T& u) const {
+    const T gi = has_wd ? g + w * p : g;
+    const T vi = mu * v + c * gi;
+    v = vi;
+    u = nesterov ? gi * c + vi * mu : vi;
+  }
+};
+
+/// y = a x + b y (Muon's Newton-Schulz steps).
+template <class T>
+struct AxpbyMath {
+  T a, b;
+  NN_HD T operator()(T x, T y) const { return a * x + b * y; }
+};
+
+/// p -= (lr factor) x, the rate rounded to T before the factor is applied (MLX's order).
+template <class T>
+struct ApplyUpdateMath {
+  T l;
+  static ApplyUpdateMath make(double lr, double factor) {
+    return {static_cast<T>(static_cast<T>(lr) * static_cast<T>(factor))};
+  }
+  NN_HD T operator()(T p, T x) const { return p - l * x; }
+};
+
+}  // namespace nn::detail
+// ---- end nn/backend/math.hpp ----
+
+namespace nn {
+namespace detail {
+
+/// Runs f.template operator()<T>() for T = float or double; other dtypes are an error naming op.
+template <class F>
+void dispatch_float(DType t, const char* op, F&& f) {
+  if (t == DType::f32) f.template operator()<float>();
+  else if (t == DType::f64) f.template operator()<double>();
+  else fail(op, "needs a float32 or float64 tensor, got ", dtype_name(t));
+}
+
+/// Runs f.template operator()<Op>() with the Binary op as a compile-time constant: the
+/// elementwise loops then inline one operation and vectorise (a switch per element does not).
+template <class F>
+void dispatch_binary(Binary op, F&& f) {
+  switch (op) {
+    case Binary::add: f.template operator()<Binary::add>(); return;
+    case Binary::sub: f.template operator()<Binary::sub>(); return;
+    case Binary::mul: f.template operator()<Binary::mul>(); return;
+    case Binary::div: f.template operator()<Binary::div>(); return;
+    case Binary::maximum: f.template operator()<Binary::maximum>(); return;
+    case Binary::minimum: f.template operator()<Binary::minimum>(); return;
+  }
+}
+
+// dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
+// accumulating (permuting token ids is fine; adding them is not a gradient).
+template <class F>
+void dispatch_any(DType t, const char* op, bool acc, F&& f) {
+  switch (t) {
+    case DType::f32: f.template operator()<float>(); return;
+    case DType::f64: f.template operator()<double>(); return;
+    default: break;
+  }
+  if (acc) fail(op, "cannot accumulate into ", dtype_name(t));
+  switch (dtype_size(t)) {
+    case 1: f.template operator()<std::uint8_t>(); return;
+    case 2: f.template operator()<std::uint16_t>(); return;
+    case 4: f.template operator()<std::uint32_t>(); return;
+    default: f.template operator()<std::uint64_t>(); return;
+  }
+}
+
+/// Reads an integer id tensor (i32 or i64) at i.
+inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
+  if (ids.dtype() == DType::i32) return static_cast<const std::int32_t*>(ids.raw())[i];
+  return static_cast<const std::int64_t*>(ids.raw())[i];
+}
+
+/// Elementwise loops run in parallel only past this size: below it thread start-up costs more
+/// than it saves.
+inline constexpr std::int64_t kParallelGrain = 1 << 15;
+
+/// f(i) for i in [0, n), split over OpenMP threads when `wide` (the caller's size test against
+/// kParallelGrain) holds and more than one thread is free: in equal contiguous shares, or one
+/// iteration at a time when `uneven` (iterations of different cost). The test is a C++ branch
+/// taken before OpenMP is entered, not an `if` clause: libgomp builds a one-thread team (a malloc
+/// and a free) even for `#pragma omp parallel if (false)`, so every small replayed op would allocate.
+template <class F>
+inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
+#if defined(_OPENMP)
+  if (wide && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+    const std::int64_t share = uneven ? 1 : (n + omp_get_max_threads() - 1) / omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, share)
+    for (std::int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#else
+  (void)wide;
+  (void)uneven;
+#endif
+  for (std::int64_t i = 0; i < n; ++i) f(i);
+}
+
+/// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
+/// right, and a dimension of size 1 (or a missing one) gets stride 0, which is broadcasting.
+inline std::array<std::int64_t, kMaxRank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<std::int64_t, kMaxRank> st{};
+  std::int64_t s = 1;
+  const int off = out.rank() - in.rank();
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    st[static_cast<std::size_t>(i + off)] = in[i] == 1 ? 0 : s;
+    s *= in[i];
+  }
+  return st;
+}
+
+/// Calls f(out_index, offset_0, offset_1, ...) for every element of `out`, with the offsets of
+/// each broadcast input, walking an odometer so no division is needed per element.
+template <std::size_t N, class F>
+void for_each_broadcast(const Shape& out, const std::array<std::array<std::int64_t, kMaxRank>, N>& strides, F&& f) {
+  const int r = out.rank();
+  const std::int64_t n = out.numel();
+  if (n == 0) return;
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::array<std::int64_t, N> off{};
+  const std::int64_t inner = r ? out[r - 1] : 1;
+  for (std::int64_t i = 0; i < n; i += inner) {
+    for (std::int64_t j = 0; j < inner; ++j) {
+      std::array<std::int64_t, N> o = off;
+      if (r)
+        for (std::size_t k = 0; k < N; ++k) o[k] += j * strides[k][static_cast<std::size_t>(r - 1)];
+      std::apply([&](auto... oo) { f(i + j, oo...); }, o);
+    }
+    // advance the odometer over dims [0, r-1)
+    for (int d = r - 2; d >= 0; --d) {
+      auto du = static_cast<std::size_t>(d);
+      ++idx[du];
+      for (std::size_t k = 0; k < N; ++k) off[k] += strides[k][du];
+      if (idx[du] < out[d]) break;
+      for (std::size_t k = 0; k < N; ++k) off[k] -= strides[k][du] * out[d];
+      idx[du] = 0;
+    }
+  }
+}
+
+
+/// Splits a reduction of `x` to `y` (y's dims equal x's or 1, right-aligned) into
+/// (outer, reduced, inner) when the reduced dims are one contiguous block; false otherwise.
+inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer, std::int64_t& red,
+                            std::int64_t& inner) {
+  const int r = x.rank(), off = x.rank() - y.rank();
+  int first = -1, last = -1;
+  for (int i = 0; i < r; ++i) {
+    std::int64_t yd = i < off ? 1 : y[i - off];
+    bool reduced = yd == 1 && x[i] != 1;
+    if (reduced) {
+      if (first < 0) first = i;
+      else if (last != i - 1) return false;
+      last = i;
+    }
+  }
+  if (first < 0) { outer = x.numel(); red = 1; inner = 1; return true; }
+  outer = x.prod(0, first);
+  red = x.prod(first, last + 1);
+  inner = x.prod(last + 1, r);
+  return true;
+}
+
+/// A contiguous run of n values as an Eigen array, for the vectorised math (exp above all) of
+/// the row kernels: softmax, cross-entropy, SwiGLU.
+template <class T>
+using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
+/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
+/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
+/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
+template <class T>
+inline void exp_inplace(T* x, std::int64_t n) {
+  constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
+  constexpr std::int64_t blk = 256;
+  T in[blk];
+  for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
+    const std::int64_t len = std::min(blk, n - i0);
+    std::copy_n(x + i0, len, in);
+    ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
+    for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
+  }
+}
+
+/// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
+/// every entry is -inf kept finite in its max, as cpu::softmax.
+template <class T>
+inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
+  ArrayMap<T> r(row, n);
+  if (add) r = r * scale + ConstArrayMap<T>(add, n);
+  else if (scale != T(1)) r *= scale;
+  T m = r.maxCoeff();
+  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+  r -= m;
+  exp_inplace(row, n);
+  r *= T(1) / r.sum();
+}
+
+/// y = sqrt(x), correctly rounded (what std::sqrt gives), vectorised with the x86 sqrt
+/// instructions where available. Not Eigen's .sqrt(): under EIGEN_FAST_MATH (its default) the
+/// float version is rsqrt plus one Newton step, a few ulp off, and the optimizers' updates must
+/// match MLX's to the bit; nor a loop over std::sqrt, which compilers keep scalar for errno.
+template <class T>
+inline void sqrt_exact(const T* x, T* y, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+  else
+    for (; i + 4 <= n; i += 4) _mm256_storeu_pd(y + i, _mm256_sqrt_pd(_mm256_loadu_pd(x + i)));
+#elif defined(__SSE2__)
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 4 <= n; i += 4) _mm_storeu_ps(y + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
+  else
+    for (; i + 2 <= n; i += 2) _mm_storeu_pd(y + i, _mm_sqrt_pd(_mm_loadu_pd(x + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::sqrt(x[i]);
+}
+
+/// Elementwise work over n values in chunks: f(i0, i1) per chunk, the chunks in parallel once n
+/// passes kParallelGrain.
+inline constexpr std::int64_t kChunk = 4096;
+template <class F>
+inline void parallel_chunks(std::int64_t n, F&& f) {
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+  parallel_for(chunks, n > kParallelGrain, [&](std::int64_t c) { f(c * kChunk, std::min(n, (c + 1) * kChunk)); });
+}
+
+}  // namespace detail
+}  // namespace nn
+// ---- end nn/backend/cpu/common.hpp ----
+// ---- begin nn/backend/cpu/elementwise.hpp ----
+// nn::cpu's elementwise kernels: fill, copy, cast, unary and binary ops (math in ../math.hpp)
+// and where, each with its vjp (ops/elementwise.hpp builds the primitives on them).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct ElementwiseKernels {
+  static void fill(Tensor& y, double v) {
+    if (v == 0.0) { std::memset(y.raw(), 0, y.nbytes()); return; }
+    if (y.dtype() == DType::f32) std::fill_n(static_cast<float*>(y.raw()), y.numel(), static_cast<float>(v));
+    else if (y.dtype() == DType::f64) std::fill_n(static_cast<double*>(y.raw()), y.numel(), v);
+    else for (std::int64_t i = 0; i < y.numel(); ++i) detail::store_from_double(y.raw(), y.dtype(), i, v);
+  }
+
+  static void copy(const Tensor& x, Tensor& y, bool acc) {
+    if (!acc) { std::memcpy(y.raw(), x.raw(), x.nbytes()); return; }
+    detail::dispatch_float(y.dtype(), "copy", [&]<class T>() {
+      const T* s = static_cast<const T*>(x.raw());
+      T* d = static_cast<T*>(y.raw());
+      const std::int64_t n = y.numel();
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { d[i] += s[i]; });
+    });
+  }
+
+  static void cast(const Tensor& x, Tensor& y) {
+    Tensor t = x.to(y.dtype());
+    std::memcpy(y.raw(), t.raw(), y.nbytes());
+  }
+
+  static void unary(Unary op, double arg, const Tensor& x, Tensor& y) {
+    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T a = static_cast<T>(arg);
+      const std::int64_t n = x.numel();
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+        ys[i] = detail::unary_f(op, xs[i], a);
+      });
+    });
+  }
+
+  static void unary_vjp(Unary op, double arg, const Tensor& x, const Tensor& y, const Tensor& g, Tensor& gx,
+                        bool acc) {
+    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      const T* ys = static_cast<const T*>(y.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(gx.raw());
+      const T a = static_cast<T>(arg);
+      const std::int64_t n = x.numel();
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+        detail::put(out, i, gs[i] * detail::unary_df(op, xs[i], ys[i], a), acc);
+      });
+    });
+  }
+
+  static void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), binary_name(op), [&]<class T>() {
+      detail::dispatch_binary(op, [&]<Binary Op>() {
+        const T* as = static_cast<const T*>(a.raw());
+        const T* bs = static_cast<const T*>(b.raw());
+        T* ys = static_cast<T*>(y.raw());
+        const std::int64_t n = y.numel();
+        if (a.shape() == y.shape() && b.shape() == y.shape()) {
+          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+            ys[i] = detail::binary_f(Op, as[i], bs[i]);
+          });
+        } else if (a.shape() == y.shape() && b.numel() == 1) {
+          const T bv = bs[0];
+          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+            ys[i] = detail::binary_f(Op, as[i], bv);
+          });
+        } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
+          const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
+          detail::parallel_for(rows, n > detail::kParallelGrain, [&](std::int64_t r) {
+            for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(Op, as[r * nb + j], bs[j]);
+          });
+        } else {
+          std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), y.shape()),
+                                                                detail::broadcast_strides(b.shape(), y.shape())};
+          detail::for_each_broadcast<2>(y.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+            ys[i] = detail::binary_f(Op, as[ia], bs[ib]);
+          });
+        }
+      });
+    });
+  }
+
+  /// dst (+)= g * d(a op b)/d(input `which`), at the output's full shape (the op reduces it to
+  /// the input's shape afterwards with sum_to, the one place broadcasting gradients are summed).
+  static void binary_vjp(Binary op, int which, const Tensor& a, const Tensor& b, const Tensor& g, Tensor& dst,
+                         bool acc) {
+    detail::dispatch_float(g.dtype(), binary_name(op), [&]<class T>() {
+      detail::dispatch_binary(op, [&]<Binary Op>() {
+        const T* as = static_cast<const T*>(a.raw());
+        const T* bs = static_cast<const T*>(b.raw());
+        const T* gs = static_cast<const T*>(g.raw());
+        T* out = static_cast<T*>(dst.raw());
+        const std::int64_t n = g.numel();
+        if (a.shape() == g.shape() && b.shape() == g.shape()) {
+          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
+            detail::put(out, i, gs[i] * detail::binary_df(Op, which, as[i], bs[i]), acc);
+          });
+        } else {
+          std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), g.shape()),
+                                                                detail::broadcast_strides(b.shape(), g.shape())};
+          detail::for_each_broadcast<2>(g.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+            detail::put(out, i, gs[i] * detail::binary_df(Op, which, as[ia], bs[ib]), acc);
+          });
+        }
+      });
+    });
+  }
+
+  /// y = mask != 0 ? a : b, every input broadcast to y. mask: u8, or the dtype of y.
+  static void where(const Tensor& mask, const Tensor& a, const Tensor& b, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "where", [&]<class T>() {
+      const T* as = static_cast<const T*>(a.raw());
+      const T* bs = static_cast<const T*>(b.raw());
+      T* ys = static_cast<T*>(y.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 3> st{detail::broadcast_strides(mask.shape(), y.shape()),
+                                                            detail::broadcast_strides(a.shape(), y.shape()),
+                                                            detail::broadcast_strides(b.shape(), y.shape())};
+      detail::for_each_broadcast<3>(y.shape(), st, [&](std::int64_t i, std::int64_t im, std::int64_t ia, std::int64_t ib) {
+        ys[i] = mask_at(mask, im) ? as[ia] : bs[ib];
+      });
+    });
+  }
+
+  /// dst (+)= g where the mask selects branch `which` (0: a, taken where mask != 0), else 0.
+  static void where_vjp(const Tensor& mask, const Tensor& g, int which, Tensor& dst, bool acc) {
+    detail::dispatch_float(g.dtype(), "where", [&]<class T>() {
+      const T* gs = static_cast<const T*>(g.raw());
+      T* out = static_cast<T*>(dst.raw());
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(mask.shape(), g.shape())};
+      detail::for_each_broadcast<1>(g.shape(), st, [&](std::int64_t i, std::int64_t im) {
+        bool take = mask_at(mask, im) == (which == 0);
+        detail::put(out, i, take ? gs[i] : T(0), acc);
+      });
+    });
+  }
+
+ private:
+  static bool is_suffix(const Shape& b, const Shape& y) {
+    if (b.rank() > y.rank()) return false;
+    for (int i = 1; i <= b.rank(); ++i)
+      if (b[b.rank() - i] != y[y.rank() - i]) return false;
+    return true;
+  }
+  static bool mask_at(const Tensor& m, std::int64_t i) {
+    switch (m.dtype()) {
+      case DType::u8: return static_cast<const std::uint8_t*>(m.raw())[i] != 0;
+      case DType::f32: return static_cast<const float*>(m.raw())[i] != 0.0f;
+      case DType::f64: return static_cast<const double*>(m.raw())[i] != 0.0;
+      case DType::i32: return static_cast<const std::int32_t*>(m.raw())[i] != 0;
+      default: return detail::load_as_double(m.raw(), m.dtype(), i) != 0.0;
+    }
+  }
+};
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/elementwise.hpp ----
+// ---- begin nn/backend/cpu/reduce.hpp ----
+// nn::cpu's reductions: sum_to (sum, mean and every broadcast gradient), broadcast_to and
+// max over an axis, with their vjps (ops/reduce.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct ReduceKernels {
+  /// y (+)= scale * (x summed over the dims where y has size 1 or is missing). The one kernel
+  /// behind sum, mean and every broadcast gradient. Deterministic: fixed summation order.
+  static void sum_to(const Tensor& x, Tensor& y, double scale, bool acc) {
+    detail::dispatch_float(x.dtype(), "sum", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sc = static_cast<T>(scale);
+      std::int64_t outer, red, inner;
+      if (detail::reduction_as_3d(x.shape(), y.shape(), outer, red, inner)) {
+        if (inner == 1) {  // reduce contiguous rows
+          detail::parallel_for(outer, outer * red > detail::kParallelGrain && outer > 1, [&](std::int64_t o) {
+            const T* row = xs + o * red;
+            T s = 0;
+            for (std::int64_t k = 0; k < red; ++k) s += row[k];
+            detail::put(ys, o, sc * s, acc);
+          });
+        } else {  // reduce a middle dim: accumulate rows of length `inner`
+          detail::parallel_for(outer, outer * red * inner > detail::kParallelGrain, [&](std::int64_t o) {
+            T* dst = ys + o * inner;
+            const T* src = xs + o * red * inner;
+            for (std::int64_t i = 0; i < inner; ++i) {
+              T s = 0;
+              for (std::int64_t k = 0; k < red; ++k) s += src[k * inner + i];
+              detail::put(dst, i, sc * s, acc);
+            }
+          });
+        }
+        return;
+      }
+      // General case: several non-adjacent reduced dims. Serial scatter into y.
+      if (!acc) std::fill_n(ys, y.numel(), T(0));
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(y.shape(), x.shape())};
+      detail::for_each_broadcast<1>(x.shape(), st, [&](std::int64_t i, std::int64_t iy) { ys[iy] += sc * xs[i]; });
+    });
+  }
+
+  /// y (+)= scale * x broadcast to y's shape (the vjp of sum and mean).
+  static void broadcast_to(const Tensor& x, Tensor& y, double scale, bool acc) {
+    detail::dispatch_float(x.dtype(), "broadcast", [&]<class T>() {
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      const T sc = static_cast<T>(scale);
+      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(x.shape(), y.shape())};
+      detail::for_each_broadcast<1>(y.shape(), st, [&](std::int64_t i, std::int64_t ix) { detail::put(ys, i, sc * xs[ix], acc); });
+    });
+  }
+
+  /// y = max of x over `axis` (y has keepdims shape), idx (i32, y's shape) = the first index
+  /// attaining it. NaN propagates (a NaN wins, as PyTorch).
+  static void max_axis(const Tensor& x, int axis, Tensor& y, Tensor& idx) {
+    detail::dispatch_float(x.dtype(), "max", [&]<class T>() {
+      const Shape& s = x.shape();
+      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
+      const T* xs = static_cast<const T*>(x.raw());
+      T* ys = static_cast<T*>(y.raw());
+      auto* is = static_cast<std::int32_t*>(idx.raw());
+      detail::parallel_for(outer, x.numel() > detail::kParallelGrain, [&](std::int64_t o) {
+        for (std::int64_t i = 0; i < inner; ++i) {
+          const T* p = xs + o * red * inner + i;
+          T best = p[0];
+          std::int32_t bi = 0;
+          for (std::int64_t k = 1; k < red && !std::isnan(best); ++k) {
+            T v = p[k * inner];
+            if (v > best || std::isnan(v)) { best = v; bi = static_cast<std::int32_t>(k); }
+          }
+          ys[o * inner + i] = best;
+          is[o * inner + i] = bi;
+        }
+      });
+    });
+  }
+
+  /// gx (+)= g placed at the argmax positions recorded by max_axis.
+  static void max_axis_vjp(const Tensor& g, const Tensor& idx, int axis, Tensor& gx, bool acc) {
+    detail::dispatch_float(g.dtype(), "max", [&]<class T>() {
+      const Shape& s = gx.shape();
+      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
+      const T* gs = static_cast<const T*>(g.raw());
+      const auto* is = static_cast<const std::int32_t*>(idx.raw());
+      T* out = static_cast<T*>(gx.raw());
+      if (!acc) std::fill_n(out, gx.numel(), T(0));
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t i = 0; i < inner; ++i)
+          out[(o * red + is[o * inner + i]) * inner + i] += gs[o * inner + i];
+    });
+  }
+};
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/reduce.hpp ----
+// ---- begin nn/backend/cpu/matmul.hpp ----
+// nn::cpu's matrix products: the GEMM engine choice (nn's own kernels by CPU features, CBLAS,
+// or Eigen's kernel with reusable packing space), gemm_serial for kernels that run many
+// products from their own parallel loops, and the batched matmul kernel (ops/matmul.hpp).
+
+#if defined(NN_USE_BLAS)
+#include <cblas.h>
+#endif
+
+// ---- begin nn/backend/gemm.hpp ----
+// nn's own GEMM: a BLIS-style packed, blocked product C (+)= op(A) @ op(B) on row-major matrices,
+// with micro-kernels for AVX-512, AVX2+FMA and the compiler's baseline, all in one binary and
+// chosen at run time from CPUID feature bits (backend/cpu_info.hpp), never from a CPU model name.
+//
+// Why nn owns it: a BLAS picks its kernels from a table of CPU models, and Debian's OpenBLAS
+// 0.3.21 falls back to SSE3 kernels on CPUs newer than its table (Sapphire Rapids runs at a
+// fifth of its speed). Owning the loops also gives the hooks the rest of nn needs: caller-supplied
+// packing (quantized weights dequantized straight into packed panels) and an epilogue per tile.
+//
+// One micro-kernel body serves every instruction set: it is written with GCC/Clang vector
+// extensions and inlined into a small entry function per ISA marked with a target attribute, so
+// the compiler emits zmm FMAs in one, ymm FMAs in another and SSE2 in the baseline one, with no
+// -m flags on the user's command line.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -2511,308 +3368,10 @@ inline std::string describe(Isa isa) {
 #undef NN_GEMM_STR
 #undef NN_GEMM_STR2
 // ---- end nn/backend/gemm.hpp ----
-// ---- begin nn/backend/math.hpp ----
-// The math of every elementwise primitive, forward and derivative side by side, compiled for the
-// host and (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas.
-
-#include <cmath>
-#include <cstdint>
-#include <numbers>
-
-
-namespace nn::detail {
-
-// The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
-// to), CUDA's device versions under nvcc (never the fast intrinsics).
-// clang-format off
-NN_HD inline float m_exp(float x) { return ::expf(x); }
-NN_HD inline double m_exp(double x) { return ::exp(x); }
-NN_HD inline float m_log(float x) { return ::logf(x); }
-NN_HD inline double m_log(double x) { return ::log(x); }
-NN_HD inline float m_sqrt(float x) { return ::sqrtf(x); }
-NN_HD inline double m_sqrt(double x) { return ::sqrt(x); }
-NN_HD inline float m_tanh(float x) { return ::tanhf(x); }
-NN_HD inline double m_tanh(double x) { return ::tanh(x); }
-NN_HD inline float m_erf(float x) { return ::erff(x); }
-NN_HD inline double m_erf(double x) { return ::erf(x); }
-NN_HD inline float m_pow(float x, float a) { return ::powf(x, a); }
-NN_HD inline double m_pow(double x, double a) { return ::pow(x, a); }
-NN_HD inline float m_abs(float x) { return ::fabsf(x); }
-NN_HD inline double m_abs(double x) { return ::fabs(x); }
-// clang-format on
-
-template <class T>
-NN_HD inline T sigmoid(T x) {
-  return T(1) / (T(1) + m_exp(-x));
-}
-
-/// The forward math of every unary op.
-template <class T>
-NN_HD inline T unary_f(Unary op, T x, T a) {
-  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
-  switch (op) {
-    case Unary::neg: return -x;
-    case Unary::exp: return m_exp(x);
-    case Unary::log: return m_log(x);
-    case Unary::sqrt: return m_sqrt(x);
-    case Unary::rsqrt: return T(1) / m_sqrt(x);
-    case Unary::tanh: return m_tanh(x);
-    case Unary::sigmoid: return sigmoid(x);
-    case Unary::relu: return x > T(0) ? x : T(0);
-    case Unary::abs: return m_abs(x);
-    case Unary::pow: return m_pow(x, a);
-    case Unary::silu: return x * sigmoid(x);
-    case Unary::gelu: return T(0.5) * x * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
-    case Unary::gelu_approx: return T(0.5) * x * (T(1) + m_tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
-    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
-    case Unary::scale: return a * x;
-    case Unary::add_scalar: return x + a;
-  }
-  return x;
-}
-
-/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
-/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
-template <class T>
-NN_HD inline T unary_df(Unary op, T x, T y, T a) {
-  constexpr T kSqrt2OverPi = T(0.7978845608028654);
-  switch (op) {
-    case Unary::neg: return T(-1);
-    case Unary::exp: return y;
-    case Unary::log: return T(1) / x;
-    case Unary::sqrt: return T(0.5) / y;
-    case Unary::rsqrt: return T(-0.5) * y / x;
-    case Unary::tanh: return T(1) - y * y;
-    case Unary::sigmoid: return y * (T(1) - y);
-    case Unary::relu: return x > T(0) ? T(1) : T(0);
-    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
-    case Unary::pow: return a == T(0) ? T(0) : a * m_pow(x, a - T(1));
-    case Unary::silu: {
-      T s = sigmoid(x);
-      return s * (T(1) + x * (T(1) - s));
-    }
-    case Unary::gelu: {
-      T cdf = T(0.5) * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
-      T pdf = m_exp(T(-0.5) * x * x) / m_sqrt(T(2) * std::numbers::pi_v<T>);
-      return cdf + x * pdf;
-    }
-    case Unary::gelu_approx: {
-      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
-      T t = m_tanh(u);
-      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
-      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
-    }
-    case Unary::gelu_fast: {
-      T s = sigmoid(T(1.702) * x);
-      return s + x * T(1.702) * s * (T(1) - s);
-    }
-    case Unary::scale: return a;
-    case Unary::add_scalar: return T(1);
-  }
-  return T(0);
-}
-
-template <class T>
-NN_HD inline T binary_f(Binary op, T a, T b) {
-  switch (op) {
-    case Binary::add: return a + b;
-    case Binary::sub: return a - b;
-    case Binary::mul: return a * b;
-    case Binary::div: return a / b;
-    case Binary::maximum: return a >= b ? a : b;
-    case Binary::minimum: return a <= b ? a : b;
-  }
-  return a;
-}
-
-/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
-/// to a (documented in ops/elementwise.hpp).
-template <class T>
-NN_HD inline T binary_df(Binary op, int which, T a, T b) {
-  switch (op) {
-    case Binary::add: return T(1);
-    case Binary::sub: return which == 0 ? T(1) : T(-1);
-    case Binary::mul: return which == 0 ? b : a;
-    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
-    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
-    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
-  }
-  return T(0);
-}
-
-template <class T>
-NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
-  if (acc) y[i] += v;
-  else y[i] = v;
-}
-
-}  // namespace nn::detail
-// ---- end nn/backend/math.hpp ----
 
 namespace nn {
 
 namespace detail {
-
-/// Runs f.template operator()<T>() for T = float or double; other dtypes are an error naming op.
-template <class F>
-void dispatch_float(DType t, const char* op, F&& f) {
-  if (t == DType::f32) f.template operator()<float>();
-  else if (t == DType::f64) f.template operator()<double>();
-  else fail(op, "needs a float32 or float64 tensor, got ", dtype_name(t));
-}
-
-/// Runs f.template operator()<Op>() with the Binary op as a compile-time constant: the
-/// elementwise loops then inline one operation and vectorise (a switch per element does not).
-template <class F>
-void dispatch_binary(Binary op, F&& f) {
-  switch (op) {
-    case Binary::add: f.template operator()<Binary::add>(); return;
-    case Binary::sub: f.template operator()<Binary::sub>(); return;
-    case Binary::mul: f.template operator()<Binary::mul>(); return;
-    case Binary::div: f.template operator()<Binary::div>(); return;
-    case Binary::maximum: f.template operator()<Binary::maximum>(); return;
-    case Binary::minimum: f.template operator()<Binary::minimum>(); return;
-  }
-}
-
-// dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
-// accumulating (permuting token ids is fine; adding them is not a gradient).
-template <class F>
-void dispatch_any(DType t, const char* op, bool acc, F&& f) {
-  switch (t) {
-    case DType::f32: f.template operator()<float>(); return;
-    case DType::f64: f.template operator()<double>(); return;
-    default: break;
-  }
-  if (acc) fail(op, "cannot accumulate into ", dtype_name(t));
-  switch (dtype_size(t)) {
-    case 1: f.template operator()<std::uint8_t>(); return;
-    case 2: f.template operator()<std::uint16_t>(); return;
-    case 4: f.template operator()<std::uint32_t>(); return;
-    default: f.template operator()<std::uint64_t>(); return;
-  }
-}
-
-/// Reads an integer id tensor (i32 or i64) at i.
-inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
-  if (ids.dtype() == DType::i32) return static_cast<const std::int32_t*>(ids.raw())[i];
-  return static_cast<const std::int64_t*>(ids.raw())[i];
-}
-
-/// Elementwise loops run in parallel only past this size: below it thread start-up costs more
-/// than it saves.
-inline constexpr std::int64_t kParallelGrain = 1 << 15;
-
-/// One tensor passed as two of attention's inputs (k = v, self-attention's q = k = v) has one
-/// gradient buffer: the tape hands its first slot acc = false and the later ones acc = true, but
-/// the vjps interleave their writes, so such a buffer is zeroed once and every write to it
-/// accumulates.
-inline void share_grad_buffers(Tensor* gq, bool& acc_q, Tensor* gk, bool& acc_k, Tensor* gv, bool& acc_v) {
-  auto share = [](Tensor* a, bool& acc_a, Tensor* b, bool& acc_b) {
-    if (!a || !b || a->raw() != b->raw() || (acc_a && acc_b)) return;
-    std::memset(a->raw(), 0, a->nbytes());
-    acc_a = acc_b = true;
-  };
-  share(gq, acc_q, gk, acc_k);
-  share(gq, acc_q, gv, acc_v);
-  share(gk, acc_k, gv, acc_v);
-}
-
-/// Flash attention's tile: kFlashRows queries against kFlashCols keys. A tile's scores (64 KiB in
-/// f32) stay in L2 beside the q, k and v rows they come from. Measured on bench_attention at
-/// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
-/// each product's operands, not multiplying them.
-inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
-
-/// Causal attention's row (and key) block: the products of a block of queries stop at its last
-/// key, so the work above the diagonal left undone is all but half a block wide.
-inline constexpr std::int64_t kAttnBlock = 32;
-
-/// f(i) for i in [0, n), split over OpenMP threads when `wide` (the caller's size test against
-/// kParallelGrain) holds and more than one thread is free: in equal contiguous shares, or one
-/// iteration at a time when `uneven` (iterations of different cost). The test is a C++ branch
-/// taken before OpenMP is entered, not an `if` clause: libgomp builds a one-thread team (a malloc
-/// and a free) even for `#pragma omp parallel if (false)`, so every small replayed op would allocate.
-template <class F>
-inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
-#if defined(_OPENMP)
-  if (wide && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-    const std::int64_t share = uneven ? 1 : (n + omp_get_max_threads() - 1) / omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, share)
-    for (std::int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-#else
-  (void)wide;
-  (void)uneven;
-#endif
-  for (std::int64_t i = 0; i < n; ++i) f(i);
-}
-
-/// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
-/// right, and a dimension of size 1 (or a missing one) gets stride 0, which is broadcasting.
-inline std::array<std::int64_t, kMaxRank> broadcast_strides(const Shape& in, const Shape& out) {
-  std::array<std::int64_t, kMaxRank> st{};
-  std::int64_t s = 1;
-  const int off = out.rank() - in.rank();
-  for (int i = in.rank() - 1; i >= 0; --i) {
-    st[static_cast<std::size_t>(i + off)] = in[i] == 1 ? 0 : s;
-    s *= in[i];
-  }
-  return st;
-}
-
-/// Calls f(out_index, offset_0, offset_1, ...) for every element of `out`, with the offsets of
-/// each broadcast input, walking an odometer so no division is needed per element.
-template <std::size_t N, class F>
-void for_each_broadcast(const Shape& out, const std::array<std::array<std::int64_t, kMaxRank>, N>& strides, F&& f) {
-  const int r = out.rank();
-  const std::int64_t n = out.numel();
-  if (n == 0) return;
-  std::array<std::int64_t, kMaxRank> idx{};
-  std::array<std::int64_t, N> off{};
-  const std::int64_t inner = r ? out[r - 1] : 1;
-  for (std::int64_t i = 0; i < n; i += inner) {
-    for (std::int64_t j = 0; j < inner; ++j) {
-      std::array<std::int64_t, N> o = off;
-      if (r)
-        for (std::size_t k = 0; k < N; ++k) o[k] += j * strides[k][static_cast<std::size_t>(r - 1)];
-      std::apply([&](auto... oo) { f(i + j, oo...); }, o);
-    }
-    // advance the odometer over dims [0, r-1)
-    for (int d = r - 2; d >= 0; --d) {
-      auto du = static_cast<std::size_t>(d);
-      ++idx[du];
-      for (std::size_t k = 0; k < N; ++k) off[k] += strides[k][du];
-      if (idx[du] < out[d]) break;
-      for (std::size_t k = 0; k < N; ++k) off[k] -= strides[k][du] * out[d];
-      idx[du] = 0;
-    }
-  }
-}
-
-
-/// Splits a reduction of `x` to `y` (y's dims equal x's or 1, right-aligned) into
-/// (outer, reduced, inner) when the reduced dims are one contiguous block; false otherwise.
-inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer, std::int64_t& red,
-                            std::int64_t& inner) {
-  const int r = x.rank(), off = x.rank() - y.rank();
-  int first = -1, last = -1;
-  for (int i = 0; i < r; ++i) {
-    std::int64_t yd = i < off ? 1 : y[i - off];
-    bool reduced = yd == 1 && x[i] != 1;
-    if (reduced) {
-      if (first < 0) first = i;
-      else if (last != i - 1) return false;
-      last = i;
-    }
-  }
-  if (first < 0) { outer = x.numel(); red = 1; inner = 1; return true; }
-  outer = x.prod(0, first);
-  red = x.prod(first, last + 1);
-  inner = x.prod(last + 1, r);
-  return true;
-}
 
 // ---- GEMM on Eigen's kernel without Eigen's per-call heap allocations ------------------------
 // `C.noalias() = A * B` heap-allocates Eigen's packing blocks on every call once they pass
@@ -3068,305 +3627,11 @@ void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
 #endif
 }
 
-/// A contiguous run of n values as an Eigen array, for the vectorised math (exp above all) of
-/// the row kernels: softmax, cross-entropy, SwiGLU.
-template <class T>
-using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-template <class T>
-using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
-
-/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
-/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
-/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
-/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
-template <class T>
-inline void exp_inplace(T* x, std::int64_t n) {
-  constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
-  constexpr std::int64_t blk = 256;
-  T in[blk];
-  for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
-    const std::int64_t len = std::min(blk, n - i0);
-    std::copy_n(x + i0, len, in);
-    ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
-    for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
-  }
-}
-
-/// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
-/// every entry is -inf kept finite in its max, as cpu::softmax.
-template <class T>
-inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
-  ArrayMap<T> r(row, n);
-  if (add) r = r * scale + ConstArrayMap<T>(add, n);
-  else if (scale != T(1)) r *= scale;
-  T m = r.maxCoeff();
-  if (m == -std::numeric_limits<T>::infinity()) m = 0;
-  r -= m;
-  exp_inplace(row, n);
-  r *= T(1) / r.sum();
-}
-
-/// y = sqrt(x), correctly rounded (what std::sqrt gives), vectorised with the x86 sqrt
-/// instructions where available. Not Eigen's .sqrt(): under EIGEN_FAST_MATH (its default) the
-/// float version is rsqrt plus one Newton step, a few ulp off, and the optimizers' updates must
-/// match MLX's to the bit; nor a loop over std::sqrt, which compilers keep scalar for errno.
-template <class T>
-inline void sqrt_exact(const T* x, T* y, std::int64_t n) {
-  std::int64_t i = 0;
-#if defined(__AVX__)
-  if constexpr (std::is_same_v<T, float>)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
-  else
-    for (; i + 4 <= n; i += 4) _mm256_storeu_pd(y + i, _mm256_sqrt_pd(_mm256_loadu_pd(x + i)));
-#elif defined(__SSE2__)
-  if constexpr (std::is_same_v<T, float>)
-    for (; i + 4 <= n; i += 4) _mm_storeu_ps(y + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
-  else
-    for (; i + 2 <= n; i += 2) _mm_storeu_pd(y + i, _mm_sqrt_pd(_mm_loadu_pd(x + i)));
-#endif
-  for (; i < n; ++i) y[i] = std::sqrt(x[i]);
-}
-
-/// Elementwise work over n values in chunks: f(i0, i1) per chunk, the chunks in parallel once n
-/// passes kParallelGrain.
-inline constexpr std::int64_t kChunk = 4096;
-template <class F>
-inline void parallel_chunks(std::int64_t n, F&& f) {
-  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
-  parallel_for(chunks, n > kParallelGrain, [&](std::int64_t c) { f(c * kChunk, std::min(n, (c + 1) * kChunk)); });
-}
-
 }  // namespace detail
 
-/// The CPU backend policy.
-struct cpu {
-  static constexpr Device device = Device::cpu;
-  static constexpr const char* name = "cpu";
+namespace cpu_kernels {
 
-  static Tensor alloc(const Shape& s, DType t) { return Tensor::empty(s, t, Device::cpu); }
-
-  static void fill(Tensor& y, double v) {
-    if (v == 0.0) { std::memset(y.raw(), 0, y.nbytes()); return; }
-    if (y.dtype() == DType::f32) std::fill_n(static_cast<float*>(y.raw()), y.numel(), static_cast<float>(v));
-    else if (y.dtype() == DType::f64) std::fill_n(static_cast<double*>(y.raw()), y.numel(), v);
-    else for (std::int64_t i = 0; i < y.numel(); ++i) detail::store_from_double(y.raw(), y.dtype(), i, v);
-  }
-
-  static void copy(const Tensor& x, Tensor& y, bool acc) {
-    if (!acc) { std::memcpy(y.raw(), x.raw(), x.nbytes()); return; }
-    detail::dispatch_float(y.dtype(), "copy", [&]<class T>() {
-      const T* s = static_cast<const T*>(x.raw());
-      T* d = static_cast<T*>(y.raw());
-      const std::int64_t n = y.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { d[i] += s[i]; });
-    });
-  }
-
-  static void cast(const Tensor& x, Tensor& y) {
-    Tensor t = x.to(y.dtype());
-    std::memcpy(y.raw(), t.raw(), y.nbytes());
-  }
-
-  static void unary(Unary op, double arg, const Tensor& x, Tensor& y) {
-    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
-      const T* xs = static_cast<const T*>(x.raw());
-      T* ys = static_cast<T*>(y.raw());
-      const T a = static_cast<T>(arg);
-      const std::int64_t n = x.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-        ys[i] = detail::unary_f(op, xs[i], a);
-      });
-    });
-  }
-
-  static void unary_vjp(Unary op, double arg, const Tensor& x, const Tensor& y, const Tensor& g, Tensor& gx,
-                        bool acc) {
-    detail::dispatch_float(x.dtype(), unary_name(op), [&]<class T>() {
-      const T* xs = static_cast<const T*>(x.raw());
-      const T* ys = static_cast<const T*>(y.raw());
-      const T* gs = static_cast<const T*>(g.raw());
-      T* out = static_cast<T*>(gx.raw());
-      const T a = static_cast<T>(arg);
-      const std::int64_t n = x.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-        detail::put(out, i, gs[i] * detail::unary_df(op, xs[i], ys[i], a), acc);
-      });
-    });
-  }
-
-  static void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
-    detail::dispatch_float(y.dtype(), binary_name(op), [&]<class T>() {
-      detail::dispatch_binary(op, [&]<Binary Op>() {
-        const T* as = static_cast<const T*>(a.raw());
-        const T* bs = static_cast<const T*>(b.raw());
-        T* ys = static_cast<T*>(y.raw());
-        const std::int64_t n = y.numel();
-        if (a.shape() == y.shape() && b.shape() == y.shape()) {
-          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-            ys[i] = detail::binary_f(Op, as[i], bs[i]);
-          });
-        } else if (a.shape() == y.shape() && b.numel() == 1) {
-          const T bv = bs[0];
-          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-            ys[i] = detail::binary_f(Op, as[i], bv);
-          });
-        } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
-          const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
-          detail::parallel_for(rows, n > detail::kParallelGrain, [&](std::int64_t r) {
-            for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(Op, as[r * nb + j], bs[j]);
-          });
-        } else {
-          std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), y.shape()),
-                                                                detail::broadcast_strides(b.shape(), y.shape())};
-          detail::for_each_broadcast<2>(y.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
-            ys[i] = detail::binary_f(Op, as[ia], bs[ib]);
-          });
-        }
-      });
-    });
-  }
-
-  /// dst (+)= g * d(a op b)/d(input `which`), at the output's full shape (the op reduces it to
-  /// the input's shape afterwards with sum_to, the one place broadcasting gradients are summed).
-  static void binary_vjp(Binary op, int which, const Tensor& a, const Tensor& b, const Tensor& g, Tensor& dst,
-                         bool acc) {
-    detail::dispatch_float(g.dtype(), binary_name(op), [&]<class T>() {
-      detail::dispatch_binary(op, [&]<Binary Op>() {
-        const T* as = static_cast<const T*>(a.raw());
-        const T* bs = static_cast<const T*>(b.raw());
-        const T* gs = static_cast<const T*>(g.raw());
-        T* out = static_cast<T*>(dst.raw());
-        const std::int64_t n = g.numel();
-        if (a.shape() == g.shape() && b.shape() == g.shape()) {
-          detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-            detail::put(out, i, gs[i] * detail::binary_df(Op, which, as[i], bs[i]), acc);
-          });
-        } else {
-          std::array<std::array<std::int64_t, kMaxRank>, 2> st{detail::broadcast_strides(a.shape(), g.shape()),
-                                                                detail::broadcast_strides(b.shape(), g.shape())};
-          detail::for_each_broadcast<2>(g.shape(), st, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
-            detail::put(out, i, gs[i] * detail::binary_df(Op, which, as[ia], bs[ib]), acc);
-          });
-        }
-      });
-    });
-  }
-
-  /// y (+)= scale * (x summed over the dims where y has size 1 or is missing). The one kernel
-  /// behind sum, mean and every broadcast gradient. Deterministic: fixed summation order.
-  static void sum_to(const Tensor& x, Tensor& y, double scale, bool acc) {
-    detail::dispatch_float(x.dtype(), "sum", [&]<class T>() {
-      const T* xs = static_cast<const T*>(x.raw());
-      T* ys = static_cast<T*>(y.raw());
-      const T sc = static_cast<T>(scale);
-      std::int64_t outer, red, inner;
-      if (detail::reduction_as_3d(x.shape(), y.shape(), outer, red, inner)) {
-        if (inner == 1) {  // reduce contiguous rows
-          detail::parallel_for(outer, outer * red > detail::kParallelGrain && outer > 1, [&](std::int64_t o) {
-            const T* row = xs + o * red;
-            T s = 0;
-            for (std::int64_t k = 0; k < red; ++k) s += row[k];
-            detail::put(ys, o, sc * s, acc);
-          });
-        } else {  // reduce a middle dim: accumulate rows of length `inner`
-          detail::parallel_for(outer, outer * red * inner > detail::kParallelGrain, [&](std::int64_t o) {
-            T* dst = ys + o * inner;
-            const T* src = xs + o * red * inner;
-            for (std::int64_t i = 0; i < inner; ++i) {
-              T s = 0;
-              for (std::int64_t k = 0; k < red; ++k) s += src[k * inner + i];
-              detail::put(dst, i, sc * s, acc);
-            }
-          });
-        }
-        return;
-      }
-      // General case: several non-adjacent reduced dims. Serial scatter into y.
-      if (!acc) std::fill_n(ys, y.numel(), T(0));
-      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(y.shape(), x.shape())};
-      detail::for_each_broadcast<1>(x.shape(), st, [&](std::int64_t i, std::int64_t iy) { ys[iy] += sc * xs[i]; });
-    });
-  }
-
-  /// y (+)= scale * x broadcast to y's shape (the vjp of sum and mean).
-  static void broadcast_to(const Tensor& x, Tensor& y, double scale, bool acc) {
-    detail::dispatch_float(x.dtype(), "broadcast", [&]<class T>() {
-      const T* xs = static_cast<const T*>(x.raw());
-      T* ys = static_cast<T*>(y.raw());
-      const T sc = static_cast<T>(scale);
-      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(x.shape(), y.shape())};
-      detail::for_each_broadcast<1>(y.shape(), st, [&](std::int64_t i, std::int64_t ix) { detail::put(ys, i, sc * xs[ix], acc); });
-    });
-  }
-
-  /// y = mask != 0 ? a : b, every input broadcast to y. mask: u8, or the dtype of y.
-  static void where(const Tensor& mask, const Tensor& a, const Tensor& b, Tensor& y) {
-    detail::dispatch_float(y.dtype(), "where", [&]<class T>() {
-      const T* as = static_cast<const T*>(a.raw());
-      const T* bs = static_cast<const T*>(b.raw());
-      T* ys = static_cast<T*>(y.raw());
-      std::array<std::array<std::int64_t, kMaxRank>, 3> st{detail::broadcast_strides(mask.shape(), y.shape()),
-                                                            detail::broadcast_strides(a.shape(), y.shape()),
-                                                            detail::broadcast_strides(b.shape(), y.shape())};
-      detail::for_each_broadcast<3>(y.shape(), st, [&](std::int64_t i, std::int64_t im, std::int64_t ia, std::int64_t ib) {
-        ys[i] = mask_at(mask, im) ? as[ia] : bs[ib];
-      });
-    });
-  }
-
-  /// dst (+)= g where the mask selects branch `which` (0: a, taken where mask != 0), else 0.
-  static void where_vjp(const Tensor& mask, const Tensor& g, int which, Tensor& dst, bool acc) {
-    detail::dispatch_float(g.dtype(), "where", [&]<class T>() {
-      const T* gs = static_cast<const T*>(g.raw());
-      T* out = static_cast<T*>(dst.raw());
-      std::array<std::array<std::int64_t, kMaxRank>, 1> st{detail::broadcast_strides(mask.shape(), g.shape())};
-      detail::for_each_broadcast<1>(g.shape(), st, [&](std::int64_t i, std::int64_t im) {
-        bool take = mask_at(mask, im) == (which == 0);
-        detail::put(out, i, take ? gs[i] : T(0), acc);
-      });
-    });
-  }
-
-  /// y = max of x over `axis` (y has keepdims shape), idx (i32, y's shape) = the first index
-  /// attaining it. NaN propagates (a NaN wins, as PyTorch).
-  static void max_axis(const Tensor& x, int axis, Tensor& y, Tensor& idx) {
-    detail::dispatch_float(x.dtype(), "max", [&]<class T>() {
-      const Shape& s = x.shape();
-      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
-      const T* xs = static_cast<const T*>(x.raw());
-      T* ys = static_cast<T*>(y.raw());
-      auto* is = static_cast<std::int32_t*>(idx.raw());
-      detail::parallel_for(outer, x.numel() > detail::kParallelGrain, [&](std::int64_t o) {
-        for (std::int64_t i = 0; i < inner; ++i) {
-          const T* p = xs + o * red * inner + i;
-          T best = p[0];
-          std::int32_t bi = 0;
-          for (std::int64_t k = 1; k < red && !std::isnan(best); ++k) {
-            T v = p[k * inner];
-            if (v > best || std::isnan(v)) { best = v; bi = static_cast<std::int32_t>(k); }
-          }
-          ys[o * inner + i] = best;
-          is[o * inner + i] = bi;
-        }
-      });
-    });
-  }
-
-  /// gx (+)= g placed at the argmax positions recorded by max_axis.
-  static void max_axis_vjp(const Tensor& g, const Tensor& idx, int axis, Tensor& gx, bool acc) {
-    detail::dispatch_float(g.dtype(), "max", [&]<class T>() {
-      const Shape& s = gx.shape();
-      const std::int64_t outer = s.prod(0, axis), red = s[axis], inner = s.prod(axis + 1, s.rank());
-      const T* gs = static_cast<const T*>(g.raw());
-      const auto* is = static_cast<const std::int32_t*>(idx.raw());
-      T* out = static_cast<T*>(gx.raw());
-      if (!acc) std::fill_n(out, gx.numel(), T(0));
-      for (std::int64_t o = 0; o < outer; ++o)
-        for (std::int64_t i = 0; i < inner; ++i)
-          out[(o * red + is[o * inner + i]) * inner + i] += gs[o * inner + i];
-    });
-  }
-
+struct MatmulKernels {
   /// c (+)= op(a) @ op(b). Each operand is (batch, rows, cols) with batch = the product of its
   /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
   /// their batch, or 1 to sum the products over the batch.
@@ -3424,6 +3689,120 @@ struct cpu {
     else run(static_cast<const float*>(b.raw()));
   }
 
+ private:
+  /// One row or one column (a batch-1 Linear, a projection to one output) streams the matrix
+  /// once: a packed GEMM would copy all of it first. Tiny products stay with coefficient loops.
+  static bool gemm_vector_like(std::int64_t M, std::int64_t N, std::int64_t K) {
+    return M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
+  }
+
+  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
+  template <class T>
+  static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
+                   const T* Bp, std::int64_t ldb, T* C, bool acc) {
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+      if (!acc) std::fill_n(C, M * N, T(0));
+      return;
+    }
+    const detail::GemmEngine engine = detail::gemm_choice().engine;
+    const bool vector_like = gemm_vector_like(M, N, K);
+#if defined(NN_USE_BLAS)
+    if (engine == detail::GemmEngine::blas && (M == 1 || N == 1)) {
+      // ?gemv: OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix kernel
+      // mallocs on each call. C is zeroed here rather than by beta = 0, so stale NaNs in an
+      // uninitialised output never leak through a BLAS that scales by beta.
+      if (!acc) std::fill_n(C, M * N, T(0));
+      auto gemv = [&](bool trans, std::int64_t rows, std::int64_t cols, const T* mat, std::int64_t ld, const T* x,
+                      std::int64_t incx) {
+        const auto t = trans ? CblasTrans : CblasNoTrans;
+        if constexpr (std::is_same_v<T, float>)
+          cblas_sgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0f, mat, static_cast<int>(ld),
+                      x, static_cast<int>(incx), 1.0f, C, 1);
+        else
+          cblas_dgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0, mat, static_cast<int>(ld),
+                      x, static_cast<int>(incx), 1.0, C, 1);
+      };
+      if (N == 1) gemv(ta, ta ? K : M, ta ? M : K, A, lda, Bp, tb ? 1 : ldb);       // C = op(A) b
+      else gemv(!tb, tb ? N : K, tb ? K : N, Bp, ldb, A, ta ? lda : 1);             // C^T = op(B)^T a^T
+      return;
+    }
+    if (engine == detail::GemmEngine::blas) {
+#if defined(OPENBLAS_VERSION) && defined(_OPENMP)
+      // nn splits a product over its own OpenMP threads, each block one OpenBLAS call on its
+      // thread: OpenBLAS's pthreads would otherwise spin-wait beside OpenMP's after every product
+      // and take the cores nn's elementwise kernels run on (the two-runtime slowdown in
+      // shared/REFERENCE-FACTS.md). OpenBLAS's own rule for going parallel (m n k > 64^3) and at
+      // least 16 rows (or columns) per thread.
+      int threads = 1;
+      if (!omp_in_parallel()) {
+        const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+        threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+                                                     static_cast<double>(std::max(M, N) / 16)}));
+      }
+      detail::BlasSerial serial;
+      if (threads > 1) {
+        const bool by_rows = M >= N;
+        const std::int64_t D = by_rows ? M : N;
+#pragma omp parallel num_threads(threads)
+        {
+          const std::int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+          const std::int64_t per = ((D + nt - 1) / nt + 15) / 16 * 16;
+          const std::int64_t d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
+          if (d0 < d1) {
+            if (by_rows) detail::gemm_serial<T>(ta, tb, d1 - d0, N, K, A + (ta ? d0 : d0 * lda), lda, Bp, ldb, C + d0 * N, N, acc);
+            else detail::gemm_serial<T>(ta, tb, M, d1 - d0, K, A, lda, Bp + (tb ? d0 * ldb : d0), ldb, C + d0, N, acc);
+          }
+        }
+        return;
+      }
+#endif
+      detail::gemm_serial<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
+      return;
+    }
+#endif
+#if defined(NN_OWN_GEMM)
+    if (engine == detail::GemmEngine::nn && !vector_like) {
+      ::nn::gemm::gemm_parallel<T>(::nn::gemm::active_isa(), ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
+      return;
+    }
+#endif
+#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
+    // Eigen's kernel with nn's reusable packing space (no allocation per call)
+    if (!vector_like) {
+      detail::eigen_gemm<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, acc);
+      return;
+    }
+#endif
+    // vectors (GEMV) and tiny products: Eigen's expressions, which do not allocate for them
+    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
+    Eigen::Map<Mat> Cm(C, M, N);
+    CMap Am(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda));
+    CMap Bm(Bp, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
+    auto run = [&](const auto& a, const auto& b) {
+      if (acc) Cm.noalias() += a * b;
+      else Cm.noalias() = a * b;
+    };
+    if (ta && tb) run(Am.transpose(), Bm.transpose());
+    else if (ta) run(Am.transpose(), Bm);
+    else if (tb) run(Am, Bm.transpose());
+    else run(Am, Bm);
+  }
+};
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/matmul.hpp ----
+// ---- begin nn/backend/cpu/shape.hpp ----
+// nn::cpu's data movement: permute and slice copies (ops/shape.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct ShapeKernels {
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
   static void permute(const Tensor& x, const std::array<int, kMaxRank>& perm, Tensor& y, bool acc) {
     detail::dispatch_any(x.dtype(), "permute", acc, [&]<class T>() {
@@ -3476,7 +3855,20 @@ struct cpu {
         for (std::int64_t k = 0; k < len * inner; ++k) ys[(o * full + start) * inner + k] += xs[o * len * inner + k];
     });
   }
+};
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/shape.hpp ----
+// ---- begin nn/backend/cpu/index.hpp ----
+// nn::cpu's indexed kernels: embedding rows (gather/scatter-add) and pick (ops/index.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct IndexKernels {
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
   /// A bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
@@ -3540,7 +3932,20 @@ struct cpu {
       }
     });
   }
+};
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/index.hpp ----
+// ---- begin nn/backend/cpu/random.hpp ----
+// nn::cpu's random kernel: MLX's bernoulli mask, bit for bit (ops/random.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct RandomKernels {
   /// mask[i] = value where MLX's bernoulli(p_keep, mask.shape, key) is true, else 0 (mask: f32,
   /// f64 or u8). key: u32 (2), read here so a replay draws from whatever key its slot holds now.
   /// The word layout and u < float32(p) test are random.hpp's, so the mask is MLX's bit for bit.
@@ -3565,7 +3970,20 @@ struct cpu {
       default: detail::fail("bernoulli_mask", "needs a float32, float64 or uint8 mask, got ", dtype_name(mask.dtype()));
     }
   }
+};
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/random.hpp ----
+// ---- begin nn/backend/cpu/softmax.hpp ----
+// nn::cpu's softmax and log-softmax over the last axis, with their vjp (ops/softmax.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct SoftmaxKernels {
   /// Softmax (or log-softmax) over the last axis, max-subtracted so logits in the thousands
   /// neither overflow nor lose precision.
   static void softmax(const Tensor& x, Tensor& y, bool log) {
@@ -3620,7 +4038,20 @@ struct cpu {
       });
     });
   }
+};
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/softmax.hpp ----
+// ---- begin nn/backend/cpu/cross_entropy.hpp ----
+// nn::cpu's softmax cross-entropy against integer targets, with its vjp (ops/cross_entropy.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct CrossEntropyKernels {
   /// Softmax cross-entropy against integer targets (i32/i64): loss_r = logsumexp(x_row) -
   /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
   /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
@@ -3704,10 +4135,20 @@ struct cpu {
       });
     });
   }
+};
 
-  // ---- fused primitives (ops/norm.hpp, rope.hpp, attention.hpp, glu.hpp), each the same math as
-  // its composite reference in layers/, in one pass; tests/ops/fused.test.cpp holds them together.
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/cross_entropy.hpp ----
+// ---- begin nn/backend/cpu/norm.hpp ----
+// nn::cpu's fused RMSNorm and its vjp (ops/norm.hpp; the composite reference in layers/norm.hpp).
 
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct NormKernels {
   /// y = x * rstd (* w) with rstd = 1 / sqrt(mean(x^2) + eps) per row of the last axis (kept in
   /// `rstd` for the vjp). w may be undefined (no gain).
   static void rms_norm(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
@@ -3721,7 +4162,7 @@ struct cpu {
       detail::parallel_for(R, x.numel() > detail::kParallelGrain, [&](std::int64_t r) {
         detail::ConstArrayMap<T> xr(xs + r * C, C);
         detail::ArrayMap<T> yr(ys + r * C, C);
-        const T k = T(1) / std::sqrt(inv_c * xr.square().sum() + e);
+        const T k = detail::RmsNormMath::rstd(xr.square().sum(), inv_c, e);
         rs[r] = k;
         if (ws) yr = (xr * k) * detail::ConstArrayMap<T>(ws, C);
         else yr = xr * k;
@@ -3748,13 +4189,13 @@ struct cpu {
           const T k = rs[r];
           if (ws) {
             detail::ConstArrayMap<T> wr(ws, C);
-            const T c = k * k * k * inv_c * (gr * wr * xr).sum();
-            if (acc_x) o += k * (gr * wr) - c * xr;
-            else o = k * (gr * wr) - c * xr;
+            const T c = detail::RmsNormMath::vjp_coef(k, inv_c, T((gr * wr * xr).sum()));
+            if (acc_x) o += detail::RmsNormMath::gx(k, gr * wr, c, xr);
+            else o = detail::RmsNormMath::gx(k, gr * wr, c, xr);
           } else {
-            const T c = k * k * k * inv_c * (gr * xr).sum();
-            if (acc_x) o += k * gr - c * xr;
-            else o = k * gr - c * xr;
+            const T c = detail::RmsNormMath::vjp_coef(k, inv_c, T((gr * xr).sum()));
+            if (acc_x) o += detail::RmsNormMath::gx(k, gr, c, xr);
+            else o = detail::RmsNormMath::gx(k, gr, c, xr);
           }
         });
       }
@@ -3766,7 +4207,20 @@ struct cpu {
       }
     });
   }
+};
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/norm.hpp ----
+// ---- begin nn/backend/cpu/rope.hpp ----
+// nn::cpu's fused rotary embedding, forward and inverse (ops/rope.hpp; reference layers/rope.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct RopeKernels {
   /// y (+)= x with the first dims = 2 * cos.shape[-1] features of each row rotated by its
   /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
   /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
@@ -3790,7 +4244,8 @@ struct cpu {
           T* o = ys + r * D;
           for (std::int64_t i = 0; i < half; ++i) {
             const std::int64_t i1 = Trad ? 2 * i : i, i2 = Trad ? 2 * i + 1 : i + half;
-            const T si = sg * s[i], o1 = a[i1] * c[i] - a[i2] * si, o2 = a[i1] * si + a[i2] * c[i];
+            const T si = sg * s[i], o1 = detail::RopeMath::first(a[i1], a[i2], c[i], si),
+                  o2 = detail::RopeMath::second(a[i1], a[i2], c[i], si);
             if constexpr (Acc) {
               o[i1] += o1;
               o[i2] += o2;
@@ -3809,7 +4264,50 @@ struct cpu {
       else traditional ? rows_of.template operator()<false, true>() : rows_of.template operator()<false, false>();
     });
   }
+};
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/rope.hpp ----
+// ---- begin nn/backend/cpu/attention.hpp ----
+// nn::cpu's fused attention: the materialised form (probabilities kept) and flash attention,
+// each with its vjp (ops/attention.hpp; the composite reference in layers/attention.hpp).
+
+
+namespace nn {
+
+namespace detail {
+
+/// One tensor passed as two of attention's inputs (k = v, self-attention's q = k = v) has one
+/// gradient buffer: the tape hands its first slot acc = false and the later ones acc = true, but
+/// the vjps interleave their writes, so such a buffer is zeroed once and every write to it
+/// accumulates.
+inline void share_grad_buffers(Tensor* gq, bool& acc_q, Tensor* gk, bool& acc_k, Tensor* gv, bool& acc_v) {
+  auto share = [](Tensor* a, bool& acc_a, Tensor* b, bool& acc_b) {
+    if (!a || !b || a->raw() != b->raw() || (acc_a && acc_b)) return;
+    std::memset(a->raw(), 0, a->nbytes());
+    acc_a = acc_b = true;
+  };
+  share(gq, acc_q, gk, acc_k);
+  share(gq, acc_q, gv, acc_v);
+  share(gk, acc_k, gv, acc_v);
+}
+
+/// Flash attention's tile: kFlashRows queries against kFlashCols keys. A tile's scores (64 KiB in
+/// f32) stay in L2 beside the q, k and v rows they come from. Measured on bench_attention at
+/// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
+/// each product's operands, not multiplying them.
+inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
+
+/// Causal attention's row (and key) block: the products of a block of queries stop at its last
+/// key, so the work above the diagonal left undone is all but half a block wide.
+inline constexpr std::int64_t kAttnBlock = 32;
+
+}  // namespace detail
+
+namespace cpu_kernels {
+
+struct AttentionKernels {
   /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
   /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
   /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). `causal`: query i sees keys
@@ -4050,6 +4548,21 @@ struct cpu {
       }, /*uneven=*/causal);
     });
   }
+};
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/attention.hpp ----
+// ---- begin nn/backend/cpu/glu.hpp ----
+// nn::cpu's fused SwiGLU and its vjp (ops/glu.hpp; reference layers/activations.hpp).
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct GluKernels {
+  // The math is detail::SwiGluMath (backend/math.hpp), here on Eigen arrays, a chunk at a time.
 
   /// y = silu(gate) * up = gate * sigmoid(gate) * up.
   static void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {
@@ -4059,7 +4572,7 @@ struct cpu {
       T* ys = static_cast<T*>(y.raw());
       detail::parallel_chunks(y.numel(), [&](std::int64_t i0, std::int64_t i1) {
         detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
-        detail::ArrayMap<T>(ys + i0, i1 - i0) = (a * (T(1) / (T(1) + (-a).exp()))) * u;
+        detail::ArrayMap<T>(ys + i0, i1 - i0) = detail::SwiGluMath::y(a, u);
       });
     });
   }
@@ -4078,54 +4591,51 @@ struct cpu {
         detail::ConstArrayMap<T> a(as + i0, n), u(us + i0, n), gr(gs + i0, n);
         alignas(64) T sbuf[detail::kChunk];  // on the stack: a replay allocates nothing
         detail::ArrayMap<T> s(sbuf, n);
-        s = T(1) / (T(1) + (-a).exp());
+        s = detail::SwiGluMath::sig(a);
         if (da) {
           detail::ArrayMap<T> o(da + i0, n);
-          if (acc_gate) o += (gr * u) * (s * (T(1) + a * (T(1) - s)));
-          else o = (gr * u) * (s * (T(1) + a * (T(1) - s)));
+          if (acc_gate) o += detail::SwiGluMath::dgate(a, u, gr, s);
+          else o = detail::SwiGluMath::dgate(a, u, gr, s);
         }
         if (du) {
           detail::ArrayMap<T> o(du + i0, n);
-          if (acc_up) o += gr * (a * s);
-          else o = gr * (a * s);
+          if (acc_up) o += detail::SwiGluMath::dup(a, gr, s);
+          else o = detail::SwiGluMath::dup(a, gr, s);
         }
       });
     });
   }
+};
 
-  // ---- optimizer updates: one fused pass per parameter, MLX's arithmetic order -------------
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/glu.hpp ----
+// ---- begin nn/backend/cpu/optim.hpp ----
+// nn::cpu's optimizer updates: one fused pass per parameter in MLX's arithmetic order (optim/;
+// the formulas in backend/math.hpp), and the small kernels Muon and clip_grad_norm compose.
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+struct OptimKernels {
   // lr is a 0-D float64 tensor and step a 0-D int64 tensor, read at run time, so a replayed
-  // step sees a scheduled learning rate without re-recording. T is the parameter's dtype; lr is
-  // rounded to T first, as MLX's learning_rate.astype(gradient.dtype).
+  // step sees a scheduled learning rate without re-recording. T is the parameter's dtype. The
+  // arithmetic of each update is backend/math.hpp's (SgdMath, AdamMath, ...), as on CUDA.
 
-  /// SGD (MLX): g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
-  /// update = nesterov ? g + mu v : v; p -= lr update.
   static void sgd_update(Tensor& p, const Tensor& g, Tensor& v, const Tensor& lr, double momentum, double dampening,
                          double wd, bool nesterov) {
     detail::dispatch_float(p.dtype(), "sgd", [&]<class T>() {
       T* ps = static_cast<T*>(p.raw());
       const T* gs = static_cast<const T*>(g.raw());
       T* vs = momentum > 0 ? static_cast<T*>(v.raw()) : nullptr;
-      const T l = static_cast<T>(lr.item()), mu = static_cast<T>(momentum), d = static_cast<T>(1 - dampening),
-              w = static_cast<T>(wd);
+      const auto f = detail::SgdMath<T>::make(lr.item(), momentum, dampening, wd, nesterov);
       const std::int64_t n = p.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-        T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
-        if (!vs) {
-          ps[i] = ps[i] - l * gi;
-          return;
-        }
-        T vi = mu * vs[i];
-        vi += dampening > 0 ? d * gi : gi;
-        vs[i] = vi;
-        ps[i] = ps[i] - l * (nesterov ? gi + mu * vi : vi);
-      });
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { f(ps[i], gs[i], vs ? vs + i : nullptr); });
     });
   }
 
-  /// Adam / AdamW (MLX): decoupled_wd > 0 first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
-  /// v = b2 v + (1-b2) g^2; p -= lr m / (sqrt v + eps), or with bias correction
-  /// p -= (lr / (1 - b1^t)) m / (sqrt(v) rsqrt(1 - b2^t) + eps), t = step (already incremented).
   static void adam_update(Tensor& p, const Tensor& g, Tensor& m, Tensor& v, const Tensor& lr, const Tensor& step,
                           double b1, double b2, double eps, double decoupled_wd, bool bias_correction) {
     detail::dispatch_float(p.dtype(), "adam", [&]<class T>() {
@@ -4133,54 +4643,35 @@ struct cpu {
       const T* gs = static_cast<const T*>(g.raw());
       T* ms = static_cast<T*>(m.raw());
       T* vs = static_cast<T*>(v.raw());
-      // 1 - b is formed in double and then rounded, as MLX's Python scalars are (in float32,
-      // T(1) - T(0.999) is 1.3e-5 away from T(0.001)).
-      const T l = static_cast<T>(lr.item()), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2), E = static_cast<T>(eps),
-              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);
-      const T decay = T(1) - l * static_cast<T>(decoupled_wd);
-      const T t = static_cast<T>(step.item());
-      const T c1 = bias_correction ? l / (T(1) - std::pow(B1, t)) : l;
-      const T c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(B2, t)) : T(1);
+      const auto f = detail::AdamMath<T>::make(lr.item(), step.item(), b1, b2, eps, decoupled_wd, bias_correction);
       const std::int64_t n = p.numel();
-      // The same arithmetic per element as written out elementwise, as Eigen array passes over
-      // cache-sized chunks (vectorised), the square root by sqrt_exact (correctly rounded).
+      // AdamMath's arithmetic as Eigen array passes over cache-sized chunks (vectorised), the
+      // square root by sqrt_exact (correctly rounded, as CUDA's sqrt).
       detail::parallel_chunks(n, [&](std::int64_t i0, std::int64_t i1) {
         const std::int64_t len = i1 - i0;
         detail::ArrayMap<T> pa(ps + i0, len), ma(ms + i0, len), va(vs + i0, len);
         detail::ConstArrayMap<T> ga(gs + i0, len);
         alignas(64) T root[detail::kChunk];
-        ma = B1 * ma + C1 * ga;
-        va = B2 * va + C2 * (ga * ga);
+        ma = f.m(ma, ga);
+        va = f.v(va, ga);
         detail::sqrt_exact(vs + i0, root, len);
-        detail::ConstArrayMap<T> ra(root, len);
-        if (decoupled_wd != 0) pa *= decay;
-        if (bias_correction) pa -= (c1 * ma) / (ra * c2 + E);
-        else pa -= (l * ma) / (ra + E);
+        if (f.decoupled) pa *= f.decay;
+        pa -= f.delta(ma, detail::ConstArrayMap<T>(root, len));
       });
     });
   }
 
-  /// Lion (MLX): c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
   static void lion_update(Tensor& p, const Tensor& g, Tensor& m, const Tensor& lr, double b1, double b2, double wd) {
     detail::dispatch_float(p.dtype(), "lion", [&]<class T>() {
       T* ps = static_cast<T*>(p.raw());
       const T* gs = static_cast<const T*>(g.raw());
       T* ms = static_cast<T*>(m.raw());
-      const T l = static_cast<T>(lr.item()), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2),
-              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);  // 1 - b in double, as MLX
-      const T decay = T(1) - l * static_cast<T>(wd);
+      const auto f = detail::LionMath<T>::make(lr.item(), b1, b2, wd);
       const std::int64_t n = p.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-        T c = B1 * ms[i] + C1 * gs[i];
-        ms[i] = B2 * ms[i] + C2 * gs[i];
-        T pi = wd > 0 ? decay * ps[i] : ps[i];
-        T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
-        ps[i] = pi - l * sg;
-      });
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { f(ps[i], gs[i], ms[i]); });
     });
   }
 
-  /// Muon's momentum (MLX): g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
   static void muon_momentum(const Tensor& p, const Tensor& g, Tensor& v, Tensor& u, double momentum, double wd,
                             bool nesterov) {
     detail::dispatch_float(p.dtype(), "muon", [&]<class T>() {
@@ -4188,14 +4679,9 @@ struct cpu {
       const T* gs = static_cast<const T*>(g.raw());
       T* vs = static_cast<T*>(v.raw());
       T* us = static_cast<T*>(u.raw());
-      const T mu = static_cast<T>(momentum), w = static_cast<T>(wd), c = static_cast<T>(1 - momentum);  // as MLX
+      const auto f = detail::MuonMomentumMath<T>::make(momentum, wd, nesterov);
       const std::int64_t n = p.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
-        T gi = wd != 0 ? gs[i] + w * ps[i] : gs[i];
-        T vi = mu * vs[i] + c * gi;
-        vs[i] = vi;
-        us[i] = nesterov ? gi * c + vi * mu : vi;
-      });
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { f(ps[i], gs[i], vs[i], us[i]); });
     });
   }
 
@@ -4214,9 +4700,9 @@ struct cpu {
     detail::dispatch_float(y.dtype(), "axpby", [&]<class T>() {
       const T* xs = static_cast<const T*>(x.raw());
       T* ys = static_cast<T*>(y.raw());
-      const T A = static_cast<T>(a), Bv = static_cast<T>(b);
+      const detail::AxpbyMath<T> f{static_cast<T>(a), static_cast<T>(b)};
       const std::int64_t n = y.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { ys[i] = A * xs[i] + Bv * ys[i]; });
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { ys[i] = f(xs[i], ys[i]); });
     });
   }
 
@@ -4237,130 +4723,38 @@ struct cpu {
     detail::dispatch_float(p.dtype(), "update", [&]<class T>() {
       T* ps = static_cast<T*>(p.raw());
       const T* xs = static_cast<const T*>(x.raw());
-      const T l = static_cast<T>(static_cast<T>(lr.item()) * static_cast<T>(factor));
+      const auto f = detail::ApplyUpdateMath<T>::make(lr.item(), factor);
       const std::int64_t n = p.numel();
-      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { ps[i] = ps[i] - l * xs[i]; });
+      detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) { ps[i] = f(ps[i], xs[i]); });
     });
-  }
-
- private:
-  static bool is_suffix(const Shape& b, const Shape& y) {
-    if (b.rank() > y.rank()) return false;
-    for (int i = 1; i <= b.rank(); ++i)
-      if (b[b.rank() - i] != y[y.rank() - i]) return false;
-    return true;
-  }
-  static bool mask_at(const Tensor& m, std::int64_t i) {
-    switch (m.dtype()) {
-      case DType::u8: return static_cast<const std::uint8_t*>(m.raw())[i] != 0;
-      case DType::f32: return static_cast<const float*>(m.raw())[i] != 0.0f;
-      case DType::f64: return static_cast<const double*>(m.raw())[i] != 0.0;
-      case DType::i32: return static_cast<const std::int32_t*>(m.raw())[i] != 0;
-      default: return detail::load_as_double(m.raw(), m.dtype(), i) != 0.0;
-    }
-  }
-
-  /// One row or one column (a batch-1 Linear, a projection to one output) streams the matrix
-  /// once: a packed GEMM would copy all of it first. Tiny products stay with coefficient loops.
-  static bool gemm_vector_like(std::int64_t M, std::int64_t N, std::int64_t K) {
-    return M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
-  }
-
-  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
-  template <class T>
-  static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
-                   const T* Bp, std::int64_t ldb, T* C, bool acc) {
-    if (M == 0 || N == 0) return;
-    if (K == 0) {
-      if (!acc) std::fill_n(C, M * N, T(0));
-      return;
-    }
-    const detail::GemmEngine engine = detail::gemm_choice().engine;
-    const bool vector_like = gemm_vector_like(M, N, K);
-#if defined(NN_USE_BLAS)
-    if (engine == detail::GemmEngine::blas && (M == 1 || N == 1)) {
-      // ?gemv: OpenBLAS 0.3.21's ?gemm is 3-4x slower on these shapes and its small-matrix kernel
-      // mallocs on each call. C is zeroed here rather than by beta = 0, so stale NaNs in an
-      // uninitialised output never leak through a BLAS that scales by beta.
-      if (!acc) std::fill_n(C, M * N, T(0));
-      auto gemv = [&](bool trans, std::int64_t rows, std::int64_t cols, const T* mat, std::int64_t ld, const T* x,
-                      std::int64_t incx) {
-        const auto t = trans ? CblasTrans : CblasNoTrans;
-        if constexpr (std::is_same_v<T, float>)
-          cblas_sgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0f, mat, static_cast<int>(ld),
-                      x, static_cast<int>(incx), 1.0f, C, 1);
-        else
-          cblas_dgemv(CblasRowMajor, t, static_cast<int>(rows), static_cast<int>(cols), 1.0, mat, static_cast<int>(ld),
-                      x, static_cast<int>(incx), 1.0, C, 1);
-      };
-      if (N == 1) gemv(ta, ta ? K : M, ta ? M : K, A, lda, Bp, tb ? 1 : ldb);       // C = op(A) b
-      else gemv(!tb, tb ? N : K, tb ? K : N, Bp, ldb, A, ta ? lda : 1);             // C^T = op(B)^T a^T
-      return;
-    }
-    if (engine == detail::GemmEngine::blas) {
-#if defined(OPENBLAS_VERSION) && defined(_OPENMP)
-      // nn splits a product over its own OpenMP threads, each block one OpenBLAS call on its
-      // thread: OpenBLAS's pthreads would otherwise spin-wait beside OpenMP's after every product
-      // and take the cores nn's elementwise kernels run on (the two-runtime slowdown in
-      // shared/REFERENCE-FACTS.md). OpenBLAS's own rule for going parallel (m n k > 64^3) and at
-      // least 16 rows (or columns) per thread.
-      int threads = 1;
-      if (!omp_in_parallel()) {
-        const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-        threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
-                                                     static_cast<double>(std::max(M, N) / 16)}));
-      }
-      detail::BlasSerial serial;
-      if (threads > 1) {
-        const bool by_rows = M >= N;
-        const std::int64_t D = by_rows ? M : N;
-#pragma omp parallel num_threads(threads)
-        {
-          const std::int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-          const std::int64_t per = ((D + nt - 1) / nt + 15) / 16 * 16;
-          const std::int64_t d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
-          if (d0 < d1) {
-            if (by_rows) detail::gemm_serial<T>(ta, tb, d1 - d0, N, K, A + (ta ? d0 : d0 * lda), lda, Bp, ldb, C + d0 * N, N, acc);
-            else detail::gemm_serial<T>(ta, tb, M, d1 - d0, K, A, lda, Bp + (tb ? d0 * ldb : d0), ldb, C + d0, N, acc);
-          }
-        }
-        return;
-      }
-#endif
-      detail::gemm_serial<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
-      return;
-    }
-#endif
-#if defined(NN_OWN_GEMM)
-    if (engine == detail::GemmEngine::nn && !vector_like) {
-      ::nn::gemm::gemm_parallel<T>(::nn::gemm::active_isa(), ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
-      return;
-    }
-#endif
-#if EIGEN_VERSION_AT_LEAST(3, 3, 90)
-    // Eigen's kernel with nn's reusable packing space (no allocation per call)
-    if (!vector_like) {
-      detail::eigen_gemm<T>(ta, tb, M, N, K, A, lda, Bp, ldb, C, acc);
-      return;
-    }
-#endif
-    // vectors (GEMV) and tiny products: Eigen's expressions, which do not allocate for them
-    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
-    Eigen::Map<Mat> Cm(C, M, N);
-    CMap Am(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda));
-    CMap Bm(Bp, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
-    auto run = [&](const auto& a, const auto& b) {
-      if (acc) Cm.noalias() += a * b;
-      else Cm.noalias() = a * b;
-    };
-    if (ta && tb) run(Am.transpose(), Bm.transpose());
-    else if (ta) run(Am.transpose(), Bm);
-    else if (tb) run(Am, Bm.transpose());
-    else run(Am, Bm);
   }
 };
 
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/optim.hpp ----
+
+namespace nn {
+
+/// The CPU backend policy: every kernel family of backend/cpu/, gathered.
+struct cpu : cpu_kernels::ElementwiseKernels,
+             cpu_kernels::ReduceKernels,
+             cpu_kernels::MatmulKernels,
+             cpu_kernels::ShapeKernels,
+             cpu_kernels::IndexKernels,
+             cpu_kernels::RandomKernels,
+             cpu_kernels::SoftmaxKernels,
+             cpu_kernels::CrossEntropyKernels,
+             cpu_kernels::NormKernels,
+             cpu_kernels::RopeKernels,
+             cpu_kernels::AttentionKernels,
+             cpu_kernels::GluKernels,
+             cpu_kernels::OptimKernels {
+  static constexpr Device device = Device::cpu;
+  static constexpr const char* name = "cpu";
+
+  static Tensor alloc(const Shape& s, DType t) { return Tensor::empty(s, t, Device::cpu); }
+};
 
 static_assert(BackendPolicy<cpu>);
 
@@ -8307,6 +8701,10 @@ struct is_unchecked<Unchecked<T...>> : std::true_type {};
 
 namespace nn {
 
+/// The host backend (backend/cpu.hpp), declared here only as value_and_grad's default: the
+/// module layer sits above the tape and names no backend's kernels.
+struct cpu;
+
 /// A trainable tensor of a module. `trainable` is what freeze()/unfreeze() flip.
 struct Param {
   Tensor value;
@@ -9358,9 +9756,15 @@ struct LoraLinear {
     return add(tp, base(tp, x), detail::lora_branch(tp, drop(tp, x), a, b, effective_scale()));
   }
 
-  /// The merged Linear: W + scale * (a @ b)^T = W + scale * b^T a^T (mlx-lm's fuse), bias kept.
+  /// The merged Linear: W + scale * (a @ b)^T = W + scale * b^T a^T (mlx-lm's fuse), bias kept,
+  /// computed on backend B where the layer lives (`l.fused<nn::cuda>()` for a layer on the GPU).
+  template <class B = cpu>
   Linear fused() const {
-    GTape<cpu> tp;
+    for (const Tensor* t : {&base.weight.value, &lora_a.value, &lora_b.value})
+      if (t->device() != B::device)
+        detail::fail("LoraLinear::fused", "the layer lives on ", t->device(), " but the merge runs on backend ",
+                     B::name, ": call fused<B>() with the backend of ", t->device());
+    GTape<B> tp;
     GVar delta = matmul(tp, tp.constant(lora_b.value), tp.constant(lora_a.value), true, true);  // (out, in)
     GVar w = add(tp, tp.constant(base.weight.value), nn::scale(tp, delta, effective_scale()));
     Linear out = base;
@@ -10427,7 +10831,7 @@ std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensor
 /// to the model stay valid), else as a copy.
 inline void apply_load(const std::vector<std::pair<Tensor*, const Tensor*>>& plan) {
   for (auto& [target, t] : plan) {
-    if (target->defined() && !t->shares_storage(*target)) cpu::copy(*t, *target, false);
+    if (target->defined() && !t->shares_storage(*target)) target->copy_from(*t);  // host or device
     else if (!target->defined()) *target = t->clone();
   }
 }

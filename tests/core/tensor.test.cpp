@@ -411,6 +411,13 @@ TEST_CASE("printing: values, then shape and dtype, like PyTorch") {
   CHECK(os.str() == "Tensor(0.333333, shape=(), dtype=float64) 0.333");
 }
 
+TEST_CASE("copy_from writes into the existing storage, so views see it") {
+  Tensor dst = Tensor::zeros({2, 3}, DType::f32);
+  Tensor view = dst.reshape({6});
+  dst.copy_from(Tensor::from<float>({2, 3}, {1, 2, 3, 4, 5, 6}));
+  CHECK(view.to_doubles() == std::vector<double>{1, 2, 3, 4, 5, 6});
+}
+
 // ---- misuse ----------------------------------------------------------------------------------
 
 TEST_CASE("every misuse raises nn::Error naming the call, shapes and dtypes") {
@@ -432,7 +439,11 @@ TEST_CASE("every misuse raises nn::Error naming the call, shapes and dtypes") {
   test::check_error([&] { f64.item(-1); }, {"[item]", "index -1", "(2, 3)"});
   test::check_error([&] { Tensor::from<float>({2, 2}, {1, 2, 3}); }, {"[tensor]", "(2, 2)", "4 elements", "3 values"});
   test::check_error([&] { Tensor::from_doubles({3}, {1, 2}, DType::f64); }, {"[tensor]", "(3)", "2 values"});
-  test::check_error([&] { Tensor::empty({2}, DType::f32, Device::cuda); }, {"[tensor]", "CUDA"});
-  test::check_error([&] { f64.to(Device::cuda); }, {"[tensor]", "CUDA"});
+  // a device whose backend this program lacks (the tensor layer knows no device but the host)
+  test::check_error([&] { Tensor::empty({2}, DType::f32, Device::cuda); }, {"[tensor]", "device 'cuda'", "<nn/cuda.hpp>"});
+  test::check_error([&] { f64.to(Device::cuda); }, {"[tensor]", "device 'cuda'", "backend"});
+  test::check_error([&] { f64.copy_from(Tensor::zeros({3, 2}, DType::f64)); }, {"[copy_from]", "(3, 2)", "(2, 3)"});
+  test::check_error([&] { f64.copy_from(Tensor::zeros({2, 3}, DType::f32)); }, {"[copy_from]", "float32", "float64"});
+  test::check_error([&] { empty.copy_from(f64); }, {"[copy_from]", "empty"});
   test::check_error([&] { Tensor::zeros({-1}); }, {"[shape]", "negative"});
 }

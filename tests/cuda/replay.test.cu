@@ -82,6 +82,28 @@ TEST_CASE("cuda modules: model.to(cuda) and back, bit for bit; optimizer state o
   record("model.to(cuda).to(cpu) round trip", "float64", same ? 0.0 : INFINITY, 0);
 }
 
+TEST_CASE("cuda modules: weights load into a model on the device; LoraLinear::fused<cuda> equals the CPU's") {
+  // load_weights copies through the tensor's device hook into the existing device storage
+  Net src = make_net(DType::f64, 11);
+  Net net = make_net(DType::f64, 12);
+  net.to(Device::cuda);
+  const Tensor before = net.l1.weight.value;  // the device storage a loaded model keeps
+  net.load_weights(src.parameters());
+  CHECK(net.l1.weight.value.shares_storage(before));
+  const auto a = params_of(src), b = params_of(net);
+  bool same = a.size() == b.size();
+  for (std::size_t i = 0; same && i < a.size(); ++i) same = same_bits(a[i], b[i]);
+  record("load_weights into a model on the device", "float64", same ? 0.0 : INFINITY, 0);
+
+  random::seed(5);
+  LoraLinear l = LoraLinear::from_base(Linear(12, 10), 4).scale(2.0);
+  l.lora_b.value = rnd({4, 10}, DType::f32);  // lora_b starts at zero; give the merge something to add
+  const Linear want = l.fused();
+  LoraLinear d = l;
+  d.to(Device::cuda);
+  expect_close("LoraLinear::fused<cuda> against the CPU's", want.weight.value, d.fused<cuda>().weight.value);
+}
+
 TEST_CASE("cuda graph: replay equals eager bit for bit, allocates nothing, re-captures on change") {
   for (DType dt : float_dtypes()) {
     const std::string dn = dtype_name(dt);

@@ -725,7 +725,8 @@ struct cuda {
     cu::check_launch("swiglu_vjp");
   }
 
-  // ---- optimizer updates (cpu.hpp's arithmetic; lr and step read on the host at launch) ----------
+  // ---- optimizer updates: backend/math.hpp's functors (scalars formed on the host, as on the
+  // CPU; lr and step read on the host at launch) ---------------------------------------------
 
   static void sgd_update(Tensor& p, const Tensor& g, Tensor& v, const Tensor& lr, double momentum, double dampening,
                          double wd, bool nesterov) {
@@ -734,11 +735,9 @@ struct cuda {
     if (n == 0) return;
     const double lr_v = cu::host_scalar(lr);
     detail::dispatch_float(p.dtype(), "sgd", [&]<class T>() {
-      const T l = static_cast<T>(lr_v), mu = static_cast<T>(momentum), d = static_cast<T>(1 - dampening),
-              w = static_cast<T>(wd);
       T* vs = momentum > 0 ? cu::ptr<T>(v) : nullptr;
-      cu::k_sgd<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(g), vs, l, mu, d, w, wd != 0,
-                                                                 dampening > 0, nesterov, n);
+      cu::k_sgd<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(
+          cu::ptr<T>(p), cu::ptr<T>(g), vs, detail::SgdMath<T>::make(lr_v, momentum, dampening, wd, nesterov), n);
     });
     cu::check_launch("sgd_update");
   }
@@ -750,16 +749,9 @@ struct cuda {
     if (n == 0) return;
     const double lr_v = cu::host_scalar(lr), step_v = cu::host_scalar(step);
     detail::dispatch_float(p.dtype(), "adam", [&]<class T>() {
-      // The scalars exactly as cpu.hpp forms them (on the host, in T).
-      const T l = static_cast<T>(lr_v), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2), E = static_cast<T>(eps),
-              C1 = static_cast<T>(1 - b1), C2 = static_cast<T>(1 - b2);
-      const T decay = T(1) - l * static_cast<T>(decoupled_wd);
-      const T t = static_cast<T>(step_v);
-      const T c1 = bias_correction ? l / (T(1) - std::pow(B1, t)) : l;
-      const T c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(B2, t)) : T(1);
-      cu::k_adam<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(g), cu::ptr<T>(m), cu::ptr<T>(v),
-                                                                  l, B1, B2, E, C1, C2, decay, c1, c2, decoupled_wd != 0,
-                                                                  bias_correction, n);
+      const auto f = detail::AdamMath<T>::make(lr_v, step_v, b1, b2, eps, decoupled_wd, bias_correction);
+      cu::k_adam<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(g), cu::ptr<T>(m),
+                                                                  cu::ptr<T>(v), f, n);
     });
     cu::check_launch("adam_update");
   }
@@ -770,11 +762,8 @@ struct cuda {
     if (n == 0) return;
     const double lr_v = cu::host_scalar(lr);
     detail::dispatch_float(p.dtype(), "lion", [&]<class T>() {
-      const T l = static_cast<T>(lr_v), B1 = static_cast<T>(b1), B2 = static_cast<T>(b2), C1 = static_cast<T>(1 - b1),
-              C2 = static_cast<T>(1 - b2);
-      const T decay = T(1) - l * static_cast<T>(wd);
-      cu::k_lion<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(g), cu::ptr<T>(m), l, B1, B2, C1,
-                                                                  C2, decay, wd > 0, n);
+      cu::k_lion<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(g), cu::ptr<T>(m),
+                                                                  detail::LionMath<T>::make(lr_v, b1, b2, wd), n);
     });
     cu::check_launch("lion_update");
   }
@@ -786,8 +775,8 @@ struct cuda {
     if (n == 0) return;
     detail::dispatch_float(p.dtype(), "muon", [&]<class T>() {
       cu::k_muon_momentum<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(
-          cu::ptr<T>(p), cu::ptr<T>(g), cu::ptr<T>(v), cu::ptr<T>(u), static_cast<T>(momentum), static_cast<T>(wd),
-          static_cast<T>(1 - momentum), wd != 0, nesterov, n);
+          cu::ptr<T>(p), cu::ptr<T>(g), cu::ptr<T>(v), cu::ptr<T>(u),
+          detail::MuonMomentumMath<T>::make(momentum, wd, nesterov), n);
     });
     cu::check_launch("muon_momentum");
   }
@@ -811,8 +800,8 @@ struct cuda {
     const std::int64_t n = y.numel();
     if (n == 0) return;
     detail::dispatch_float(y.dtype(), "axpby", [&]<class T>() {
-      cu::k_axpby<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(static_cast<T>(a), cu::ptr<T>(x), static_cast<T>(b),
-                                                                   cu::ptr<T>(y), n);
+      const detail::AxpbyMath<T> f{static_cast<T>(a), static_cast<T>(b)};
+      cu::k_axpby<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(f, cu::ptr<T>(x), cu::ptr<T>(y), n);
     });
     cu::check_launch("axpby");
   }
@@ -836,8 +825,8 @@ struct cuda {
     if (n == 0) return;
     const double lr_v = cu::host_scalar(lr);
     detail::dispatch_float(p.dtype(), "update", [&]<class T>() {
-      const T l = static_cast<T>(static_cast<T>(lr_v) * static_cast<T>(factor));
-      cu::k_apply_update<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(x), l, n);
+      cu::k_apply_update<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(cu::ptr<T>(p), cu::ptr<T>(x),
+                                                                          detail::ApplyUpdateMath<T>::make(lr_v, factor), n);
     });
     cu::check_launch("apply_update");
   }

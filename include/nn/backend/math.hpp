@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// The math of every elementwise primitive, forward and derivative side by side, compiled for the
-// host and (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas.
+// The math of every elementwise primitive, forward and derivative side by side, and the
+// per-element math of the fused primitives and the optimizer updates, compiled for the host and
+// (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas: a kernel in
+// backend/cpu/ or backend/cuda/ loops, reduces and dispatches, and takes its arithmetic from here.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <numbers>
+#include <type_traits>
 
 #include "policy.hpp"
 
@@ -134,5 +137,197 @@ NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
   if (acc) y[i] += v;
   else y[i] = v;
 }
+
+// ---- fused primitives and optimizer updates: the per-element math ----------------------------
+// Generic over the value V: a scalar (a CUDA thread's element, a CPU scalar loop) or an Eigen
+// array expression (the CPU's vectorised chunks), so the CPU keeps its vector code and both
+// backends still read one formula. T is V's scalar type. Eigen's vectorised exp is not glibc's:
+// the formula is shared, the last bits of exp are each backend's (tests compare with tolerance).
+
+template <class V, class = void>
+struct scalar_of {
+  using type = V;
+};
+template <class V>
+struct scalar_of<V, std::void_t<typename V::Scalar>> {
+  using type = typename V::Scalar;
+};
+template <class V>
+using scalar_of_t = typename scalar_of<V>::type;
+
+/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+NN_HD_GENERIC template <class V>
+NN_HD inline auto v_exp(const V& x) {
+  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else return x.exp();
+}
+
+/// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
+struct SwiGluMath {
+  NN_HD_GENERIC template <class V>
+  NN_HD static auto sig(const V& a) {
+    using T = scalar_of_t<V>;
+    return T(1) / (T(1) + v_exp(-a));
+  }
+  NN_HD_GENERIC template <class V, class U>
+  NN_HD static auto y(const V& a, const U& u) {
+    return (a * sig(a)) * u;
+  }
+  NN_HD_GENERIC template <class V, class U, class G, class S>
+  NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
+    using T = scalar_of_t<V>;
+    return (g * u) * (s * (T(1) + a * (T(1) - s)));
+  }
+  NN_HD_GENERIC template <class V, class G, class S>
+  NN_HD static auto dup(const V& a, const G& g, const S& s) {
+    return g * (a * s);
+  }
+};
+
+/// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
+/// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
+struct RmsNormMath {
+  template <class T>
+  NN_HD static T rstd(T sum_sq, T inv_c, T eps) {
+    return T(1) / m_sqrt(inv_c * sum_sq + eps);
+  }
+  template <class T>
+  NN_HD static T vjp_coef(T rstd, T inv_c, T sum_ux) {
+    return rstd * rstd * rstd * inv_c * sum_ux;
+  }
+  NN_HD_GENERIC template <class T, class U, class X>
+  NN_HD static auto gx(T rstd, const U& u, T c, const X& x) {
+    return rstd * u - c * x;
+  }
+};
+
+/// RoPE's rotation of a feature pair (a1, a2) by an angle with cosine c and sine s (the inverse,
+/// the vjp, passes -s): (a1 c - a2 s, a1 s + a2 c).
+struct RopeMath {
+  template <class T>
+  NN_HD static T first(T a1, T a2, T c, T s) {
+    return a1 * c - a2 * s;
+  }
+  template <class T>
+  NN_HD static T second(T a1, T a2, T c, T s) {
+    return a1 * s + a2 * c;
+  }
+};
+
+// The optimizer updates (MLX's arithmetic order). make() forms the scalars on the host, in the
+// parameter's dtype T, as MLX does: 1 - b in double and then rounded (in float32, T(1) - T(0.999)
+// is 1.3e-5 away from T(0.001)); the learning rate rounded to T first (MLX's
+// learning_rate.astype(gradient.dtype)).
+
+/// SGD: g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
+/// update = nesterov ? g + mu v : v; p -= lr update.
+template <class T>
+struct SgdMath {
+  T l, mu, d, w;
+  bool has_wd, damp, nesterov;
+  static SgdMath make(double lr, double momentum, double dampening, double wd, bool nesterov) {
+    return {static_cast<T>(lr), static_cast<T>(momentum), static_cast<T>(1 - dampening), static_cast<T>(wd), wd != 0,
+            dampening > 0, nesterov};
+  }
+  /// One element; v is null without momentum.
+  NN_HD void operator()(T& p, T g, T* v) const {
+    const T gi = has_wd ? g + w * p : g;
+    if (!v) {
+      p = p - l * gi;
+      return;
+    }
+    T vi = mu * *v;
+    vi += damp ? d * gi : gi;
+    *v = vi;
+    p = p - l * (nesterov ? gi + mu * vi : vi);
+  }
+};
+
+/// Adam / AdamW: decoupled wd first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
+/// v = b2 v + (1-b2) g^2; p -= c1 m / (sqrt(v) c2 + eps) with c1 = lr / (1 - b1^t),
+/// c2 = 1 / sqrt(1 - b2^t) under bias correction, else c1 = lr, c2 = 1 (the same bits as
+/// lr m / (sqrt v + eps): x 1 is exact). t = step, already incremented.
+template <class T>
+struct AdamMath {
+  T B1, B2, E, C1, C2, decay, c1, c2;
+  bool decoupled;
+  static AdamMath make(double lr, double step, double b1, double b2, double eps, double decoupled_wd,
+                       bool bias_correction) {
+    AdamMath a;
+    const T l = static_cast<T>(lr), t = static_cast<T>(step);
+    a.B1 = static_cast<T>(b1), a.B2 = static_cast<T>(b2), a.E = static_cast<T>(eps);
+    a.C1 = static_cast<T>(1 - b1), a.C2 = static_cast<T>(1 - b2);
+    a.decay = T(1) - l * static_cast<T>(decoupled_wd);
+    a.c1 = bias_correction ? l / (T(1) - std::pow(a.B1, t)) : l;
+    a.c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(a.B2, t)) : T(1);
+    a.decoupled = decoupled_wd != 0;
+    return a;
+  }
+  NN_HD_GENERIC template <class M, class G>
+  NN_HD auto m(const M& m, const G& g) const {
+    return B1 * m + C1 * g;
+  }
+  NN_HD_GENERIC template <class V, class G>
+  NN_HD auto v(const V& v, const G& g) const {
+    return B2 * v + C2 * (g * g);
+  }
+  /// What p loses this step, from the new m and sqrt of the new v.
+  NN_HD_GENERIC template <class M, class R>
+  NN_HD auto delta(const M& m, const R& root_v) const {
+    return (c1 * m) / (root_v * c2 + E);
+  }
+};
+
+/// Lion: c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
+template <class T>
+struct LionMath {
+  T l, B1, B2, C1, C2, decay;
+  bool has_wd;
+  static LionMath make(double lr, double b1, double b2, double wd) {
+    const T l = static_cast<T>(lr);
+    return {l, static_cast<T>(b1), static_cast<T>(b2), static_cast<T>(1 - b1), static_cast<T>(1 - b2),
+            T(1) - l * static_cast<T>(wd), wd > 0};
+  }
+  NN_HD void operator()(T& p, T g, T& m) const {
+    const T c = B1 * m + C1 * g;
+    m = B2 * m + C2 * g;
+    const T pi = has_wd ? decay * p : p;
+    const T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
+    p = pi - l * sg;
+  }
+};
+
+/// Muon's momentum: g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
+template <class T>
+struct MuonMomentumMath {
+  T mu, w, c;
+  bool has_wd, nesterov;
+  static MuonMomentumMath make(double momentum, double wd, bool nesterov) {
+    return {static_cast<T>(momentum), static_cast<T>(wd), static_cast<T>(1 - momentum), wd != 0, nesterov};
+  }
+  NN_HD void operator()(T p, T g, T& v, T& u) const {
+    const T gi = has_wd ? g + w * p : g;
+    const T vi = mu * v + c * gi;
+    v = vi;
+    u = nesterov ? gi * c + vi * mu : vi;
+  }
+};
+
+/// y = a x + b y (Muon's Newton-Schulz steps).
+template <class T>
+struct AxpbyMath {
+  T a, b;
+  NN_HD T operator()(T x, T y) const { return a * x + b * y; }
+};
+
+/// p -= (lr factor) x, the rate rounded to T before the factor is applied (MLX's order).
+template <class T>
+struct ApplyUpdateMath {
+  T l;
+  static ApplyUpdateMath make(double lr, double factor) {
+    return {static_cast<T>(static_cast<T>(lr) * static_cast<T>(factor))};
+  }
+  NN_HD T operator()(T p, T x) const { return p - l * x; }
+};
 
 }  // namespace nn::detail

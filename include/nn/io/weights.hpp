@@ -108,7 +108,7 @@ std::vector<std::pair<Tensor*, const Tensor*>> plan_load(M& m, const NamedTensor
 /// to the model stay valid), else as a copy.
 inline void apply_load(const std::vector<std::pair<Tensor*, const Tensor*>>& plan) {
   for (auto& [target, t] : plan) {
-    if (target->defined() && !t->shares_storage(*target)) cpu::copy(*t, *target, false);
+    if (target->defined() && !t->shares_storage(*target)) target->copy_from(*t);  // host or device
     else if (!target->defined()) *target = t->clone();
   }
 }

@@ -61,9 +61,15 @@ struct LoraLinear {
     return add(tp, base(tp, x), detail::lora_branch(tp, drop(tp, x), a, b, effective_scale()));
   }
 
-  /// The merged Linear: W + scale * (a @ b)^T = W + scale * b^T a^T (mlx-lm's fuse), bias kept.
+  /// The merged Linear: W + scale * (a @ b)^T = W + scale * b^T a^T (mlx-lm's fuse), bias kept,
+  /// computed on backend B where the layer lives (`l.fused<nn::cuda>()` for a layer on the GPU).
+  template <class B = cpu>
   Linear fused() const {
-    GTape<cpu> tp;
+    for (const Tensor* t : {&base.weight.value, &lora_a.value, &lora_b.value})
+      if (t->device() != B::device)
+        detail::fail("LoraLinear::fused", "the layer lives on ", t->device(), " but the merge runs on backend ",
+                     B::name, ": call fused<B>() with the backend of ", t->device());
+    GTape<B> tp;
     GVar delta = matmul(tp, tp.constant(lora_b.value), tp.constant(lora_a.value), true, true);  // (out, in)
     GVar w = add(tp, tp.constant(base.weight.value), nn::scale(tp, delta, effective_scale()));
     Linear out = base;

@@ -604,7 +604,7 @@ __global__ void k_rms_norm(const T* x, const T* w, T* y, T* rstd, i64 R, i64 C, 
     T s = 0;
     for (i64 j = threadIdx.x; j < C; j += blockDim.x) s += xr[j] * xr[j];
     s = block_reduce(s, sh, SumOp{});
-    const T k = T(1) / m_sqrt(inv_c * s + eps);
+    const T k = RmsNormMath::rstd(s, inv_c, eps);
     if (threadIdx.x == 0) rstd[r] = k;
     for (i64 j = threadIdx.x; j < C; j += blockDim.x) yr[j] = w ? (xr[j] * k) * w[j] : xr[j] * k;
   }
@@ -622,8 +622,8 @@ __global__ void k_rms_norm_vjp_x(const T* x, const T* w, const T* rstd, const T*
     T s = 0;
     for (i64 j = threadIdx.x; j < C; j += blockDim.x) s += (w ? gr[j] * w[j] : gr[j]) * xr[j];
     s = block_reduce(s, sh, SumOp{});
-    const T k = rstd[r], c = k * k * k * inv_c * s;
-    for (i64 j = threadIdx.x; j < C; j += blockDim.x) put(o, j, k * (w ? gr[j] * w[j] : gr[j]) - c * xr[j], acc);
+    const T k = rstd[r], c = RmsNormMath::vjp_coef(k, inv_c, s);
+    for (i64 j = threadIdx.x; j < C; j += blockDim.x) put(o, j, RmsNormMath::gx(k, w ? gr[j] * w[j] : gr[j], c, xr[j]), acc);
   }
 }
 /// gw (+)= sum over rows of g x rstd: one thread per column, rows in order (the CPU's order).
@@ -649,7 +649,7 @@ __global__ void k_rope(const T* x, const T* cs, const T* ss, T* y, i64 rows, i64
       const i64 i1 = traditional ? 2 * i : i, i2 = traditional ? 2 * i + 1 : i + half;
       const i64 t = (r / M) % Tn;
       const T c = cs[t * half + i], si = sg * ss[t * half + i];
-      v = first ? a[i1] * c - a[i2] * si : a[i1] * si + a[i2] * c;
+      v = first ? RopeMath::first(a[i1], a[i2], c, si) : RopeMath::second(a[i1], a[i2], c, si);
     } else {
       v = a[j];
     }
@@ -706,70 +706,48 @@ __global__ void k_attn_dsoftmax(T* ds, i64 ds_stride, const T* p, i64 p_stride, 
 }
 template <class T>
 __global__ void k_swiglu(const T* a, const T* u, T* y, i64 n) {
-  NN_CU_FOR(i, n) y[i] = (a[i] * (T(1) / (T(1) + m_exp(-a[i])))) * u[i];
+  NN_CU_FOR(i, n) y[i] = SwiGluMath::y(a[i], u[i]);
 }
 template <class T>
 __global__ void k_swiglu_vjp(const T* a, const T* u, const T* g, T* da, bool acc_a, T* du, bool acc_u, i64 n) {
   NN_CU_FOR(i, n) {
-    const T s = T(1) / (T(1) + m_exp(-a[i]));
-    if (da) put(da, i, (g[i] * u[i]) * (s * (T(1) + a[i] * (T(1) - s))), acc_a);
-    if (du) put(du, i, g[i] * (a[i] * s), acc_u);
+    const T s = SwiGluMath::sig(a[i]);
+    if (da) put(da, i, SwiGluMath::dgate(a[i], u[i], g[i], s), acc_a);
+    if (du) put(du, i, SwiGluMath::dup(a[i], g[i], s), acc_u);
   }
 }
 
-// ---- optimizer updates (cpu.hpp's arithmetic, scalars rounded to T on the host) ------------
+// ---- optimizer updates: backend/math.hpp's functors, one thread per element -----------------
 template <class T>
-__global__ void k_sgd(T* p, const T* g, T* v, T l, T mu, T d, T w, bool has_wd, bool damp, bool nesterov, i64 n) {
-  NN_CU_FOR(i, n) {
-    const T gi = has_wd ? g[i] + w * p[i] : g[i];
-    if (!v) {
-      p[i] = p[i] - l * gi;
-      continue;
-    }
-    T vi = mu * v[i];
-    vi += damp ? d * gi : gi;
-    v[i] = vi;
-    p[i] = p[i] - l * (nesterov ? gi + mu * vi : vi);
-  }
+__global__ void k_sgd(T* p, const T* g, T* v, SgdMath<T> f, i64 n) {
+  NN_CU_FOR(i, n) f(p[i], g[i], v ? v + i : nullptr);
 }
 template <class T>
-__global__ void k_adam(T* p, const T* g, T* m, T* v, T l, T B1, T B2, T E, T C1, T C2, T decay, T c1, T c2, bool has_dwd,
-                       bool bias_correction, i64 n) {
+__global__ void k_adam(T* p, const T* g, T* m, T* v, AdamMath<T> f, i64 n) {
   NN_CU_FOR(i, n) {
-    const T pi = has_dwd ? p[i] * decay : p[i];
-    const T mi = B1 * m[i] + C1 * g[i];
-    const T vi = B2 * v[i] + C2 * (g[i] * g[i]);
+    const T pi = f.decoupled ? p[i] * f.decay : p[i];
+    const T mi = f.m(m[i], g[i]);
+    const T vi = f.v(v[i], g[i]);
     m[i] = mi;
     v[i] = vi;
-    p[i] = bias_correction ? pi - (c1 * mi) / (m_sqrt(vi) * c2 + E) : pi - (l * mi) / (m_sqrt(vi) + E);
+    p[i] = pi - f.delta(mi, m_sqrt(vi));
   }
 }
 template <class T>
-__global__ void k_lion(T* p, const T* g, T* m, T l, T B1, T B2, T C1, T C2, T decay, bool has_wd, i64 n) {
-  NN_CU_FOR(i, n) {
-    const T c = B1 * m[i] + C1 * g[i];
-    m[i] = B2 * m[i] + C2 * g[i];
-    const T pi = has_wd ? decay * p[i] : p[i];
-    const T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
-    p[i] = pi - l * sg;
-  }
+__global__ void k_lion(T* p, const T* g, T* m, LionMath<T> f, i64 n) {
+  NN_CU_FOR(i, n) f(p[i], g[i], m[i]);
 }
 template <class T>
-__global__ void k_muon_momentum(const T* p, const T* g, T* v, T* u, T mu, T w, T c, bool has_wd, bool nesterov, i64 n) {
-  NN_CU_FOR(i, n) {
-    const T gi = has_wd ? g[i] + w * p[i] : g[i];
-    const T vi = mu * v[i] + c * gi;
-    v[i] = vi;
-    u[i] = nesterov ? gi * c + vi * mu : vi;
-  }
+__global__ void k_muon_momentum(const T* p, const T* g, T* v, T* u, MuonMomentumMath<T> f, i64 n) {
+  NN_CU_FOR(i, n) f(p[i], g[i], v[i], u[i]);
 }
 template <class T>
-__global__ void k_axpby(T a, const T* x, T b, T* y, i64 n) {
-  NN_CU_FOR(i, n) y[i] = a * x[i] + b * y[i];
+__global__ void k_axpby(AxpbyMath<T> f, const T* x, T* y, i64 n) {
+  NN_CU_FOR(i, n) y[i] = f(x[i], y[i]);
 }
 template <class T>
-__global__ void k_apply_update(T* p, const T* x, T l, i64 n) {
-  NN_CU_FOR(i, n) p[i] = p[i] - l * x[i];
+__global__ void k_apply_update(T* p, const T* x, ApplyUpdateMath<T> f, i64 n) {
+  NN_CU_FOR(i, n) p[i] = f(p[i], x[i]);
 }
 /// sum of x^2 in double, one block (a fixed tree), into out[0].
 template <class T>

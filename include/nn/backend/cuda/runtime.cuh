@@ -224,8 +224,8 @@ inline void copy_storage(void* dst, Device, const void* src, Device, std::size_t
 /// Installed before main(): any program that includes nn/cuda.hpp can make CUDA tensors; one
 /// that does not never references the CUDA runtime.
 inline const bool hooks_installed = [] {
-  cuda_alloc_hook() = &alloc_storage;
-  cuda_copy_hook() = &copy_storage;
+  device_alloc_hook(Device::cuda) = &alloc_storage;
+  device_copy_hook(Device::cuda) = &copy_storage;
   return true;
 }();
 

@@ -1,0 +1,286 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// nn::cpu's fused attention: the materialised form (probabilities kept) and flash attention,
+// each with its vjp (ops/attention.hpp; the composite reference in layers/attention.hpp).
+#pragma once
+
+#include "common.hpp"
+#include "matmul.hpp"
+
+namespace nn {
+
+namespace detail {
+
+/// One tensor passed as two of attention's inputs (k = v, self-attention's q = k = v) has one
+/// gradient buffer: the tape hands its first slot acc = false and the later ones acc = true, but
+/// the vjps interleave their writes, so such a buffer is zeroed once and every write to it
+/// accumulates.
+inline void share_grad_buffers(Tensor* gq, bool& acc_q, Tensor* gk, bool& acc_k, Tensor* gv, bool& acc_v) {
+  auto share = [](Tensor* a, bool& acc_a, Tensor* b, bool& acc_b) {
+    if (!a || !b || a->raw() != b->raw() || (acc_a && acc_b)) return;
+    std::memset(a->raw(), 0, a->nbytes());
+    acc_a = acc_b = true;
+  };
+  share(gq, acc_q, gk, acc_k);
+  share(gq, acc_q, gv, acc_v);
+  share(gk, acc_k, gv, acc_v);
+}
+
+/// Flash attention's tile: kFlashRows queries against kFlashCols keys. A tile's scores (64 KiB in
+/// f32) stay in L2 beside the q, k and v rows they come from. Measured on bench_attention at
+/// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
+/// each product's operands, not multiplying them.
+inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
+
+/// Causal attention's row (and key) block: the products of a block of queries stop at its last
+/// key, so the work above the diagonal left undone is all but half a block wide.
+inline constexpr std::int64_t kAttnBlock = 32;
+
+}  // namespace detail
+
+namespace cpu_kernels {
+
+struct AttentionKernels {
+  /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
+  /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
+  /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). `causal`: query i sees keys
+  /// 0..i only, besides any mask; the rows are then taken in blocks of kAttnBlock and each block's
+  /// products stop at its last key, about half the work of the square. P's row i is then exact 0
+  /// from key i + 1 to its block's end, and the rest is left unwritten (never read, here or in
+  /// the vjp).
+  /// The heads run in parallel, each product a strided GEMM on its thread (no permuted copies).
+  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
+                        std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
+                        Tensor& p, bool causal = false) {
+    detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
+      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* Mk = mask.defined() ? static_cast<const T*>(mask.raw()) : nullptr;
+      T* O = static_cast<T*>(out.raw());
+      T* P = static_cast<T*>(p.raw());
+      std::array<std::int64_t, kMaxRank> ms{};
+      if (Mk) ms = detail::broadcast_strides(mask.shape(), Shape{Bn, H, T_, T_});
+      const T sc = static_cast<T>(scale);
+      [[maybe_unused]] detail::BlasSerial serial;
+      detail::parallel_for(Bn * H, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
+        const std::int64_t b = t / H, h = t % H, kh = h / g;
+        T* pt = P + t * T_ * T_;
+        const T* qt = Q + b * T_ * qs + h * hd;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ot = O + b * T_ * qs + h * hd;
+        for (std::int64_t i0 = 0; i0 < T_; i0 += rb) {  // query rows i0..i1-1 against keys 0..kn-1
+          const std::int64_t i1 = std::min(T_, i0 + rb), kn = causal ? i1 : T_;
+          detail::gemm_serial<T>(false, true, i1 - i0, kn, hd, qt + i0 * qs, qs, kt, ks, pt + i0 * T_, T_, false);  // q k^T
+          for (std::int64_t i = i0; i < i1; ++i) {
+            const std::int64_t n = causal ? i + 1 : T_;
+            detail::softmax_row(pt + i * T_, n, sc, Mk ? Mk + b * ms[0] + h * ms[1] + i * ms[2] : nullptr);
+            std::fill(pt + i * T_ + n, pt + i * T_ + kn, T(0));  // the block's keys past i (all P v and the vjp read)
+          }
+          detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, pt + i0 * T_, T_, vt, ks, ot + i0 * qs, qs, false);  // P v
+        }
+      }, /*uneven=*/true);
+    });
+  }
+
+  /// The vjp of attention, per (batch, kv head) so each kv head's gradient sums its query heads
+  /// without races: dv += P^T g; dS = P * (g v^T - rowsum(P * g v^T)) * scale (in `scratch`,
+  /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null. `causal`: P is
+  /// attention's causal one, and the products read only the blocks the forward wrote.
+  static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
+                            std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
+                            double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
+                            bool acc_v, bool causal = false) {
+    detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
+      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* P = static_cast<const T*>(p.raw());
+      const T* G = static_cast<const T*>(g.raw());
+      T* S = static_cast<T*>(scratch.raw());
+      T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
+      T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
+      T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
+      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
+      const T sc = static_cast<T>(scale);
+      [[maybe_unused]] detail::BlasSerial serial;
+      detail::parallel_for(Bn * KV, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
+        const std::int64_t b = t / KV, kh = t % KV;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ds = S + t * T_ * T_;
+        for (std::int64_t j = 0; j < grp; ++j) {
+          const std::int64_t h = kh * grp + j, qo = b * T_ * qs + h * hd, ko = b * T_ * ks + kh * hd;
+          const T* pt = P + (b * H + h) * T_ * T_;
+          // Rows by query block [i0, i1) (keys 0..kn-1): dS = P * (g v^T - rowsum) * scale, dq = dS k.
+          if (GQ || GK)
+            for (std::int64_t i0 = 0; i0 < T_; i0 += rb) {
+              const std::int64_t i1 = std::min(T_, i0 + rb), kn = causal ? i1 : T_;
+              detail::gemm_serial<T>(false, true, i1 - i0, kn, hd, G + qo + i0 * qs, qs, vt, ks, ds + i0 * T_, T_, false);  // g v^T
+              for (std::int64_t i = i0; i < i1; ++i) {
+                detail::ArrayMap<T> d(ds + i * T_, kn);
+                detail::ConstArrayMap<T> pr(pt + i * T_, kn);
+                const T dot = (d * pr).sum();
+                d = pr * (d - dot) * sc;
+              }
+              if (GQ) detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, ds + i0 * T_, T_, kt, ks, GQ + qo + i0 * qs, qs, acc_q);  // dS k
+            }
+          // Columns by key block [j0, j1) (queries j0..T-1 see them): dv (+)= P^T g, dk (+)= dS^T q.
+          for (std::int64_t j0 = 0; j0 < T_; j0 += rb) {
+            const std::int64_t j1 = std::min(T_, j0 + rb), i0 = causal ? j0 : 0;
+            if (GV) detail::gemm_serial<T>(true, false, j1 - j0, hd, T_ - i0, pt + i0 * T_ + j0, T_, G + qo + i0 * qs, qs,
+                                           GV + ko + j0 * ks, ks, acc_v || j > 0);  // P^T g
+            if (GK) detail::gemm_serial<T>(true, false, j1 - j0, hd, T_ - i0, ds + i0 * T_ + j0, T_, Q + qo + i0 * qs, qs,
+                                           GK + ko + j0 * ks, ks, acc_k || j > 0);  // dS^T q
+          }
+        }
+      }, /*uneven=*/true);
+    });
+  }
+
+  /// Flash attention (Dao et al. 2022; FlashAttention-2's loop order, Dao 2023): what attention
+  /// computes without a mask tensor, without ever storing the (T, T) probabilities. Per (batch,
+  /// query head, block of kFlashRows queries), the keys are read kFlashCols at a time; a tile's
+  /// scores s = scale q k^T live in the thread's workspace, and an online softmax keeps per query
+  /// row the running max m and sum l: out = sum_j exp(s_j - m) v_j / l, rescaled by
+  /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
+  /// sees keys 0..i; key blocks past a query block's last row are never touched.
+  /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
+  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t Bn, std::int64_t T_,
+                              std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
+                              Tensor& lse, bool causal) {
+    detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
+      constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
+      const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      T* O = static_cast<T*>(out.raw());
+      T* L = static_cast<T*>(lse.raw());
+      const T sc = static_cast<T>(scale);
+      [[maybe_unused]] detail::BlasSerial serial;
+      const bool wide = Bn * H * T_ * (causal ? T_ / 2 + 1 : T_) * hd > detail::kParallelGrain;
+      detail::parallel_for(Bn * H * nqb, wide, [&](std::int64_t t) {
+        const std::int64_t bh = t / nqb, b = bh / H, h = bh % H, kh = h / g;
+        const std::int64_t i0 = (t % nqb) * Br, r = std::min(T_, i0 + Br) - i0, kend = causal ? i0 + r : T_;
+        const T* qt = Q + (b * T_ + i0) * qs + h * hd;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* ot = O + (b * T_ + i0) * qs + h * hd;
+        // the tile's scores, then its exp(s - m): (r, c), row stride Bc; then m and l per row
+        T* s = static_cast<T*>(detail::gemm_workspace(sizeof(T) * (Br * Bc + 2 * Br), 2));
+        T *m = s + Br * Bc, *l = m + Br;
+        for (std::int64_t j0 = 0; j0 < kend; j0 += Bc) {
+          const std::int64_t c = std::min(kend, j0 + Bc) - j0;
+          detail::gemm_serial<T>(false, true, r, c, hd, qt, qs, kt + j0 * ks, ks, s, Bc, false);  // q k^T
+          for (std::int64_t i = 0; i < r; ++i) {
+            // keys j0..j0+n-1 of this tile are visible to query i0 + i; the first tile (j0 = 0)
+            // always has one, a later one on the diagonal may have none
+            const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+            detail::ArrayMap<T> row(s + i * Bc, c);
+            row.tail(c - n).setZero();
+            if (n == 0) continue;
+            row.head(n) *= sc;
+            const T mx = row.head(n).maxCoeff();
+            const T mnew = j0 == 0 ? mx : std::max(m[i], mx);
+            row.head(n) -= mnew;
+            detail::exp_inplace(s + i * Bc, n);
+            const T sum = row.head(n).sum();
+            if (j0 == 0) {
+              l[i] = sum;
+            } else {
+              const T alpha = std::exp(m[i] - mnew);  // the earlier tiles' terms, re-based on the new max
+              l[i] = l[i] * alpha + sum;
+              if (alpha != T(1)) detail::ArrayMap<T>(ot + i * qs, hd) *= alpha;
+            }
+            m[i] = mnew;
+          }
+          detail::gemm_serial<T>(false, false, r, hd, c, s, Bc, vt + j0 * ks, ks, ot, qs, j0 > 0);  // (+)= p v
+        }
+        T* lt = L + bh * T_ + i0;
+        for (std::int64_t i = 0; i < r; ++i) {
+          detail::ArrayMap<T>(ot + i * qs, hd) *= T(1) / l[i];
+          lt[i] = m[i] + std::log(l[i]);
+        }
+      }, /*uneven=*/causal);
+    });
+  }
+
+  /// The vjp of flash_attention, recomputing each tile's probabilities p = exp(scale q k^T - lse)
+  /// instead of reading stored ones. With dlt_i = rowsum(g_i * out_i) (in `delta`, (B, H, T)):
+  /// dv_j += p^T g, ds = p * (g v_j^T - dlt) * scale, dq_i += ds k_j, dk_j += ds^T q_i. Per
+  /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
+  /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
+  static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse, const Tensor& g, std::int64_t Bn, std::int64_t T_, std::int64_t H,
+                                  std::int64_t KV, std::int64_t hd, double scale, Tensor& delta, Tensor* gq,
+                                  bool acc_q, Tensor* gk, bool acc_k, Tensor* gv, bool acc_v, bool causal) {
+    detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
+      constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
+      const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const T* Q = static_cast<const T*>(q.raw());
+      const T* K = static_cast<const T*>(k.raw());
+      const T* V = static_cast<const T*>(v.raw());
+      const T* O = static_cast<const T*>(out.raw());
+      const T* L = static_cast<const T*>(lse.raw());
+      const T* G = static_cast<const T*>(g.raw());
+      T* D = static_cast<T*>(delta.raw());
+      T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
+      T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
+      T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
+      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
+      const T sc = static_cast<T>(scale);
+      [[maybe_unused]] detail::BlasSerial serial;
+      const bool wide = Bn * H * T_ * (causal ? T_ / 2 + 1 : T_) * hd > detail::kParallelGrain;
+      detail::parallel_for(Bn * H * T_, Bn * H * T_ * hd > detail::kParallelGrain, [&](std::int64_t t) {
+        const std::int64_t b = t / (H * T_), h = t / T_ % H, i = t % T_, o = (b * T_ + i) * qs + h * hd;
+        D[t] = (detail::ConstArrayMap<T>(G + o, hd) * detail::ConstArrayMap<T>(O + o, hd)).sum();  // t = (b, h, i)
+      });
+      detail::parallel_for(Bn * KV, wide, [&](std::int64_t t) {
+        const std::int64_t b = t / KV, kh = t % KV;
+        const T* kt = K + b * T_ * ks + kh * hd;
+        const T* vt = V + b * T_ * ks + kh * hd;
+        T* p = static_cast<T*>(detail::gemm_workspace(sizeof(T) * 2 * Br * Bc, 2));  // a tile's probabilities (r, c)
+        T* ds = p + Br * Bc;                                                           // and score gradients
+        for (std::int64_t j0 = 0; j0 < T_; j0 += Bc) {
+          const std::int64_t c = std::min(T_, j0 + Bc) - j0;
+          bool first_k = !acc_k, first_v = !acc_v;  // the first write to this key block overwrites
+          for (std::int64_t jh = 0; jh < grp; ++jh) {
+            const std::int64_t h = kh * grp + jh, bh = b * H + h;
+            // causal: the first query block holding a row that sees key j0
+            for (std::int64_t i0 = causal ? j0 / Br * Br : 0; i0 < T_; i0 += Br) {
+              const std::int64_t r = std::min(T_, i0 + Br) - i0, o = (b * T_ + i0) * qs + h * hd;
+              detail::gemm_serial<T>(false, true, r, c, hd, Q + o, qs, kt + j0 * ks, ks, p, Bc, false);  // q k^T
+              for (std::int64_t i = 0; i < r; ++i) {
+                const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+                detail::ArrayMap<T> row(p + i * Bc, c);
+                row.head(n) = row.head(n) * sc - L[bh * T_ + i0 + i];
+                detail::exp_inplace(p + i * Bc, n);
+                row.tail(c - n).setZero();
+              }
+              if (GV) detail::gemm_serial<T>(true, false, c, hd, r, p, Bc, G + o, qs, GV + (b * T_ + j0) * ks + kh * hd,
+                                             ks, !first_v);  // p^T g
+              first_v = false;
+              if (!GQ && !GK) continue;
+              detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
+              for (std::int64_t i = 0; i < r; ++i) {
+                detail::ArrayMap<T> d(ds + i * Bc, c);
+                d = detail::ConstArrayMap<T>(p + i * Bc, c) * (d - D[bh * T_ + i0 + i]) * sc;
+              }
+              if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
+                                             acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
+              if (GK) detail::gemm_serial<T>(true, false, c, hd, r, ds, Bc, Q + o, qs, GK + (b * T_ + j0) * ks + kh * hd,
+                                             ks, !first_k);  // ds^T q
+              first_k = false;
+            }
+          }
+        }
+      }, /*uneven=*/causal);
+    });
+  }
+};
+
+}  // namespace cpu_kernels
+}  // namespace nn

@@ -1,0 +1,232 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// What every family of nn::cpu's kernels shares: dtype dispatch, the OpenMP loop helpers,
+// broadcasting strides, and the vectorised row math (Eigen array maps, exp, exact sqrt).
+#pragma once
+
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <new>
+
+#include <Eigen/Core>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__SSE2__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include "../math.hpp"
+#include "../policy.hpp"
+
+namespace nn {
+namespace detail {
+
+/// Runs f.template operator()<T>() for T = float or double; other dtypes are an error naming op.
+template <class F>
+void dispatch_float(DType t, const char* op, F&& f) {
+  if (t == DType::f32) f.template operator()<float>();
+  else if (t == DType::f64) f.template operator()<double>();
+  else fail(op, "needs a float32 or float64 tensor, got ", dtype_name(t));
+}
+
+/// Runs f.template operator()<Op>() with the Binary op as a compile-time constant: the
+/// elementwise loops then inline one operation and vectorise (a switch per element does not).
+template <class F>
+void dispatch_binary(Binary op, F&& f) {
+  switch (op) {
+    case Binary::add: f.template operator()<Binary::add>(); return;
+    case Binary::sub: f.template operator()<Binary::sub>(); return;
+    case Binary::mul: f.template operator()<Binary::mul>(); return;
+    case Binary::div: f.template operator()<Binary::div>(); return;
+    case Binary::maximum: f.template operator()<Binary::maximum>(); return;
+    case Binary::minimum: f.template operator()<Binary::minimum>(); return;
+  }
+}
+
+// dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
+// accumulating (permuting token ids is fine; adding them is not a gradient).
+template <class F>
+void dispatch_any(DType t, const char* op, bool acc, F&& f) {
+  switch (t) {
+    case DType::f32: f.template operator()<float>(); return;
+    case DType::f64: f.template operator()<double>(); return;
+    default: break;
+  }
+  if (acc) fail(op, "cannot accumulate into ", dtype_name(t));
+  switch (dtype_size(t)) {
+    case 1: f.template operator()<std::uint8_t>(); return;
+    case 2: f.template operator()<std::uint16_t>(); return;
+    case 4: f.template operator()<std::uint32_t>(); return;
+    default: f.template operator()<std::uint64_t>(); return;
+  }
+}
+
+/// Reads an integer id tensor (i32 or i64) at i.
+inline std::int64_t load_index(const Tensor& ids, std::int64_t i) {
+  if (ids.dtype() == DType::i32) return static_cast<const std::int32_t*>(ids.raw())[i];
+  return static_cast<const std::int64_t*>(ids.raw())[i];
+}
+
+/// Elementwise loops run in parallel only past this size: below it thread start-up costs more
+/// than it saves.
+inline constexpr std::int64_t kParallelGrain = 1 << 15;
+
+/// f(i) for i in [0, n), split over OpenMP threads when `wide` (the caller's size test against
+/// kParallelGrain) holds and more than one thread is free: in equal contiguous shares, or one
+/// iteration at a time when `uneven` (iterations of different cost). The test is a C++ branch
+/// taken before OpenMP is entered, not an `if` clause: libgomp builds a one-thread team (a malloc
+/// and a free) even for `#pragma omp parallel if (false)`, so every small replayed op would allocate.
+template <class F>
+inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
+#if defined(_OPENMP)
+  if (wide && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+    const std::int64_t share = uneven ? 1 : (n + omp_get_max_threads() - 1) / omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, share)
+    for (std::int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#else
+  (void)wide;
+  (void)uneven;
+#endif
+  for (std::int64_t i = 0; i < n; ++i) f(i);
+}
+
+/// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
+/// right, and a dimension of size 1 (or a missing one) gets stride 0, which is broadcasting.
+inline std::array<std::int64_t, kMaxRank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<std::int64_t, kMaxRank> st{};
+  std::int64_t s = 1;
+  const int off = out.rank() - in.rank();
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    st[static_cast<std::size_t>(i + off)] = in[i] == 1 ? 0 : s;
+    s *= in[i];
+  }
+  return st;
+}
+
+/// Calls f(out_index, offset_0, offset_1, ...) for every element of `out`, with the offsets of
+/// each broadcast input, walking an odometer so no division is needed per element.
+template <std::size_t N, class F>
+void for_each_broadcast(const Shape& out, const std::array<std::array<std::int64_t, kMaxRank>, N>& strides, F&& f) {
+  const int r = out.rank();
+  const std::int64_t n = out.numel();
+  if (n == 0) return;
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::array<std::int64_t, N> off{};
+  const std::int64_t inner = r ? out[r - 1] : 1;
+  for (std::int64_t i = 0; i < n; i += inner) {
+    for (std::int64_t j = 0; j < inner; ++j) {
+      std::array<std::int64_t, N> o = off;
+      if (r)
+        for (std::size_t k = 0; k < N; ++k) o[k] += j * strides[k][static_cast<std::size_t>(r - 1)];
+      std::apply([&](auto... oo) { f(i + j, oo...); }, o);
+    }
+    // advance the odometer over dims [0, r-1)
+    for (int d = r - 2; d >= 0; --d) {
+      auto du = static_cast<std::size_t>(d);
+      ++idx[du];
+      for (std::size_t k = 0; k < N; ++k) off[k] += strides[k][du];
+      if (idx[du] < out[d]) break;
+      for (std::size_t k = 0; k < N; ++k) off[k] -= strides[k][du] * out[d];
+      idx[du] = 0;
+    }
+  }
+}
+
+
+/// Splits a reduction of `x` to `y` (y's dims equal x's or 1, right-aligned) into
+/// (outer, reduced, inner) when the reduced dims are one contiguous block; false otherwise.
+inline bool reduction_as_3d(const Shape& x, const Shape& y, std::int64_t& outer, std::int64_t& red,
+                            std::int64_t& inner) {
+  const int r = x.rank(), off = x.rank() - y.rank();
+  int first = -1, last = -1;
+  for (int i = 0; i < r; ++i) {
+    std::int64_t yd = i < off ? 1 : y[i - off];
+    bool reduced = yd == 1 && x[i] != 1;
+    if (reduced) {
+      if (first < 0) first = i;
+      else if (last != i - 1) return false;
+      last = i;
+    }
+  }
+  if (first < 0) { outer = x.numel(); red = 1; inner = 1; return true; }
+  outer = x.prod(0, first);
+  red = x.prod(first, last + 1);
+  inner = x.prod(last + 1, r);
+  return true;
+}
+
+/// A contiguous run of n values as an Eigen array, for the vectorised math (exp above all) of
+/// the row kernels: softmax, cross-entropy, SwiGLU.
+template <class T>
+using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
+/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
+/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
+/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
+template <class T>
+inline void exp_inplace(T* x, std::int64_t n) {
+  constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
+  constexpr std::int64_t blk = 256;
+  T in[blk];
+  for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
+    const std::int64_t len = std::min(blk, n - i0);
+    std::copy_n(x + i0, len, in);
+    ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
+    for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
+  }
+}
+
+/// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
+/// every entry is -inf kept finite in its max, as cpu::softmax.
+template <class T>
+inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
+  ArrayMap<T> r(row, n);
+  if (add) r = r * scale + ConstArrayMap<T>(add, n);
+  else if (scale != T(1)) r *= scale;
+  T m = r.maxCoeff();
+  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+  r -= m;
+  exp_inplace(row, n);
+  r *= T(1) / r.sum();
+}
+
+/// y = sqrt(x), correctly rounded (what std::sqrt gives), vectorised with the x86 sqrt
+/// instructions where available. Not Eigen's .sqrt(): under EIGEN_FAST_MATH (its default) the
+/// float version is rsqrt plus one Newton step, a few ulp off, and the optimizers' updates must
+/// match MLX's to the bit; nor a loop over std::sqrt, which compilers keep scalar for errno.
+template <class T>
+inline void sqrt_exact(const T* x, T* y, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+  else
+    for (; i + 4 <= n; i += 4) _mm256_storeu_pd(y + i, _mm256_sqrt_pd(_mm256_loadu_pd(x + i)));
+#elif defined(__SSE2__)
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 4 <= n; i += 4) _mm_storeu_ps(y + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
+  else
+    for (; i + 2 <= n; i += 2) _mm_storeu_pd(y + i, _mm_sqrt_pd(_mm_loadu_pd(x + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::sqrt(x[i]);
+}
+
+/// Elementwise work over n values in chunks: f(i0, i1) per chunk, the chunks in parallel once n
+/// passes kParallelGrain.
+inline constexpr std::int64_t kChunk = 4096;
+template <class F>
+inline void parallel_chunks(std::int64_t n, F&& f) {
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+  parallel_for(chunks, n > kParallelGrain, [&](std::int64_t c) { f(c * kChunk, std::min(n, (c + 1) * kChunk)); });
+}
+
+}  // namespace detail
+}  // namespace nn
