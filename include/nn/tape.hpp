@@ -3,9 +3,13 @@
 // topological order), swept in reverse by backward(), and replayable without re-recording.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <deque>
+#include <new>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "backend/policy.hpp"
@@ -23,19 +27,36 @@ struct GVar {
 /// What kind of leaf a node is; ops are LeafKind::none.
 enum class LeafKind : std::uint8_t { none, param, constant, input };
 
-/// Per-node attributes. Every primitive reads the fields it documents and ignores the rest, so a
-/// node is plain data that a replay or another backend can run again.
-struct Attrs {
-  double scalar = 0.0;          // pow's exponent, a scale, an epsilon
-  std::int64_t axis = 0;        // reduction, slice, concat, softmax axis
-  std::int64_t start = 0;       // slice start
-  int code = 0;                 // the Unary / Binary kernel, a where-branch, ...
-  bool flag_a = false;          // transpose a, keepdims, log, ...
-  bool flag_b = false;          // transpose b, ...
-  std::array<int, kMaxRank> perm{};  // permute order
-  Shape shape;                  // a target shape (reshape, broadcast)
-  std::uint64_t key = 0;        // an RNG key (dropout)
+/// A node's attributes: each primitive declares its own struct (UnaryAttrs{op, arg},
+/// AttentionAttrs{B, T, H, KV, head_dim, scale, causal}, ...), trivially copyable, kept in the
+/// node by value, so a node is plain data that a replay or another backend runs again. A read
+/// names the type it expects; reading another primitive's attributes is an error, not garbage.
+class NodeAttrs {
+ public:
+  static constexpr std::size_t kBytes = 96;
+
+  template <class A>
+  void set(const A& a) {
+    static_assert(std::is_trivially_copyable_v<A>, "a primitive's attributes are plain data");
+    static_assert(sizeof(A) <= kBytes && alignof(A) <= alignof(std::max_align_t), "attributes too large for a node");
+    ::new (static_cast<void*>(bytes_)) A(a);
+    type_ = &tag<A>;
+  }
+  template <class A>
+  const A& get() const {
+    if (type_ != &tag<A>) detail::fail("tape", "a primitive read attributes of another type than it recorded");
+    return *std::launder(reinterpret_cast<const A*>(bytes_));
+  }
+
+ private:
+  template <class A>
+  static constexpr char tag = 0;
+  alignas(std::max_align_t) unsigned char bytes_[kBytes]{};
+  const void* type_ = nullptr;
 };
+
+/// The attributes of a primitive that has none.
+struct NoAttrs {};
 
 template <class B>
 class GTape;
@@ -58,7 +79,7 @@ struct Node {
   const OpDef<B>* def = nullptr;  // null for leaves
   LeafKind leaf = LeafKind::none;
   std::vector<std::int32_t> inputs;
-  Attrs attrs;
+  NodeAttrs attrs;
   Tensor value;                   // the output, allocated when recorded, rewritten on replay
   Tensor grad;                    // d loss / d value, allocated on the first backward
   std::vector<Tensor> saved;      // buffers the op keeps between forward and vjp (and scratch)
@@ -104,6 +125,7 @@ class GTape {
   /// gets one gradient holding both contributions.
   GVar param(const Tensor& t, bool trainable = true) {
     check_leaf(t, "param");
+    see_leaf_dtype(t.dtype());
     for (std::int32_t i : params_) {
       const Node<B>& p = nodes_[static_cast<std::size_t>(i)];
       if (p.bound == &t) {
@@ -123,6 +145,7 @@ class GTape {
   /// A value that never gets a gradient (shares t's storage).
   GVar constant(const Tensor& t) {
     check_leaf(t, "constant");
+    see_leaf_dtype(t.dtype());
     Node<B>& n = push(LeafKind::constant);
     n.value = t;
     return handle();
@@ -130,6 +153,7 @@ class GTape {
   /// A slot whose value set() may swap between replays (a batch). No gradient unless asked.
   GVar input(const Tensor& t, bool requires_grad = false) {
     check_leaf(t, "input");
+    see_leaf_dtype(t.dtype());
     Node<B>& n = push(LeafKind::input);
     n.value = t;
     n.requires_grad = requires_grad && is_floating(t.dtype());
@@ -202,6 +226,7 @@ class GTape {
     key_slots_.clear();
     loss_ = -1;
     autocast_ = DType::f32;
+    if (!float_dtype_set_) float_dtype_seen_ = false, float_dtype_ = DType::f32;
   }
 
   /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
@@ -217,6 +242,17 @@ class GTape {
     autocast_ = t;
   }
   DType autocast() const { return autocast_; }
+
+  /// The floating dtype this tape computes in, for what a builder makes without being told one
+  /// (rope_fill's tables, causal_mask_fill's mask): set_float_dtype's, or else the dtype of the
+  /// first float32 or float64 leaf bound to the tape (param, constant or input), or float32.
+  DType float_dtype() const { return float_dtype_; }
+  void set_float_dtype(DType t) {
+    if (t != DType::f32 && t != DType::f64)
+      detail::fail("tape", "the float dtype is float32 or float64, got ", dtype_name(t));
+    float_dtype_ = t;
+    float_dtype_set_ = true;
+  }
 
   // ---- backward ----------------------------------------------------------------------------
 
@@ -266,12 +302,13 @@ class GTape {
   // ---- for op implementations ----------------------------------------------------------------
 
   /// Appends an op node with output shape/dtype, allocates its output, runs its forward.
-  GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const Attrs& attrs, const Shape& out_shape,
+  template <class A = NoAttrs>
+  GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const A& attrs, const Shape& out_shape,
               DType out_dtype) {
     for (GVar v : inputs) node(v);  // validates ownership
     Node<B>& n = push(LeafKind::none);
     n.def = &def;
-    n.attrs = attrs;
+    n.attrs.set(attrs);
     n.inputs.reserve(inputs.size());
     for (GVar v : inputs) {
       n.inputs.push_back(v.index);
@@ -313,6 +350,37 @@ class GTape {
     in.grad_live = true;
     return {in.grad, acc};
   }
+  /// The gradient destinations of inputs 0..N-1 of n, for a vjp kernel that writes them in one
+  /// call ({nullptr, false} where an input needs none, or is past n's inputs). Inputs that are one
+  /// node (attention's k = v, swiglu(x, x)) name one buffer: it is zeroed here once, unless it
+  /// already holds a contribution, and every slot naming it accumulates, so the kernel may
+  /// interleave its writes in any order and never tests whether its outputs overlap.
+  template <std::size_t N>
+  std::array<GradOut, N> grad_outs(Node<B>& n) {
+    std::array<GradOut, N> out{};
+    for (std::size_t k = 0; k < N && k < n.inputs.size(); ++k) {
+      if (!needs_grad(n, k)) continue;
+      std::size_t first = k;
+      for (std::size_t j = 0; j < k && first == k; ++j)
+        if (n.inputs[j] == n.inputs[k]) first = j;
+      if (first != k) {
+        out[k] = out[first];
+        continue;
+      }
+      GradSlot s = grad_slot(n, k);
+      out[k] = {&s.g, s.acc};
+    }
+    for (std::size_t k = 0; k < N; ++k) {
+      if (!out[k].g || out[k].acc) continue;
+      bool shared = false;
+      for (std::size_t j = 0; j < N; ++j) shared = shared || (j != k && out[j].g == out[k].g);
+      if (!shared) continue;
+      B::fill(*out[k].g, 0.0);
+      for (GradOut& o : out)
+        if (o.g == out[k].g) o.acc = true;
+    }
+    return out;
+  }
   /// Adds `full` (at the op output's broadcast shape) into input k's gradient, summed down to the
   /// input's shape: the one place broadcasting gradients are reduced.
   void accumulate_reduced(const Node<B>& n, std::size_t k, const Tensor& full) {
@@ -336,6 +404,14 @@ class GTape {
 
  private:
   DType autocast_ = DType::f32;  // set_autocast
+  DType float_dtype_ = DType::f32;
+  bool float_dtype_set_ = false, float_dtype_seen_ = false;
+  /// Leaves tell the tape its float dtype, until one has (or set_float_dtype did).
+  void see_leaf_dtype(DType t) {
+    if (float_dtype_set_ || float_dtype_seen_ || (t != DType::f32 && t != DType::f64)) return;
+    float_dtype_ = t;
+    float_dtype_seen_ = true;
+  }
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
     nodes_.back().leaf = k;

@@ -1101,13 +1101,49 @@ constexpr const char* binary_name(Binary b) {
   return "?";
 }
 
+/// How a loss over rows is reduced (PyTorch's `reduction`).
+enum class Reduction : std::uint8_t { none, sum, mean };
+
+constexpr const char* reduction_name(Reduction r) {
+  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
+}
+
+// Attribute structs of the primitives whose kernels need more than a flag or two: the node keeps
+// them (ops/), and the kernels take them whole, not as long positional lists.
+
+/// Attention's shape and options: q, out (B, T, H * head_dim), k, v (B, T, KV * head_dim) (or
+/// the same with B and T merged); query head h reads kv head h / (H / KV). `scale` multiplies the
+/// scores; `causal`: query i sees keys 0..i only.
+struct AttentionAttrs {
+  std::int64_t B = 0, T = 0, H = 0, KV = 0, head_dim = 0;
+  double scale = 1.0;
+  bool causal = false;
+};
+
+/// Softmax cross-entropy's options: a target equal to ignore_index counts nothing (loss and
+/// gradient 0, left out of the mean).
+struct CrossEntropyAttrs {
+  std::int64_t ignore_index = -100;
+  Reduction reduction = Reduction::mean;
+};
+
+/// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
+/// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
+/// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
+/// zeroed, and both accumulate, so a kernel never tests whether its outputs overlap.
+struct GradOut {
+  Tensor* g = nullptr;
+  bool acc = false;
+};
+
 /// What a backend policy provides. Every kernel takes tensors already allocated by the caller
 /// (the tape owns all buffers, so a replay allocates nothing); `acc` means "add into the
 /// destination" rather than overwrite, which is how gradients accumulate. Shapes are validated
 /// by the ops before a kernel runs; kernels trust them.
 template <class B>
 concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
-                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm) {
+                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
+                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go) {
   { B::device } -> std::convertible_to<Device>;
   { B::name } -> std::convertible_to<const char*>;
   { B::alloc(s, dt) } -> std::same_as<Tensor>;
@@ -1135,19 +1171,19 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::bernoulli_mask(x, v, v, y);               // (key, p_keep, value, mask): MLX bernoulli ? value : 0
   B::softmax(x, y, acc);                       // last axis; acc selects log_softmax here
   B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
-  B::cross_entropy(x, x, i64, axis, y, y);     // (logits, targets, ignore, reduction, y, lse)
-  B::cross_entropy_vjp(x, x, i64, axis, x, x, y, acc);  // (logits, targets, ignore, reduction, lse, g, gx, acc)
+  B::cross_entropy(x, x, ce, y, y);            // (logits, targets, attrs, y, lse)
+  B::cross_entropy_vjp(x, x, ce, x, x, y, acc);  // (logits, targets, attrs, lse, g, gx, acc)
   // fused primitives, each beside its composite reference (ops/norm, rope, attention, glu.hpp);
   // a null gradient pointer means that input needs none
   B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
-  B::rms_norm_vjp(x, x, x, x, &y, acc, &y, acc); // (x, w, rstd, g, gx, acc_x, gw, acc_w)
+  B::rms_norm_vjp(x, x, x, x, go, go);           // (x, w, rstd, g, gx, gw)
   B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
-  B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y, acc);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p, causal)
-  B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc, causal)
+  B::attention(x, x, x, x, att, y, y);           // (q, k, v, mask, attrs, out, p)
+  B::attention_vjp(x, x, x, x, x, att, y, go, go, go);  // (q, k, v, p, g, attrs, scratch, gq, gk, gv)
   // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
   // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
   B::swiglu(x, x, y);                            // (gate, up, y)
-  B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
+  B::swiglu_vjp(x, x, x, go, go);                // (gate, up, g, ggate, gup)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
   B::sgd_update(y, x, y, x, v, v, v, acc);
   B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);
@@ -4056,12 +4092,13 @@ struct CrossEntropyKernels {
   /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
   /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
   /// scores T - 1 positions without copying the logits); N == T (x (R, V), t (R)) is one row per
-  /// target. A target equal to `ignore` contributes nothing. reduction 0: y (t's shape) per
-  /// target (0 where ignored); 1: y (one element) the sum; 2: the mean over the targets not
+  /// target. A target equal to a.ignore_index contributes nothing. Reduction::none: y (t's shape)
+  /// per target (0 where ignored); sum: y (one element) the sum; mean: the mean over the targets not
   /// ignored (NaN when all are, as PyTorch). lse (t.numel()) keeps logsumexp for the vjp. Any
   /// other target outside [0, V) raises.
-  static void cross_entropy(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction, Tensor& y,
-                            Tensor& lse) {
+  static void cross_entropy(const Tensor& x, const Tensor& t, const CrossEntropyAttrs& a, Tensor& y, Tensor& lse) {
+    const std::int64_t ignore = a.ignore_index;
+    const int reduction = static_cast<int>(a.reduction);  // 0 none, 1 sum, 2 mean
     detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
       const std::int64_t V = x.dim(-1), R = t.numel();
       const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
@@ -4100,8 +4137,10 @@ struct CrossEntropyKernels {
   /// gx (+)= g_r (softmax(x_row) - onehot(t_r)) for each target's row (the mapping of
   /// cross_entropy); rows of ignored targets and rows no target scores get 0. g has t's shape
   /// for reduction 0, else one element (divided by the kept-target count for the mean).
-  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction,
-                                const Tensor& lse, const Tensor& g, Tensor& gx, bool acc) {
+  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, const CrossEntropyAttrs& a, const Tensor& lse,
+                                const Tensor& g, Tensor& gx, bool acc) {
+    const std::int64_t ignore = a.ignore_index;
+    const int reduction = static_cast<int>(a.reduction);  // 0 none, 1 sum, 2 mean
     detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
       const std::int64_t V = x.dim(-1), R = t.numel();
       const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
@@ -4172,8 +4211,10 @@ struct NormKernels {
 
   /// The vjp of rms_norm: with u = g * w (or g), gx (+)= rstd u - rstd^3 x sum(u x) / C per row,
   /// gw (+)= sum over rows of g x rstd (serial over rows: deterministic). Either may be null.
-  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, Tensor* gx,
-                           bool acc_x, Tensor* gw, bool acc_w) {
+  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, GradOut ox,
+                           GradOut ow) {
+    Tensor *gx = ox.g, *gw = ow.g;
+    const bool acc_x = ox.acc, acc_w = ow.acc;
     detail::dispatch_float(x.dtype(), "rmsnorm", [&]<class T>() {
       const std::int64_t C = x.dim(-1), R = x.numel() / C;
       const T* xs = static_cast<const T*>(x.raw());
@@ -4278,21 +4319,6 @@ namespace nn {
 
 namespace detail {
 
-/// One tensor passed as two of attention's inputs (k = v, self-attention's q = k = v) has one
-/// gradient buffer: the tape hands its first slot acc = false and the later ones acc = true, but
-/// the vjps interleave their writes, so such a buffer is zeroed once and every write to it
-/// accumulates.
-inline void share_grad_buffers(Tensor* gq, bool& acc_q, Tensor* gk, bool& acc_k, Tensor* gv, bool& acc_v) {
-  auto share = [](Tensor* a, bool& acc_a, Tensor* b, bool& acc_b) {
-    if (!a || !b || a->raw() != b->raw() || (acc_a && acc_b)) return;
-    std::memset(a->raw(), 0, a->nbytes());
-    acc_a = acc_b = true;
-  };
-  share(gq, acc_q, gk, acc_k);
-  share(gq, acc_q, gv, acc_v);
-  share(gk, acc_k, gv, acc_v);
-}
-
 /// Flash attention's tile: kFlashRows queries against kFlashCols keys. A tile's scores (64 KiB in
 /// f32) stay in L2 beside the q, k and v rows they come from. Measured on bench_attention at
 /// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
@@ -4316,9 +4342,11 @@ struct AttentionKernels {
   /// from key i + 1 to its block's end, and the rest is left unwritten (never read, here or in
   /// the vjp).
   /// The heads run in parallel, each product a strided GEMM on its thread (no permuted copies).
-  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
-                        std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                        Tensor& p, bool causal = false) {
+  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const AttentionAttrs& a,
+                        Tensor& out, Tensor& p) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
       const T* Q = static_cast<const T*>(q.raw());
@@ -4357,9 +4385,12 @@ struct AttentionKernels {
   /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null. `causal`: P is
   /// attention's causal one, and the products read only the blocks the forward wrote.
   static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
-                            std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
-                            double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
-                            bool acc_v, bool causal = false) {
+                            const AttentionAttrs& a, Tensor& scratch, GradOut oq, GradOut ok, GradOut ov) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
+    Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
       const T* Q = static_cast<const T*>(q.raw());
@@ -4371,7 +4402,6 @@ struct AttentionKernels {
       T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
       T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
       T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
-      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
       const T sc = static_cast<T>(scale);
       [[maybe_unused]] detail::BlasSerial serial;
       detail::parallel_for(Bn * KV, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
@@ -4416,9 +4446,11 @@ struct AttentionKernels {
   /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
   /// sees keys 0..i; key blocks past a query block's last row are never touched.
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
-  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t Bn, std::int64_t T_,
-                              std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                              Tensor& lse, bool causal) {
+  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& a, Tensor& out,
+                              Tensor& lse) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
@@ -4482,9 +4514,13 @@ struct AttentionKernels {
   /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
   /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
   static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                  const Tensor& lse, const Tensor& g, std::int64_t Bn, std::int64_t T_, std::int64_t H,
-                                  std::int64_t KV, std::int64_t hd, double scale, Tensor& delta, Tensor* gq,
-                                  bool acc_q, Tensor* gk, bool acc_k, Tensor* gv, bool acc_v, bool causal) {
+                                  const Tensor& lse, const Tensor& g, const AttentionAttrs& a, Tensor& delta,
+                                  GradOut oq, GradOut ok, GradOut ov) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
+    Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
@@ -4498,7 +4534,6 @@ struct AttentionKernels {
       T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
       T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
       T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
-      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
       const T sc = static_cast<T>(scale);
       [[maybe_unused]] detail::BlasSerial serial;
       const bool wide = Bn * H * T_ * (causal ? T_ / 2 + 1 : T_) * hd > detail::kParallelGrain;
@@ -4578,8 +4613,9 @@ struct GluKernels {
   }
 
   /// The vjp of swiglu: ggate (+)= g up s (1 + gate (1 - s)), gup (+)= g gate s, s = sigmoid(gate).
-  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, Tensor* ggate, bool acc_gate,
-                         Tensor* gup, bool acc_up) {
+  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, GradOut og, GradOut ou) {
+    Tensor *ggate = og.g, *gup = ou.g;
+    const bool acc_gate = og.acc, acc_up = ou.acc;
     detail::dispatch_float(g.dtype(), "swiglu", [&]<class T>() {
       const T* as = static_cast<const T*>(gate.raw());
       const T* us = static_cast<const T*>(up.raw());
@@ -4787,9 +4823,13 @@ inline const CpuInfo& cpu_info() {
 // GTape<Backend>: a Wengert list of primitive ops recorded in construction order (already a
 // topological order), swept in reverse by backward(), and replayable without re-recording.
 
+#include <array>
+#include <cstddef>
 #include <deque>
+#include <new>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 
@@ -4805,19 +4845,36 @@ struct GVar {
 /// What kind of leaf a node is; ops are LeafKind::none.
 enum class LeafKind : std::uint8_t { none, param, constant, input };
 
-/// Per-node attributes. Every primitive reads the fields it documents and ignores the rest, so a
-/// node is plain data that a replay or another backend can run again.
-struct Attrs {
-  double scalar = 0.0;          // pow's exponent, a scale, an epsilon
-  std::int64_t axis = 0;        // reduction, slice, concat, softmax axis
-  std::int64_t start = 0;       // slice start
-  int code = 0;                 // the Unary / Binary kernel, a where-branch, ...
-  bool flag_a = false;          // transpose a, keepdims, log, ...
-  bool flag_b = false;          // transpose b, ...
-  std::array<int, kMaxRank> perm{};  // permute order
-  Shape shape;                  // a target shape (reshape, broadcast)
-  std::uint64_t key = 0;        // an RNG key (dropout)
+/// A node's attributes: each primitive declares its own struct (UnaryAttrs{op, arg},
+/// AttentionAttrs{B, T, H, KV, head_dim, scale, causal}, ...), trivially copyable, kept in the
+/// node by value, so a node is plain data that a replay or another backend runs again. A read
+/// names the type it expects; reading another primitive's attributes is an error, not garbage.
+class NodeAttrs {
+ public:
+  static constexpr std::size_t kBytes = 96;
+
+  template <class A>
+  void set(const A& a) {
+    static_assert(std::is_trivially_copyable_v<A>, "a primitive's attributes are plain data");
+    static_assert(sizeof(A) <= kBytes && alignof(A) <= alignof(std::max_align_t), "attributes too large for a node");
+    ::new (static_cast<void*>(bytes_)) A(a);
+    type_ = &tag<A>;
+  }
+  template <class A>
+  const A& get() const {
+    if (type_ != &tag<A>) detail::fail("tape", "a primitive read attributes of another type than it recorded");
+    return *std::launder(reinterpret_cast<const A*>(bytes_));
+  }
+
+ private:
+  template <class A>
+  static constexpr char tag = 0;
+  alignas(std::max_align_t) unsigned char bytes_[kBytes]{};
+  const void* type_ = nullptr;
 };
+
+/// The attributes of a primitive that has none.
+struct NoAttrs {};
 
 template <class B>
 class GTape;
@@ -4840,7 +4897,7 @@ struct Node {
   const OpDef<B>* def = nullptr;  // null for leaves
   LeafKind leaf = LeafKind::none;
   std::vector<std::int32_t> inputs;
-  Attrs attrs;
+  NodeAttrs attrs;
   Tensor value;                   // the output, allocated when recorded, rewritten on replay
   Tensor grad;                    // d loss / d value, allocated on the first backward
   std::vector<Tensor> saved;      // buffers the op keeps between forward and vjp (and scratch)
@@ -4886,6 +4943,7 @@ class GTape {
   /// gets one gradient holding both contributions.
   GVar param(const Tensor& t, bool trainable = true) {
     check_leaf(t, "param");
+    see_leaf_dtype(t.dtype());
     for (std::int32_t i : params_) {
       const Node<B>& p = nodes_[static_cast<std::size_t>(i)];
       if (p.bound == &t) {
@@ -4905,6 +4963,7 @@ class GTape {
   /// A value that never gets a gradient (shares t's storage).
   GVar constant(const Tensor& t) {
     check_leaf(t, "constant");
+    see_leaf_dtype(t.dtype());
     Node<B>& n = push(LeafKind::constant);
     n.value = t;
     return handle();
@@ -4912,6 +4971,7 @@ class GTape {
   /// A slot whose value set() may swap between replays (a batch). No gradient unless asked.
   GVar input(const Tensor& t, bool requires_grad = false) {
     check_leaf(t, "input");
+    see_leaf_dtype(t.dtype());
     Node<B>& n = push(LeafKind::input);
     n.value = t;
     n.requires_grad = requires_grad && is_floating(t.dtype());
@@ -4984,6 +5044,7 @@ class GTape {
     key_slots_.clear();
     loss_ = -1;
     autocast_ = DType::f32;
+    if (!float_dtype_set_) float_dtype_seen_ = false, float_dtype_ = DType::f32;
   }
 
   /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
@@ -4999,6 +5060,17 @@ class GTape {
     autocast_ = t;
   }
   DType autocast() const { return autocast_; }
+
+  /// The floating dtype this tape computes in, for what a builder makes without being told one
+  /// (rope_fill's tables, causal_mask_fill's mask): set_float_dtype's, or else the dtype of the
+  /// first float32 or float64 leaf bound to the tape (param, constant or input), or float32.
+  DType float_dtype() const { return float_dtype_; }
+  void set_float_dtype(DType t) {
+    if (t != DType::f32 && t != DType::f64)
+      detail::fail("tape", "the float dtype is float32 or float64, got ", dtype_name(t));
+    float_dtype_ = t;
+    float_dtype_set_ = true;
+  }
 
   // ---- backward ----------------------------------------------------------------------------
 
@@ -5048,12 +5120,13 @@ class GTape {
   // ---- for op implementations ----------------------------------------------------------------
 
   /// Appends an op node with output shape/dtype, allocates its output, runs its forward.
-  GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const Attrs& attrs, const Shape& out_shape,
+  template <class A = NoAttrs>
+  GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const A& attrs, const Shape& out_shape,
               DType out_dtype) {
     for (GVar v : inputs) node(v);  // validates ownership
     Node<B>& n = push(LeafKind::none);
     n.def = &def;
-    n.attrs = attrs;
+    n.attrs.set(attrs);
     n.inputs.reserve(inputs.size());
     for (GVar v : inputs) {
       n.inputs.push_back(v.index);
@@ -5095,6 +5168,37 @@ class GTape {
     in.grad_live = true;
     return {in.grad, acc};
   }
+  /// The gradient destinations of inputs 0..N-1 of n, for a vjp kernel that writes them in one
+  /// call ({nullptr, false} where an input needs none, or is past n's inputs). Inputs that are one
+  /// node (attention's k = v, swiglu(x, x)) name one buffer: it is zeroed here once, unless it
+  /// already holds a contribution, and every slot naming it accumulates, so the kernel may
+  /// interleave its writes in any order and never tests whether its outputs overlap.
+  template <std::size_t N>
+  std::array<GradOut, N> grad_outs(Node<B>& n) {
+    std::array<GradOut, N> out{};
+    for (std::size_t k = 0; k < N && k < n.inputs.size(); ++k) {
+      if (!needs_grad(n, k)) continue;
+      std::size_t first = k;
+      for (std::size_t j = 0; j < k && first == k; ++j)
+        if (n.inputs[j] == n.inputs[k]) first = j;
+      if (first != k) {
+        out[k] = out[first];
+        continue;
+      }
+      GradSlot s = grad_slot(n, k);
+      out[k] = {&s.g, s.acc};
+    }
+    for (std::size_t k = 0; k < N; ++k) {
+      if (!out[k].g || out[k].acc) continue;
+      bool shared = false;
+      for (std::size_t j = 0; j < N; ++j) shared = shared || (j != k && out[j].g == out[k].g);
+      if (!shared) continue;
+      B::fill(*out[k].g, 0.0);
+      for (GradOut& o : out)
+        if (o.g == out[k].g) o.acc = true;
+    }
+    return out;
+  }
   /// Adds `full` (at the op output's broadcast shape) into input k's gradient, summed down to the
   /// input's shape: the one place broadcasting gradients are reduced.
   void accumulate_reduced(const Node<B>& n, std::size_t k, const Tensor& full) {
@@ -5118,6 +5222,14 @@ class GTape {
 
  private:
   DType autocast_ = DType::f32;  // set_autocast
+  DType float_dtype_ = DType::f32;
+  bool float_dtype_set_ = false, float_dtype_seen_ = false;
+  /// Leaves tell the tape its float dtype, until one has (or set_float_dtype did).
+  void see_leaf_dtype(DType t) {
+    if (float_dtype_set_ || float_dtype_seen_ || (t != DType::f32 && t != DType::f64)) return;
+    float_dtype_ = t;
+    float_dtype_seen_ = true;
+  }
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
     nodes_.back().leaf = k;
@@ -5169,6 +5281,12 @@ class GTape {
 
 
 namespace nn::detail {
+
+/// The attributes a primitive recorded on node n (its own struct, e.g. UnaryAttrs).
+template <class A, class B>
+const A& attrs_of(const Node<B>& n) {
+  return n.attrs.template get<A>();
+}
 
 template <class B>
 void require_float(const GTape<B>& tp, GVar x, const char* op) {
@@ -5242,16 +5360,28 @@ inline bool broadcasts_to(const Shape& from, const Shape& to) {
 
 namespace nn {
 
+/// A unary primitive's kernel and its scalar (pow's exponent, scale's factor; unused else).
+struct UnaryAttrs {
+  Unary op;
+  double arg;
+};
+/// A binary primitive's kernel.
+struct BinaryAttrs {
+  Binary op;
+};
+
 namespace detail {
 
 template <class B>
 struct UnaryPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::unary(static_cast<Unary>(n.attrs.code), n.attrs.scalar, tp.in(n, 0), n.value);
+    const auto& a = attrs_of<UnaryAttrs>(n);
+    B::unary(a.op, a.arg, tp.in(n, 0), n.value);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<UnaryAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
-    B::unary_vjp(static_cast<Unary>(n.attrs.code), n.attrs.scalar, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
+    B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"unary", &forward, &vjp};
 };
@@ -5261,10 +5391,10 @@ struct UnaryPrim {
 template <class B>
 struct BinaryPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::binary(static_cast<Binary>(n.attrs.code), tp.in(n, 0), tp.in(n, 1), n.value);
+    B::binary(attrs_of<BinaryAttrs>(n).op, tp.in(n, 0), tp.in(n, 1), n.value);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    const auto op = static_cast<Binary>(n.attrs.code);
+    const Binary op = attrs_of<BinaryAttrs>(n).op;
     const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
     for (std::size_t k = 0; k < 2; ++k) {
       if (!tp.needs_grad(n, k)) continue;
@@ -5315,11 +5445,8 @@ struct StopGradientPrim {
 template <class B>
 GVar unary(GTape<B>& tp, Unary op, GVar x, double arg = 0.0) {
   detail::require_float(tp, x, unary_name(op));
-  Attrs a;
-  a.code = static_cast<int>(op);
-  a.scalar = arg;
   GVar in[] = {x};
-  return tp.record(detail::UnaryPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+  return tp.record(detail::UnaryPrim<B>::def, in, UnaryAttrs{op, arg}, tp.shape(x), tp.dtype(x));
 }
 
 // clang-format off
@@ -5347,10 +5474,8 @@ template <class B>
 GVar binary(GTape<B>& tp, Binary op, GVar a, GVar b) {
   detail::require_same_dtype(tp, a, b, binary_name(op));
   Shape out = detail::broadcast_shapes(tp.shape(a), tp.shape(b), binary_name(op));
-  Attrs at;
-  at.code = static_cast<int>(op);
   GVar in[] = {a, b};
-  return tp.record(detail::BinaryPrim<B>::def, in, at, out, tp.dtype(a));
+  return tp.record(detail::BinaryPrim<B>::def, in, BinaryAttrs{op}, out, tp.dtype(a));
 }
 
 // clang-format off
@@ -5371,15 +5496,14 @@ GVar where(GTape<B>& tp, GVar mask, GVar a, GVar b) {
   detail::require_same_dtype(tp, a, b, "where");
   Shape out = detail::broadcast_shapes(detail::broadcast_shapes(tp.shape(mask), tp.shape(a), "where"), tp.shape(b), "where");
   GVar in[] = {mask, a, b};
-  Attrs at;
-  return tp.record(detail::WherePrim<B>::def, in, at, out, tp.dtype(a));
+  return tp.record(detail::WherePrim<B>::def, in, NoAttrs{}, out, tp.dtype(a));
 }
 
 /// x in the forward pass; no gradient flows back through it.
 template <class B>
 GVar stop_gradient(GTape<B>& tp, GVar x) {
   GVar in[] = {x};
-  GVar y = tp.record(detail::StopGradientPrim<B>::def, in, Attrs{}, tp.shape(x), tp.dtype(x));
+  GVar y = tp.record(detail::StopGradientPrim<B>::def, in, NoAttrs{}, tp.shape(x), tp.dtype(x));
   tp.node(y).requires_grad = false;
   return y;
 }
@@ -5395,33 +5519,48 @@ GVar stop_gradient(GTape<B>& tp, GVar x) {
 
 namespace nn {
 
+/// sum / mean: the keepdims shape, and the scale (1, or 1/count for the mean).
+struct SumAttrs {
+  Shape keep;
+  double scale;
+};
+/// max: the axis, and the keepdims shape.
+struct MaxAttrs {
+  int axis;
+  Shape keep;
+};
+
 namespace detail {
 
-/// sum / mean: attrs.shape is the keepdims shape, attrs.scalar the scale (1 or 1/count).
+/// sum / mean (SumAttrs).
 template <class B>
 struct SumPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    Tensor y = n.value.reshape(n.attrs.shape);
-    B::sum_to(tp.in(n, 0), y, n.attrs.scalar, false);
+    const auto& a = attrs_of<SumAttrs>(n);
+    Tensor y = n.value.reshape(a.keep);
+    B::sum_to(tp.in(n, 0), y, a.scale, false);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<SumAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
-    B::broadcast_to(n.grad.reshape(n.attrs.shape), s.g, n.attrs.scalar, s.acc);
+    B::broadcast_to(n.grad.reshape(a.keep), s.g, a.scale, s.acc);
   }
   static constexpr OpDef<B> def{"sum", &forward, &vjp};
 };
 
-/// max over attrs.axis; saved[0] holds the argmax (i32, keepdims shape).
+/// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
 template <class B>
 struct MaxPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    Tensor& idx = tp.scratch(n, 0, n.attrs.shape, DType::i32);
-    Tensor y = n.value.reshape(n.attrs.shape);
-    B::max_axis(tp.in(n, 0), static_cast<int>(n.attrs.axis), y, idx);
+    const auto& a = attrs_of<MaxAttrs>(n);
+    Tensor& idx = tp.scratch(n, 0, a.keep, DType::i32);
+    Tensor y = n.value.reshape(a.keep);
+    B::max_axis(tp.in(n, 0), a.axis, y, idx);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<MaxAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
-    B::max_axis_vjp(n.grad.reshape(n.attrs.shape), n.saved[0], static_cast<int>(n.attrs.axis), s.g, s.acc);
+    B::max_axis_vjp(n.grad.reshape(a.keep), n.saved[0], a.axis, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"max", &forward, &vjp};
 };
@@ -5456,9 +5595,7 @@ GVar reduce_sum(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims, 
     if (red) count *= s[i];
     else out.push_back(s[i]);
   }
-  Attrs a;
-  a.shape = keep;
-  a.scalar = mean ? 1.0 / static_cast<double>(count) : 1.0;
+  const SumAttrs a{keep, mean ? 1.0 / static_cast<double>(count) : 1.0};
   if (mean && count == 0) fail(op, "mean over an empty axis of shape ", s.str());
   GVar in[] = {x};
   return tp.record(SumPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
@@ -5499,9 +5636,7 @@ GVar max(GTape<B>& tp, GVar x, int axis, bool keepdims = false) {
     keep.push_back(i == ax ? 1 : s[i]);
     if (i != ax) out.push_back(s[i]);
   }
-  Attrs a;
-  a.axis = ax;
-  a.shape = keep;
+  const MaxAttrs a{ax, keep};
   GVar in[] = {x};
   return tp.record(detail::MaxPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
 }
@@ -5514,17 +5649,23 @@ GVar max(GTape<B>& tp, GVar x, int axis, bool keepdims = false) {
 
 namespace nn {
 
+/// matmul's flags: A and/or B read transposed; autocast (GTape::set_autocast): the product and
+/// its vjp on bf16-rounded operands with f32 accumulation.
+struct MatmulAttrs {
+  bool trans_a, trans_b, autocast;
+};
+
 namespace detail {
 
-/// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
+/// C = op(A) @ op(B) (MatmulAttrs). When B is a matrix shared by a batched A
 /// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
-/// attrs.code = 1: autocast (GTape::set_autocast): the forward product, dA and dB on bf16-rounded
+/// Autocast: the forward product, dA and dB on bf16-rounded
 /// operands with f32 accumulation (B::matmul_bf16), as torch.autocast's backward runs them.
 template <class B>
 struct MatmulPrim {
   static void mm(const Node<B>& n, const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
     if constexpr (requires { B::bf16_weights; })
-      if (n.attrs.code == 1) return B::matmul_bf16(a, ta, b, tb, c, acc);
+      if (attrs_of<MatmulAttrs>(n).autocast) return B::matmul_bf16(a, ta, b, tb, c, acc);
     B::matmul(a, ta, b, tb, c, acc);
   }
 
@@ -5534,7 +5675,7 @@ struct MatmulPrim {
 
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
-    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    const bool ta = attrs_of<MatmulAttrs>(n).trans_a, tb = attrs_of<MatmulAttrs>(n).trans_b;
     if (foldable(a, b, ta)) {
       Tensor c = rows(n.value);
       mm(n, rows(a), false, b, tb, c, false);
@@ -5547,7 +5688,7 @@ struct MatmulPrim {
   //                   dB = op(A)^T G  (or G^T op(A) when B is read transposed).
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
-    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    const bool ta = attrs_of<MatmulAttrs>(n).trans_a, tb = attrs_of<MatmulAttrs>(n).trans_b;
     const bool fold = foldable(a, b, ta);
     const Tensor a2 = fold ? rows(a) : a;
     const Tensor g = fold ? rows(n.grad) : n.grad;
@@ -5609,13 +5750,11 @@ GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = f
   }
   out.push_back(M);
   out.push_back(N);
-  Attrs at;
-  at.flag_a = trans_a;
-  at.flag_b = trans_b;
+  MatmulAttrs at{trans_a, trans_b, false};
   // autocast: products whose right operand is a float32 matrix (a weight), as torch.autocast;
   // a transposed batched a would not fold into rows, so it keeps float32
   if constexpr (requires { B::bf16_weights; })
-    at.code = tp.autocast() == DType::bf16 && tp.dtype(a) == DType::f32 && tp.dtype(b) == DType::f32 &&
+    at.autocast = tp.autocast() == DType::bf16 && tp.dtype(a) == DType::f32 && tp.dtype(b) == DType::f32 &&
               sb.rank() == 2 && !(sa.rank() > 2 && trans_a);
   GVar in[] = {a, b};
   return tp.record(detail::MatmulPrim<B>::def, in, at, out, tp.dtype(a));
@@ -5632,12 +5771,30 @@ GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = f
 
 namespace nn {
 
+/// reshape's target shape (the node's output is a view, so the shape is kept here).
+struct ReshapeAttrs {
+  Shape shape;
+};
+/// permute's order: out.shape[i] = in.shape[perm[i]].
+struct PermuteAttrs {
+  std::array<int, kMaxRank> perm;
+};
+/// slice's axis and first index (its length is the output's).
+struct SliceAttrs {
+  int axis;
+  std::int64_t start;
+};
+/// concat's axis.
+struct ConcatAttrs {
+  int axis;
+};
+
 namespace detail {
 
 /// The output is a view of input 0 (re-taken on every forward, so a swapped input is seen).
 template <class B>
 struct ReshapePrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { n.value = tp.in(n, 0).reshape(n.attrs.shape); }
+  static void forward(GTape<B>& tp, Node<B>& n) { n.value = tp.in(n, 0).reshape(attrs_of<ReshapeAttrs>(n).shape); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     GradSlot s = tp.grad_slot(n, 0);
     B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
@@ -5647,10 +5804,11 @@ struct ReshapePrim {
 
 template <class B>
 struct PermutePrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { B::permute(tp.in(n, 0), n.attrs.perm, n.value, false); }
+  static void forward(GTape<B>& tp, Node<B>& n) { B::permute(tp.in(n, 0), attrs_of<PermuteAttrs>(n).perm, n.value, false); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& perm = attrs_of<PermuteAttrs>(n).perm;
     std::array<int, kMaxRank> inv{};
-    for (int i = 0; i < n.value.rank(); ++i) inv[static_cast<std::size_t>(n.attrs.perm[static_cast<std::size_t>(i)])] = i;
+    for (int i = 0; i < n.value.rank(); ++i) inv[static_cast<std::size_t>(perm[static_cast<std::size_t>(i)])] = i;
     GradSlot s = tp.grad_slot(n, 0);
     B::permute(n.grad, inv, s.g, s.acc);
   }
@@ -5660,12 +5818,14 @@ struct PermutePrim {
 template <class B>
 struct SlicePrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::slice_copy(tp.in(n, 0), static_cast<int>(n.attrs.axis), n.attrs.start, n.value);
+    const auto& a = attrs_of<SliceAttrs>(n);
+    B::slice_copy(tp.in(n, 0), a.axis, a.start, n.value);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<SliceAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
     if (!s.acc) B::fill(s.g, 0.0);
-    B::slice_scatter(n.grad, static_cast<int>(n.attrs.axis), n.attrs.start, s.g, s.acc);
+    B::slice_scatter(n.grad, a.axis, a.start, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"slice", &forward, &vjp};
 };
@@ -5674,7 +5834,7 @@ template <class B>
 struct ConcatPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     std::int64_t at = 0;
-    const int axis = static_cast<int>(n.attrs.axis);
+    const int axis = attrs_of<ConcatAttrs>(n).axis;
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
       const Tensor& x = tp.in(n, k);
       B::slice_scatter(x, axis, at, n.value, false);
@@ -5683,7 +5843,7 @@ struct ConcatPrim {
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     std::int64_t at = 0;
-    const int axis = static_cast<int>(n.attrs.axis);
+    const int axis = attrs_of<ConcatAttrs>(n).axis;
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
       const Shape& s = tp.in(n, k).shape();
       if (tp.needs_grad(n, k)) {
@@ -5737,10 +5897,8 @@ GVar reshape(GTape<B>& tp, GVar x, std::span<const std::int64_t> dims) {
   if (out.numel() != s.numel())
     detail::fail("reshape", "cannot reshape ", s.str(), " (", s.numel(), " elements) to ", out.str(), " (",
                  out.numel(), " elements)");
-  Attrs a;
-  a.shape = out;
   GVar in[] = {x};
-  return tp.record(detail::ReshapePrim<B>::def, in, a, out, tp.dtype(x));
+  return tp.record(detail::ReshapePrim<B>::def, in, ReshapeAttrs{out}, out, tp.dtype(x));
 }
 
 template <class B>
@@ -5754,7 +5912,7 @@ GVar permute(GTape<B>& tp, GVar x, std::span<const int> perm) {
   const Shape& s = tp.shape(x);
   if (static_cast<int>(perm.size()) != s.rank())
     detail::fail("permute", "permutation of length ", perm.size(), " for shape ", s.str());
-  Attrs a;
+  PermuteAttrs a{};
   Shape out;
   std::array<bool, kMaxRank> seen{};
   int i = 0;
@@ -5784,7 +5942,7 @@ GVar transpose(GTape<B>& tp, GVar x, int d0 = -2, int d1 = -1) {
   std::vector<int> p(static_cast<std::size_t>(s.rank()));
   for (int i = 0; i < s.rank(); ++i) p[static_cast<std::size_t>(i)] = i;
   std::swap(p[static_cast<std::size_t>(a0)], p[static_cast<std::size_t>(a1)]);
-  Attrs a;
+  PermuteAttrs a{};
   Shape out;
   for (int i = 0; i < s.rank(); ++i) {
     a.perm[static_cast<std::size_t>(i)] = p[static_cast<std::size_t>(i)];
@@ -5806,11 +5964,8 @@ GVar slice(GTape<B>& tp, GVar x, int axis, std::int64_t start, std::int64_t stop
     detail::fail("slice", "range [", start, ", ", stop, ") out of bounds for axis ", axis, " of shape ", s.str());
   Shape out = s;
   out[ax] = e - b;
-  Attrs a;
-  a.axis = ax;
-  a.start = b;
   GVar in[] = {x};
-  return tp.record(detail::SlicePrim<B>::def, in, a, out, tp.dtype(x));
+  return tp.record(detail::SlicePrim<B>::def, in, SliceAttrs{ax, b}, out, tp.dtype(x));
 }
 
 /// Joins tensors along `axis`; every other dim must match.
@@ -5832,9 +5987,7 @@ GVar concat(GTape<B>& tp, std::span<const GVar> xs, int axis) {
     if (!ok) detail::fail("concat", "shapes ", s0.str(), " and ", s.str(), " differ outside axis ", axis);
     out[ax] += s[ax];
   }
-  Attrs a;
-  a.axis = ax;
-  return tp.record(detail::ConcatPrim<B>::def, xs, a, out, tp.dtype(xs[0]));
+  return tp.record(detail::ConcatPrim<B>::def, xs, ConcatAttrs{ax}, out, tp.dtype(xs[0]));
 }
 template <class B>
 GVar concat(GTape<B>& tp, std::initializer_list<GVar> xs, int axis) {
@@ -5848,9 +6001,7 @@ GVar broadcast_to(GTape<B>& tp, GVar x, const Shape& shape) {
   if (!detail::broadcasts_to(tp.shape(x), shape))
     detail::fail("broadcast_to", "shape ", tp.shape(x).str(), " cannot broadcast to ", shape.str());
   GVar in[] = {x};
-  Attrs a;
-  a.shape = shape;
-  return tp.record(detail::BroadcastPrim<B>::def, in, a, shape, tp.dtype(x));
+  return tp.record(detail::BroadcastPrim<B>::def, in, NoAttrs{}, shape, tp.dtype(x));
 }
 
 }  // namespace nn
@@ -5918,7 +6069,7 @@ GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
   Shape out = tp.shape(ids);
   out.push_back(ts[1]);
   GVar in[] = {table, ids};
-  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, bf16 ? DType::f32 : tp.dtype(table));
+  return tp.record(detail::GatherRowsPrim<B>::def, in, NoAttrs{}, out, bf16 ? DType::f32 : tp.dtype(table));
 }
 
 /// out[i] = x[i, idx[i]] for x (..., V) and integer idx (...); an index < 0 picks 0 and passes no
@@ -5932,7 +6083,7 @@ GVar pick(GTape<B>& tp, GVar x, GVar idx) {
   for (int i = 0; ok && i < is.rank(); ++i) ok = xs[i] == is[i];
   if (!ok) detail::fail("pick", "indices ", is.str(), " do not match the leading dims of ", xs.str());
   GVar in[] = {x, idx};
-  return tp.record(detail::PickPrim<B>::def, in, Attrs{}, is, tp.dtype(x));
+  return tp.record(detail::PickPrim<B>::def, in, NoAttrs{}, is, tp.dtype(x));
 }
 
 }  // namespace nn
@@ -5944,15 +6095,19 @@ GVar pick(GTape<B>& tp, GVar x, GVar idx) {
 
 namespace nn {
 
+/// Softmax's one attribute: log-softmax or softmax.
+struct SoftmaxAttrs {
+  bool log;
+};
+
 namespace detail {
 
-/// attrs.flag_a: log-softmax.
 template <class B>
 struct SoftmaxPrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { B::softmax(tp.in(n, 0), n.value, n.attrs.flag_a); }
+  static void forward(GTape<B>& tp, Node<B>& n) { B::softmax(tp.in(n, 0), n.value, attrs_of<SoftmaxAttrs>(n).log); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     GradSlot s = tp.grad_slot(n, 0);
-    B::softmax_vjp(n.value, n.grad, s.g, n.attrs.flag_a, s.acc);
+    B::softmax_vjp(n.value, n.grad, s.g, attrs_of<SoftmaxAttrs>(n).log, s.acc);
   }
   static constexpr OpDef<B> def{"softmax", &forward, &vjp};
 };
@@ -5962,10 +6117,8 @@ GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {
   const char* op = log ? "log_softmax" : "softmax";
   require_float(tp, x, op);
   if (tp.shape(x).rank() == 0) fail(op, "needs at least one axis, got a scalar");
-  Attrs a;
-  a.flag_a = log;
   GVar in[] = {x};
-  return tp.record(SoftmaxPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+  return tp.record(SoftmaxPrim<B>::def, in, SoftmaxAttrs{log}, tp.shape(x), tp.dtype(x));
 }
 
 }  // namespace detail
@@ -5992,29 +6145,22 @@ GVar log_softmax(GTape<B>& tp, GVar x) {
 
 namespace nn {
 
-/// How a loss over rows is reduced (PyTorch's `reduction`).
-enum class Reduction : std::uint8_t { none, sum, mean };
-
-constexpr const char* reduction_name(Reduction r) {
-  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
-}
-
 namespace detail {
 
 /// inputs: 0 logits (..., T, V), 1 targets (..., N) integer, N <= T (N == T: one row per
-/// target; the kernel maps target rows to logit rows). attrs.start = ignore index,
-/// attrs.code = reduction. saved[0] = logsumexp per target.
+/// target; the kernel maps target rows to logit rows). Attributes: CrossEntropyAttrs
+/// (backend/policy.hpp). saved[0] = logsumexp per target.
 template <class B>
 struct CrossEntropyPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor& t = tp.in(n, 1);
     Tensor& lse = tp.scratch(n, 0, Shape{t.numel()}, n.value.dtype());
-    B::cross_entropy(tp.in(n, 0), t, n.attrs.start, n.attrs.code, n.value, lse);
+    B::cross_entropy(tp.in(n, 0), t, attrs_of<CrossEntropyAttrs>(n), n.value, lse);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     if (!tp.needs_grad(n, 0)) return;
     GradSlot s = tp.grad_slot(n, 0);
-    B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), n.attrs.start, n.attrs.code, n.saved[0], n.grad, s.g, s.acc);
+    B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), attrs_of<CrossEntropyAttrs>(n), n.saved[0], n.grad, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"cross_entropy", &forward, &vjp};
 };
@@ -6035,11 +6181,8 @@ GVar record_cross_entropy(GTape<B>& tp, GVar logits, GVar targets, Reduction red
     fail(op, "targets ", ts.str(), " do not match logits ", ls.str(),
          first_rows ? ": expected logits (..., T, V) and targets (..., N) with N <= T"
                     : ": expected targets of the logits' leading dims (classes on the last axis)");
-  Attrs a;
-  a.start = ignore_index;
-  a.code = static_cast<int>(reduction);
   GVar in[] = {logits, targets};
-  return tp.record(CrossEntropyPrim<B>::def, in, a, reduction == Reduction::none ? ts : Shape{}, tp.dtype(logits));
+  return tp.record(CrossEntropyPrim<B>::def, in, CrossEntropyAttrs{ignore_index, reduction}, reduction == Reduction::none ? ts : Shape{}, tp.dtype(logits));
 }
 }  // namespace detail
 
@@ -6082,15 +6225,20 @@ void require_key(const GTape<B>& tp, GVar key, const char* op) {
          dtype_name(tp.dtype(key)), " ", tp.shape(key).str());
 }
 
-/// bernoulli(p, shape, key) as a uint8 mask: inputs 0 key; attrs.scalar p. No gradient.
+/// bernoulli's and dropout's probability (of a 1 in the mask; of dropping).
+struct ProbabilityAttrs {
+  double p;
+};
+
+/// bernoulli(p, shape, key) as a uint8 mask: inputs 0 key. No gradient.
 template <class B>
 struct BernoulliPrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), n.attrs.scalar, 1.0, n.value); }
+  static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), attrs_of<ProbabilityAttrs>(n).p, 1.0, n.value); }
   static void vjp(GTape<B>&, Node<B>&) {}
   static constexpr OpDef<B> def{"bernoulli", &forward, &vjp};
 };
 
-/// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; attrs.scalar p.
+/// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
 /// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
 /// into a buffer the node owns, so the vjp reuses exactly the mask the forward applied and a
 /// replay redraws it in place from the key then in the slot.
@@ -6103,7 +6251,7 @@ struct DropoutPrim {
     Tensor& m = tp.scratch(n, 0, x.shape(), x.dtype());
     // 1 - p and 1 / (1 - p) in double, as MLX's Python layer computes them, then rounded to the
     // mask's dtype by the kernel (float32(p_keep) for the test, float32(scale) for the values).
-    const double p_keep = 1.0 - n.attrs.scalar;
+    const double p_keep = 1.0 - attrs_of<ProbabilityAttrs>(n).p;
     B::bernoulli_mask(tp.in(n, 1), p_keep, 1.0 / p_keep, m);
     B::binary(Binary::mul, m, x, n.value);
   }
@@ -6122,10 +6270,8 @@ template <class B>
 GVar bernoulli(GTape<B>& tp, double p, const Shape& shape, GVar key) {
   detail::require_key(tp, key, "bernoulli");
   if (!(p >= 0.0 && p <= 1.0)) detail::fail("bernoulli", "p = ", p, " is not a probability in [0, 1]");
-  Attrs a;
-  a.scalar = p;
   GVar in[] = {key};
-  return tp.record(detail::BernoulliPrim<B>::def, in, a, shape, DType::u8);
+  return tp.record(detail::BernoulliPrim<B>::def, in, detail::ProbabilityAttrs{p}, shape, DType::u8);
 }
 
 /// The dropout primitive: x * bernoulli(1 - p, x.shape, key) / (1 - p), for p in [0, 1). Models
@@ -6135,10 +6281,8 @@ GVar dropout_mask_mul(GTape<B>& tp, GVar x, double p, GVar key) {
   detail::require_float(tp, x, "dropout");
   detail::require_key(tp, key, "dropout");
   if (!(p >= 0.0 && p < 1.0)) detail::fail("dropout", "the dropout probability ", p, " is not in [0, 1)");
-  Attrs a;
-  a.scalar = p;
   GVar in[] = {x, key};
-  return tp.record(detail::DropoutPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+  return tp.record(detail::DropoutPrim<B>::def, in, detail::ProbabilityAttrs{p}, tp.shape(x), tp.dtype(x));
 }
 
 }  // namespace nn
@@ -6152,32 +6296,25 @@ GVar dropout_mask_mul(GTape<B>& tp, GVar x, double p, GVar key) {
 
 namespace nn {
 
+/// RMSNorm's epsilon.
+struct NormAttrs {
+  double eps;
+};
+
 namespace detail {
 
-/// inputs: 0 x (..., C), optionally 1 w (C). attrs.scalar = eps. saved[0] = 1/rms per row.
+/// inputs: 0 x (..., C), optionally 1 w (C). saved[0] = 1/rms per row.
 template <class B>
 struct RmsNormPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor& x = tp.in(n, 0);
     Tensor& rstd = tp.scratch(n, 0, Shape{x.numel() / x.dim(-1)}, x.dtype());
-    B::rms_norm(x, n.inputs.size() > 1 ? tp.in(n, 1) : Tensor(), n.attrs.scalar, n.value, rstd);
+    B::rms_norm(x, n.inputs.size() > 1 ? tp.in(n, 1) : Tensor(), attrs_of<NormAttrs>(n).eps, n.value, rstd);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const bool has_w = n.inputs.size() > 1;
-    Tensor* gx = nullptr;
-    Tensor* gw = nullptr;
-    bool ax = false, aw = false;
-    if (tp.needs_grad(n, 0)) {
-      GradSlot s = tp.grad_slot(n, 0);
-      gx = &s.g;
-      ax = s.acc;
-    }
-    if (has_w && tp.needs_grad(n, 1)) {
-      GradSlot s = tp.grad_slot(n, 1);
-      gw = &s.g;
-      aw = s.acc;
-    }
-    B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, gx, ax, gw, aw);
+    const auto g = tp.template grad_outs<2>(n);
+    B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, g[0], g[1]);
   }
   static constexpr OpDef<B> def{"rmsnorm", &forward, &vjp};
 };
@@ -6192,8 +6329,7 @@ GVar fused_rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps) {
   const Shape& xs = tp.shape(x);
   if (xs.rank() < 1 || xs.dim(-1) == 0) detail::fail("rmsnorm", "x must have a non-empty last axis, got ", xs.str());
   if (!(eps >= 0)) detail::fail("rmsnorm", "eps must be >= 0, got ", eps);
-  Attrs a;
-  a.scalar = eps;
+  const NormAttrs a{eps};
   if (!w.valid()) {
     GVar in[] = {x};
     return tp.record(detail::RmsNormPrim<B>::def, in, a, xs, tp.dtype(x));
@@ -6217,19 +6353,23 @@ GVar fused_rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps) {
 
 namespace nn {
 
+/// RoPE's pairing: traditional (interleaved pairs (2i, 2i + 1)) or NEOX (half split).
+struct RopeAttrs {
+  bool traditional;
+};
+
 namespace detail {
 
-/// inputs: 0 x, 1 cos, 2 sin (tables, no gradient). attrs.flag_a = traditional (interleaved
-/// pairs) rather than NEOX (half split).
+/// inputs: 0 x, 1 cos, 2 sin (tables, no gradient).
 template <class B>
 struct RopePrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.attrs.flag_a, false, n.value, false);
+    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, false, n.value, false);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     if (!tp.needs_grad(n, 0)) return;
     GradSlot s = tp.grad_slot(n, 0);
-    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), n.attrs.flag_a, true, s.g, s.acc);  // rotate back
+    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, true, s.g, s.acc);  // rotate back
   }
   static constexpr OpDef<B> def{"rope", &forward, &vjp};
 };
@@ -6259,10 +6399,8 @@ GVar fused_rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = fal
                  " do not fit: expected x (..., T, D) with tables (T, dims/2), or x (..., T, M, D) with (T, 1, dims/2)");
   if (tp.requires_grad(cos) || tp.requires_grad(sin))
     detail::fail("rope", "the cos/sin tables cannot require a gradient in the fused primitive");
-  Attrs a;
-  a.flag_a = traditional;
   GVar in[] = {x, cos, sin};
-  return tp.record(detail::RopePrim<B>::def, in, a, xs, tp.dtype(x));
+  return tp.record(detail::RopePrim<B>::def, in, RopeAttrs{traditional}, xs, tp.dtype(x));
 }
 
 }  // namespace nn
@@ -6281,63 +6419,41 @@ namespace nn {
 
 namespace detail {
 
-/// The gradient buffers of an attention node's q, k and v (null where none is needed) and
-/// whether each accumulates into what is there.
-template <class B>
-struct QkvGrads {
-  Tensor* g[3] = {nullptr, nullptr, nullptr};
-  bool acc[3] = {false, false, false};
-  QkvGrads(GTape<B>& tp, Node<B>& n) {
-    for (std::size_t k = 0; k < 3; ++k) {
-      if (!tp.needs_grad(n, k)) continue;
-      GradSlot s = tp.grad_slot(n, k);
-      g[k] = &s.g;
-      acc[k] = s.acc;
-    }
-  }
-};
-
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd) (or the same with B and T merged),
-/// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient).
-/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale, attrs.flag_a = causal.
+/// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient). AttentionAttrs.
 /// saved[0] = the probabilities (B, H, T, T); saved[1] = the vjp's scratch (B * KV, T, T).
 template <class B>
 struct AttentionPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    Tensor& p = tp.scratch(n, 0, Shape{d[0], d[2], d[1], d[1]}, n.value.dtype());
-    B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), d[0], d[1], d[2],
-                 d[3], d[4], n.attrs.scalar, n.value, p, n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    Tensor& p = tp.scratch(n, 0, Shape{a.B, a.H, a.T, a.T}, n.value.dtype());
+    B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), a, n.value, p);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    QkvGrads<B> gr(tp, n);
-    Tensor& scratch = tp.scratch(n, 1, Shape{d[0] * d[3], d[1], d[1]}, n.value.dtype());
-    B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, d[0], d[1], d[2], d[3], d[4],
-                     n.attrs.scalar, scratch, gr.g[0], gr.acc[0], gr.g[1], gr.acc[1], gr.g[2], gr.acc[2],
-                     n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    const auto g = tp.template grad_outs<3>(n);
+    Tensor& scratch = tp.scratch(n, 1, Shape{a.B * a.KV, a.T, a.T}, n.value.dtype());
+    B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, a, scratch, g[0], g[1], g[2]);
   }
   static constexpr OpDef<B> def{"attention", &forward, &vjp};
 };
 
-/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); attrs as AttentionPrim's (no mask).
+/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); AttentionAttrs (no mask).
 /// saved[0] = the rows' log-sum-exp (B, H, T); saved[1] = the vjp's rowsum(g * out) (B, H, T).
 /// The vjp reads the output (n.value), as the unary ops' vjps do.
 template <class B>
 struct FlashAttentionPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    Tensor& lse = tp.scratch(n, 0, Shape{d[0], d[2], d[1]}, n.value.dtype());
-    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), d[0], d[1], d[2], d[3], d[4], n.attrs.scalar, n.value,
-                       lse, n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    Tensor& lse = tp.scratch(n, 0, Shape{a.B, a.H, a.T}, n.value.dtype());
+    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), a, n.value, lse);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    QkvGrads<B> gr(tp, n);
-    Tensor& delta = tp.scratch(n, 1, Shape{d[0], d[2], d[1]}, n.value.dtype());
-    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, d[0], d[1], d[2], d[3],
-                           d[4], n.attrs.scalar, delta, gr.g[0], gr.acc[0], gr.g[1], gr.acc[1], gr.g[2], gr.acc[2],
-                           n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    const auto g = tp.template grad_outs<3>(n);
+    Tensor& delta = tp.scratch(n, 1, Shape{a.B, a.H, a.T}, n.value.dtype());
+    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, a, delta, g[0], g[1],
+                           g[2]);
   }
   static constexpr OpDef<B> def{"flash_attention", &forward, &vjp};
 };
@@ -6370,9 +6486,9 @@ inline constexpr std::int64_t kFlashMinT = 128;
 /// True when backend B has the flash kernels (the CPU backend does; others run the
 /// probabilities kernel instead).
 template <class B>
-concept HasFlashAttention = requires(const Tensor& x, Tensor& y, Tensor* gp, std::int64_t i, double s, bool f) {
-  B::flash_attention(x, x, x, i, i, i, i, i, s, y, y, f);
-  B::flash_attention_vjp(x, x, x, x, x, x, i, i, i, i, i, s, y, gp, f, gp, f, gp, f, f);
+concept HasFlashAttention = requires(const Tensor& x, Tensor& y, const AttentionAttrs& a, GradOut g) {
+  B::flash_attention(x, x, x, a, y, y);                   // (q, k, v, attrs, out, lse)
+  B::flash_attention_vjp(x, x, x, x, x, x, a, y, g, g, g);  // (q, k, v, out, lse, g, attrs, delta, gq, gk, gv)
 };
 
 }  // namespace detail
@@ -6391,10 +6507,7 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
   const char* op = "attention";
   const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
   const Shape& qs = tp.shape(q);
-  Attrs a;
-  a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
-  a.scalar = scale;
-  a.flag_a = causal;
+  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
   if (!mask.valid()) {
     GVar in[] = {q, k, v};
     return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));
@@ -6423,10 +6536,7 @@ GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::
                      std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
   const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, "flash_attention");
   const Shape& qs = tp.shape(q);
-  Attrs a;
-  a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
-  a.scalar = scale;
-  a.flag_a = causal;
+  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
   GVar in[] = {q, k, v};
   return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
 }
@@ -6448,15 +6558,8 @@ template <class B>
 struct SwigluPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::swiglu(tp.in(n, 0), tp.in(n, 1), n.value); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    Tensor* g[2] = {nullptr, nullptr};
-    bool acc[2] = {false, false};
-    for (std::size_t k = 0; k < 2; ++k) {
-      if (!tp.needs_grad(n, k)) continue;
-      GradSlot s = tp.grad_slot(n, k);
-      g[k] = &s.g;
-      acc[k] = s.acc;
-    }
-    B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], acc[0], g[1], acc[1]);
+    const auto g = tp.template grad_outs<2>(n);
+    B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], g[1]);
   }
   static constexpr OpDef<B> def{"swiglu", &forward, &vjp};
 };
@@ -6470,7 +6573,7 @@ GVar fused_swiglu(GTape<B>& tp, GVar gate, GVar up) {
   if (!(tp.shape(gate) == tp.shape(up)))
     detail::fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
   GVar in[] = {gate, up};
-  return tp.record(detail::SwigluPrim<B>::def, in, Attrs{}, tp.shape(gate), tp.dtype(gate));
+  return tp.record(detail::SwigluPrim<B>::def, in, NoAttrs{}, tp.shape(gate), tp.dtype(gate));
 }
 
 }  // namespace nn
@@ -6535,10 +6638,8 @@ template <class B>
 GVar view(GTape<B>& tp, GVar x, const Shape& s) {
   if (s.numel() != tp.shape(x).numel())
     fail("reshape", "cannot view ", tp.shape(x).str(), " as ", s.str());
-  Attrs a;
-  a.shape = s;
   GVar in[] = {x};
-  return tp.record(ReshapePrim<B>::def, in, a, s, tp.dtype(x));
+  return tp.record(ReshapePrim<B>::def, in, ReshapeAttrs{s}, s, tp.dtype(x));
 }
 
 /// "(2, 3) float64": how layer errors name an operand.
@@ -6867,15 +6968,16 @@ inline RopeTable rope_fill(std::int64_t T, std::int64_t dims, double base = 1000
   return {Tensor::from_doubles(Shape{T, half}, c, dtype), Tensor::from_doubles(Shape{T, half}, s, dtype)};
 }
 
-/// The tables registered as constants on a tape (on its backend's device).
+/// The tables registered as constants on a tape (on its backend's device), in `dtype`, or else in
+/// the tape's float dtype (GTape::float_dtype).
 struct RopeVars {
   GVar cos, sin;
 };
 
 template <class B>
 RopeVars rope_fill(GTape<B>& tp, std::int64_t T, std::int64_t dims, double base = 10000.0, double scale = 1.0,
-                   std::int64_t offset = 0, DType dtype = DType::f32) {
-  RopeTable t = rope_fill(T, dims, base, scale, offset, dtype);
+                   std::int64_t offset = 0, std::optional<DType> dtype = std::nullopt) {
+  RopeTable t = rope_fill(T, dims, base, scale, offset, dtype.value_or(tp.float_dtype()));
   return {tp.constant(detail::on_backend<B>(t.cos)), tp.constant(detail::on_backend<B>(t.sin))};
 }
 
@@ -7021,16 +7123,18 @@ inline Tensor attention_mask_fill(const Tensor& keep, DType dtype = DType::f32, 
   return Tensor::from_doubles(Shape{Bn, 1, T, T}, m, dtype);
 }
 
-/// The tape forms register the mask as a constant on the tape's device. (A mask that changes
+/// The tape forms register the mask as a constant on the tape's device, in the tape's float dtype
+/// (GTape::float_dtype) unless given one. (A mask that changes
 /// between replays, e.g. padding per batch, belongs in an input slot: nn::input(tp, mask).)
 template <class B>
-GVar causal_mask_fill(GTape<B>& tp, std::int64_t T, DType dtype = DType::f32, double masked = kMaskedValue,
-                      std::int64_t offset = 0) {
-  return tp.constant(detail::on_backend<B>(causal_mask_fill(T, dtype, masked, offset)));
+GVar causal_mask_fill(GTape<B>& tp, std::int64_t T, std::optional<DType> dtype = std::nullopt,
+                      double masked = kMaskedValue, std::int64_t offset = 0) {
+  return tp.constant(detail::on_backend<B>(causal_mask_fill(T, dtype.value_or(tp.float_dtype()), masked, offset)));
 }
 template <class B>
-GVar attention_mask_fill(GTape<B>& tp, const Tensor& keep, DType dtype = DType::f32, double masked = kMaskedValue) {
-  return tp.constant(detail::on_backend<B>(attention_mask_fill(keep, dtype, masked)));
+GVar attention_mask_fill(GTape<B>& tp, const Tensor& keep, std::optional<DType> dtype = std::nullopt,
+                         double masked = kMaskedValue) {
+  return tp.constant(detail::on_backend<B>(attention_mask_fill(keep, dtype.value_or(tp.float_dtype()), masked)));
 }
 
 }  // namespace nn
@@ -7214,6 +7318,33 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
                    bool traditional = false) {
   return detail::gqa_attention(tp, q, k, v, cos, sin, mask, false, T, n_heads, n_kv_heads, head_dim, scale, traditional);
+}
+
+/// gqa_attention's arguments by name, for the form that cannot mix up its four integers:
+///   gqa_attention(tp, q, k, v, {.T = T, .n_heads = 8, .n_kv_heads = 2, .head_dim = 64,
+///                               .cos = rope.cos, .sin = rope.sin, .causal = true});
+/// (Designated initializers go in declaration order; leave out what you do not need.)
+struct AttentionOptions {
+  std::int64_t T = 0;           // the sequence length (q's rows split into (B, T))
+  std::int64_t n_heads = 0;     // query heads
+  std::int64_t n_kv_heads = 0;  // key/value heads; 0: n_heads (MHA)
+  std::int64_t head_dim = 0;
+  double scale = 0;             // multiplies the scores; 0: 1 / sqrt(head_dim)
+  GVar cos{}, sin{};            // RoPE tables from rope_fill; none when empty
+  GVar mask{};                  // additive, broadcasting to (B, n_heads, T, T); none when empty
+  bool causal = false;          // query i sees keys 0..i, with or without a mask, no (T, T) tensor
+  bool traditional = false;     // interleaved RoPE pairs (2i, 2i + 1) instead of NEOX halves
+};
+
+/// Grouped-query attention with named options (AttentionOptions): the same as the positional
+/// forms below, which are the seed's.
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions& o) {
+  const std::int64_t n_kv = o.n_kv_heads == 0 ? o.n_heads : o.n_kv_heads;
+  if (o.head_dim <= 0) detail::fail("gqa_attention", "options need head_dim > 0, got ", o.head_dim);
+  const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
+  return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
+                               o.traditional);
 }
 
 /// The tag that asks gqa_attention for causal attention without a mask tensor.

@@ -51,3 +51,64 @@ TEST_CASE("a value() reference stays valid while more ops are recorded") {
   for (int i = 0; i < 1000; ++i) x = add_scalar(tp, x, 1.0);  // grows the tape well past any block
   CHECK(first.item(1) == doctest::Approx(std::exp(2.0)));
 }
+
+TEST_CASE("each primitive keeps its own attribute struct; reading another type is an error") {
+  NodeAttrs a;
+  a.set(UnaryAttrs{Unary::pow, 2.5});
+  CHECK(a.get<UnaryAttrs>().op == Unary::pow);
+  CHECK(a.get<UnaryAttrs>().arg == 2.5);
+  test::check_error([&] { a.get<SoftmaxAttrs>(); }, {"[tape]", "attributes"});
+  a.set(AttentionAttrs{2, 8, 4, 2, 16, 0.25, true});
+  CHECK(a.get<AttentionAttrs>().KV == 2);
+  CHECK(a.get<AttentionAttrs>().causal);
+  // on the tape: a recorded node holds what its builder gave it
+  GTape<cpu> tp;
+  GVar x = tp.param(test::random_tensor({3, 4}, DType::f64, 5));
+  GVar y = softmax_cross_entropy(tp, x, tp.constant(Tensor::from<std::int64_t>({3}, {1, 0, -7})), Reduction::sum, -7);
+  CHECK(detail::attrs_of<CrossEntropyAttrs>(tp.node(y)).ignore_index == -7);
+  CHECK(detail::attrs_of<CrossEntropyAttrs>(tp.node(y)).reduction == Reduction::sum);
+}
+
+TEST_CASE("the tape resolves gradient aliasing: inputs that are one tensor share one zeroed, accumulating buffer") {
+  GTape<cpu> tp;
+  GVar x = tp.param(test::random_tensor({2, 3}, DType::f64, 6));
+  GVar w = tp.param(test::random_tensor({2, 3}, DType::f64, 7));
+  GVar same = fused_swiglu(tp, x, x);
+  auto g = tp.grad_outs<2>(tp.node(same));
+  REQUIRE(g[0].g != nullptr);
+  CHECK(g[0].g == g[1].g);
+  CHECK((g[0].acc && g[1].acc));
+  for (double v : g[0].g->to_doubles()) CHECK(v == 0.0);
+  GVar apart = fused_swiglu(tp, x, w);
+  auto h = tp.grad_outs<2>(tp.node(apart));
+  CHECK(h[0].g != h[1].g);
+  CHECK(h[0].acc);     // x's buffer already holds the first node's contribution in this sweep
+  CHECK(!h[1].acc);    // w's first
+  // an input without a gradient gets no destination
+  GVar c = fused_swiglu(tp, tp.constant(test::random_tensor({2, 3}, DType::f64, 8)), w);
+  auto k = tp.grad_outs<2>(tp.node(c));
+  CHECK(k[0].g == nullptr);
+}
+
+TEST_CASE("the tape's float dtype: set, or from the first float32/float64 leaf; builders default to it") {
+  GTape<cpu> tp;
+  CHECK(tp.float_dtype() == DType::f32);
+  tp.constant(Tensor::zeros({2}, DType::bf16));  // a storage type: not the compute dtype
+  tp.input(Tensor::zeros({2}, DType::i64));
+  CHECK(tp.float_dtype() == DType::f32);
+  tp.param(Tensor::zeros({2}, DType::f64));
+  CHECK(tp.float_dtype() == DType::f64);
+  tp.param(Tensor::zeros({3}, DType::f32));  // the first one decides
+  CHECK(tp.float_dtype() == DType::f64);
+  CHECK(tp.dtype(causal_mask_fill(tp, 3)) == DType::f64);
+  CHECK(tp.dtype(rope_fill(tp, 3, 4).sin) == DType::f64);
+  CHECK(tp.dtype(causal_mask_fill(tp, 3, DType::f32)) == DType::f32);  // an explicit dtype wins
+  tp.clear();
+  CHECK(tp.float_dtype() == DType::f32);
+  tp.set_float_dtype(DType::f64);
+  tp.param(Tensor::zeros({2}, DType::f32));
+  CHECK(tp.float_dtype() == DType::f64);
+  tp.clear();
+  CHECK(tp.float_dtype() == DType::f64);  // set explicitly: kept
+  test::check_error([&] { tp.set_float_dtype(DType::bf16); }, {"[tape]", "bfloat16"});
+}

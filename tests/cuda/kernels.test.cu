@@ -316,7 +316,7 @@ TEST_CASE("cuda kernels: out-of-range ids raise nn::Error as on the CPU") {
   CHECK_NOTHROW(cuda::gather_rows(table, ok, y));  // the error was cleared
   Tensor x = dev(rnd({2, 4}, DType::f64)), lse = cuda::alloc({2}, DType::f64), out = cuda::alloc({}, DType::f64);
   Tensor t = dev(Tensor::from<std::int64_t>({2}, {9, 1}));
-  CHECK_THROWS_WITH_AS(cuda::cross_entropy(x, t, -100, 2, out, lse), doctest::Contains("target 9 at row 0"), nn::Error);
+  CHECK_THROWS_WITH_AS(cuda::cross_entropy(x, t, CrossEntropyAttrs{-100, Reduction::mean}, out, lse), doctest::Contains("target 9 at row 0"), nn::Error);
   Tensor px = dev(rnd({2, 4}, DType::f32)), py = cuda::alloc({2}, DType::f32);
   CHECK_THROWS_WITH_AS(cuda::pick(px, dev(Tensor::from<std::int64_t>({2}, {0, 4})), py), doctest::Contains("index 4 at row 1"),
                        nn::Error);
@@ -386,16 +386,17 @@ TEST_CASE("cuda kernels: cross_entropy and its vjp (reductions, ignore_index, ne
           const std::string nm = std::string(c.name) + " " + dtype_name(it) + " reduction " + std::to_string(red);
           const Shape ys = red == 0 ? c.t : Shape{};
           Tensor hy = poisoned(ys, dt), hl = poisoned({t.numel()}, dt), dy = dev(hy), dl = dev(hl);
-          cpu::cross_entropy(x, t, -100, red, hy, hl);
-          cuda::cross_entropy(dev(x), dev(t), -100, red, dy, dl);
+          const CrossEntropyAttrs ca{-100, static_cast<Reduction>(red)};
+          cpu::cross_entropy(x, t, ca, hy, hl);
+          cuda::cross_entropy(dev(x), dev(t), ca, dy, dl);
           expect_close(tag("cross_entropy", nm), hy, dy);
           expect_close(tag("cross_entropy", nm + " lse"), hl, dl);
           Tensor g = rnd(ys, dt);
           for (bool acc : {false, true})
             both(tag("cross_entropy_vjp", nm + (acc ? " acc" : "")), acc ? rnd(c.x, dt) : poisoned(c.x, dt),
                  [&](Tensor& h, Tensor& d) {
-                   cpu::cross_entropy_vjp(x, t, -100, red, hl, g, h, acc);
-                   cuda::cross_entropy_vjp(dev(x), dev(t), -100, red, dl, dev(g), d, acc);
+                   cpu::cross_entropy_vjp(x, t, ca, hl, g, h, acc);
+                   cuda::cross_entropy_vjp(dev(x), dev(t), ca, dl, dev(g), d, acc);
                  });
         }
       }
@@ -477,8 +478,8 @@ TEST_CASE("cuda kernels: fused rms_norm, rope, attention, swiglu and their vjps"
       for (bool acc : {false, true}) {
         Tensor gx0 = acc ? rnd({6, 300}, dt) : poisoned({6, 300}, dt), gw0 = acc ? rnd({300}, dt) : poisoned({300}, dt);
         Tensor hgx = gx0.clone(), hgw = gw0.clone(), dgx = dev(gx0), dgw = dev(gw0);
-        cpu::rms_norm_vjp(x, w, hr, g, &hgx, acc, gain ? &hgw : nullptr, acc);
-        cuda::rms_norm_vjp(dev(x), dw, dr, dev(g), &dgx, acc, gain ? &dgw : nullptr, acc);
+        cpu::rms_norm_vjp(x, w, hr, g, {&hgx, acc}, {gain ? &hgw : nullptr, acc});
+        cuda::rms_norm_vjp(dev(x), dw, dr, dev(g), {&dgx, acc}, {gain ? &dgw : nullptr, acc});
         expect_close(nm + " vjp x" + (acc ? " acc" : ""), hgx, dgx);
         if (gain) expect_close(nm + " vjp w" + (acc ? " acc" : ""), hgw, dgw);
       }
@@ -514,8 +515,9 @@ TEST_CASE("cuda kernels: fused rms_norm, rope, attention, swiglu and their vjps"
       Tensor mask = c.mask.rank() ? rnd(c.mask, dt, -3, 0) : Tensor(), dmask = c.mask.rank() ? dev(mask) : Tensor();
       const double scale = 1.0 / std::sqrt(static_cast<double>(c.hd));
       Tensor ho = poisoned(qs, dt), hp = poisoned(ps, dt), dO = dev(ho), dp = dev(hp);
-      cpu::attention(q, k, v, mask, c.B, c.T, c.H, c.KV, c.hd, scale, ho, hp);
-      cuda::attention(dev(q), dev(k), dev(v), dmask, c.B, c.T, c.H, c.KV, c.hd, scale, dO, dp);
+      const AttentionAttrs at{c.B, c.T, c.H, c.KV, c.hd, scale, false};
+      cpu::attention(q, k, v, mask, at, ho, hp);
+      cuda::attention(dev(q), dev(k), dev(v), dmask, at, dO, dp);
       expect_close(nm + " out", ho, dO);
       expect_close(nm + " probabilities", hp, dp);
       Tensor g = rnd(qs, dt);
@@ -524,9 +526,8 @@ TEST_CASE("cuda kernels: fused rms_norm, rope, attention, swiglu and their vjps"
                gv0 = acc ? rnd(ks, dt) : poisoned(ks, dt);
         Tensor hq = gq0.clone(), hk = gk0.clone(), hv = gv0.clone(), dq = dev(gq0), dk = dev(gk0), dv = dev(gv0);
         Tensor hs = poisoned({c.B * c.KV, c.T, c.T}, dt), ds = dev(hs);
-        cpu::attention_vjp(q, k, v, hp, g, c.B, c.T, c.H, c.KV, c.hd, scale, hs, &hq, acc, &hk, acc, &hv, acc);
-        cuda::attention_vjp(dev(q), dev(k), dev(v), dp, dev(g), c.B, c.T, c.H, c.KV, c.hd, scale, ds, &dq, acc, &dk, acc,
-                            &dv, acc);
+        cpu::attention_vjp(q, k, v, hp, g, at, hs, {&hq, acc}, {&hk, acc}, {&hv, acc});
+        cuda::attention_vjp(dev(q), dev(k), dev(v), dp, dev(g), at, ds, {&dq, acc}, {&dk, acc}, {&dv, acc});
         const std::string a = acc ? " acc" : "";
         expect_close(nm + " vjp q" + a, hq, dq);
         expect_close(nm + " vjp k" + a, hk, dk);
@@ -534,9 +535,8 @@ TEST_CASE("cuda kernels: fused rms_norm, rope, attention, swiglu and their vjps"
       }
       // only some gradients wanted
       Tensor hv = poisoned(ks, dt), dv = dev(hv), hs = poisoned({c.B * c.KV, c.T, c.T}, dt), ds = dev(hs);
-      cpu::attention_vjp(q, k, v, hp, g, c.B, c.T, c.H, c.KV, c.hd, scale, hs, nullptr, false, nullptr, false, &hv, false);
-      cuda::attention_vjp(dev(q), dev(k), dev(v), dp, dev(g), c.B, c.T, c.H, c.KV, c.hd, scale, ds, nullptr, false, nullptr,
-                          false, &dv, false);
+      cpu::attention_vjp(q, k, v, hp, g, at, hs, {}, {}, {&hv, false});
+      cuda::attention_vjp(dev(q), dev(k), dev(v), dp, dev(g), at, ds, {}, {}, {&dv, false});
       expect_close(nm + " vjp v only", hv, dv);
     }
     // swiglu
@@ -548,8 +548,8 @@ TEST_CASE("cuda kernels: fused rms_norm, rope, attention, swiglu and their vjps"
     for (bool acc : {false, true}) {
       Tensor ga0 = acc ? rnd({7, 130}, dt) : poisoned({7, 130}, dt), gu0 = acc ? rnd({7, 130}, dt) : poisoned({7, 130}, dt);
       Tensor hga = ga0.clone(), hgu = gu0.clone(), dga = dev(ga0), dgu = dev(gu0);
-      cpu::swiglu_vjp(a, u, g, &hga, acc, &hgu, acc);
-      cuda::swiglu_vjp(dev(a), dev(u), dev(g), &dga, acc, &dgu, acc);
+      cpu::swiglu_vjp(a, u, g, {&hga, acc}, {&hgu, acc});
+      cuda::swiglu_vjp(dev(a), dev(u), dev(g), {&dga, acc}, {&dgu, acc});
       expect_close(std::string("swiglu vjp gate") + (acc ? " acc" : ""), hga, dga);
       expect_close(std::string("swiglu vjp up") + (acc ? " acc" : ""), hgu, dgu);
     }

@@ -96,6 +96,36 @@ TEST_CASE("gqa_attention: layouts, mask forms and shapes") {
   CHECK(tp.value(head(tp, q, 1, hd)).item(0) == Q.item(hd));
 }
 
+TEST_CASE("gqa_attention with named options equals the positional forms, bit for bit") {
+  const std::int64_t Bn = 2, T = 5, nh = 4, nkv = 2, hd = 6;
+  GTape<cpu> tp;
+  GVar q = tp.constant(test::random_tensor({Bn, T, nh * hd}, DType::f64, 81));
+  GVar k = tp.constant(test::random_tensor({Bn, T, nkv * hd}, DType::f64, 82));
+  GVar v = tp.constant(test::random_tensor({Bn, T, nkv * hd}, DType::f64, 83));
+  RopeVars r = rope_fill(tp, T, hd);  // the tape's float dtype: float64, from q
+  CHECK(tp.dtype(r.cos) == DType::f64);
+  const double s = 1.0 / std::sqrt(static_cast<double>(hd));
+  // causal, RoPE, GQA, default scale
+  GVar a = gqa_attention(tp, q, k, v, r.cos, r.sin, nn::causal, T, nh, nkv, hd, s);
+  GVar b = gqa_attention(tp, q, k, v, {.T = T, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .cos = r.cos,
+                                       .sin = r.sin, .causal = true});
+  CHECK(test::rel_err(tp.value(a), tp.value(b)) == 0.0);
+  // a mask tensor (in the tape's dtype by default), traditional RoPE, explicit scale
+  GVar m = causal_mask_fill(tp, T);
+  CHECK(tp.dtype(m) == DType::f64);
+  GVar c = gqa_attention(tp, q, k, v, r.cos, r.sin, m, T, nh, nkv, hd, 0.3, true);
+  GVar d = gqa_attention(tp, q, k, v, {.T = T, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 0.3,
+                                       .cos = r.cos, .sin = r.sin, .mask = m, .traditional = true});
+  CHECK(test::rel_err(tp.value(c), tp.value(d)) == 0.0);
+  // n_kv_heads left out: MHA; no RoPE, no mask
+  GVar kk = tp.constant(test::random_tensor({Bn, T, nh * hd}, DType::f64, 84));
+  GVar e = gqa_attention(tp, q, kk, kk, GVar{}, GVar{}, GVar{}, T, nh, nh, hd, s);
+  GVar f = gqa_attention(tp, q, kk, kk, {.T = T, .n_heads = nh, .head_dim = hd});
+  CHECK(test::rel_err(tp.value(e), tp.value(f)) == 0.0);
+  test::check_error([&] { gqa_attention(tp, q, k, v, {.T = T, .n_heads = nh, .n_kv_heads = nkv}); },
+                    {"[gqa_attention]", "head_dim"});
+}
+
 TEST_CASE("gqa_attention: finite differences (MHA, GQA, MQA, padded)") {
   const std::int64_t Bn = 2, T = 4, nh = 4, hd = 4;
   Tensor keep = Tensor::from<std::int32_t>({2, 4}, {1, 1, 1, 1, 1, 1, 0, 0});

@@ -537,7 +537,9 @@ struct cuda {
 
   /// cpu.hpp's cross_entropy (same row mapping, reductions and ignore rule); the sum over targets
   /// is one block's fixed tree. A target out of range raises outside a graph capture.
-  static void cross_entropy(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction, Tensor& y, Tensor& lse) {
+  static void cross_entropy(const Tensor& x, const Tensor& t, const CrossEntropyAttrs& a, Tensor& y, Tensor& lse) {
+    const std::int64_t ignore = a.ignore_index;
+    const int reduction = static_cast<int>(a.reduction);  // 0 none, 1 sum, 2 mean
     namespace cu = detail::cu;
     const std::int64_t V = x.dim(-1), R = t.numel();
     const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
@@ -558,8 +560,10 @@ struct cuda {
                    " classes (ignore_index is ", ignore, ")");
   }
 
-  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction, const Tensor& lse,
+  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, const CrossEntropyAttrs& a, const Tensor& lse,
                                 const Tensor& g, Tensor& gx, bool acc) {
+    const std::int64_t ignore = a.ignore_index;
+    const int reduction = static_cast<int>(a.reduction);  // 0 none, 1 sum, 2 mean
     namespace cu = detail::cu;
     const std::int64_t V = x.dim(-1), R = t.numel();
     const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
@@ -598,8 +602,10 @@ struct cuda {
   }
 
   /// gx per row (a block each); gw per column, summed over the rows in order (deterministic).
-  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, Tensor* gx, bool acc_x,
-                           Tensor* gw, bool acc_w) {
+  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, GradOut ox,
+                           GradOut ow) {
+    Tensor *gx = ox.g, *gw = ow.g;
+    const bool acc_x = ox.acc, acc_w = ow.acc;
     namespace cu = detail::cu;
     const std::int64_t C = x.dim(-1), R = x.numel() / std::max<std::int64_t>(C, 1);
     if (C == 0) return;
@@ -634,9 +640,11 @@ struct cuda {
   /// Attention, cpu.hpp's layout and math: the (batch, head) products as strided-batched cuBLAS
   /// GEMMs reading q, k, v in their projection layout (no permuted copies), the masked, scaled
   /// softmax in place in p (B, H, T, T), one block per row.
-  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
-                        std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                        Tensor& p, bool causal = false) {
+  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const AttentionAttrs& a,
+                        Tensor& out, Tensor& p) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
     namespace cu = detail::cu;
     if (Bn * H * T_ == 0 || hd == 0) return;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
@@ -664,10 +672,14 @@ struct cuda {
 
   /// The vjp of attention, cpu.hpp's order: the group's query heads j = 0, 1, ... in turn, so
   /// dk and dv sum them in the CPU's order (beta = 1 after the first), deterministic.
+  /// (a.causal needs nothing here: P is 0 above the diagonal, so dS is too.) The tape has resolved
+  /// aliasing: gradients that share a buffer arrive zeroed and accumulating.
   static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
-                            std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
-                            double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
-                            bool acc_v, bool /*causal: P is 0 above the diagonal, so dS is too*/ = false) {
+                            const AttentionAttrs& a, Tensor& scratch, GradOut oq, GradOut ok, GradOut ov) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
     namespace cu = detail::cu;
     if (Bn * H * T_ == 0 || hd == 0) return;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
@@ -712,8 +724,9 @@ struct cuda {
     cu::check_launch("swiglu");
   }
 
-  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, Tensor* ggate, bool acc_gate, Tensor* gup,
-                         bool acc_up) {
+  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, GradOut og, GradOut ou) {
+    Tensor *ggate = og.g, *gup = ou.g;
+    const bool acc_gate = og.acc, acc_up = ou.acc;
     namespace cu = detail::cu;
     const std::int64_t n = g.numel();
     if (n == 0 || (!ggate && !gup)) return;

@@ -66,13 +66,49 @@ constexpr const char* binary_name(Binary b) {
   return "?";
 }
 
+/// How a loss over rows is reduced (PyTorch's `reduction`).
+enum class Reduction : std::uint8_t { none, sum, mean };
+
+constexpr const char* reduction_name(Reduction r) {
+  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
+}
+
+// Attribute structs of the primitives whose kernels need more than a flag or two: the node keeps
+// them (ops/), and the kernels take them whole, not as long positional lists.
+
+/// Attention's shape and options: q, out (B, T, H * head_dim), k, v (B, T, KV * head_dim) (or
+/// the same with B and T merged); query head h reads kv head h / (H / KV). `scale` multiplies the
+/// scores; `causal`: query i sees keys 0..i only.
+struct AttentionAttrs {
+  std::int64_t B = 0, T = 0, H = 0, KV = 0, head_dim = 0;
+  double scale = 1.0;
+  bool causal = false;
+};
+
+/// Softmax cross-entropy's options: a target equal to ignore_index counts nothing (loss and
+/// gradient 0, left out of the mean).
+struct CrossEntropyAttrs {
+  std::int64_t ignore_index = -100;
+  Reduction reduction = Reduction::mean;
+};
+
+/// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
+/// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
+/// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
+/// zeroed, and both accumulate, so a kernel never tests whether its outputs overlap.
+struct GradOut {
+  Tensor* g = nullptr;
+  bool acc = false;
+};
+
 /// What a backend policy provides. Every kernel takes tensors already allocated by the caller
 /// (the tape owns all buffers, so a replay allocates nothing); `acc` means "add into the
 /// destination" rather than overwrite, which is how gradients accumulate. Shapes are validated
 /// by the ops before a kernel runs; kernels trust them.
 template <class B>
 concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
-                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm) {
+                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
+                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go) {
   { B::device } -> std::convertible_to<Device>;
   { B::name } -> std::convertible_to<const char*>;
   { B::alloc(s, dt) } -> std::same_as<Tensor>;
@@ -100,19 +136,19 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   B::bernoulli_mask(x, v, v, y);               // (key, p_keep, value, mask): MLX bernoulli ? value : 0
   B::softmax(x, y, acc);                       // last axis; acc selects log_softmax here
   B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
-  B::cross_entropy(x, x, i64, axis, y, y);     // (logits, targets, ignore, reduction, y, lse)
-  B::cross_entropy_vjp(x, x, i64, axis, x, x, y, acc);  // (logits, targets, ignore, reduction, lse, g, gx, acc)
+  B::cross_entropy(x, x, ce, y, y);            // (logits, targets, attrs, y, lse)
+  B::cross_entropy_vjp(x, x, ce, x, x, y, acc);  // (logits, targets, attrs, lse, g, gx, acc)
   // fused primitives, each beside its composite reference (ops/norm, rope, attention, glu.hpp);
   // a null gradient pointer means that input needs none
   B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
-  B::rms_norm_vjp(x, x, x, x, &y, acc, &y, acc); // (x, w, rstd, g, gx, acc_x, gw, acc_w)
+  B::rms_norm_vjp(x, x, x, x, go, go);           // (x, w, rstd, g, gx, gw)
   B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
-  B::attention(x, x, x, x, i64, i64, i64, i64, i64, v, y, y, acc);  // (q, k, v, mask, B, T, H, KV, hd, scale, out, p, causal)
-  B::attention_vjp(x, x, x, x, x, i64, i64, i64, i64, i64, v, y, &y, acc, &y, acc, &y, acc, acc);  // (q, k, v, p, g, B, T, H, KV, hd, scale, scratch, gq, acc, gk, acc, gv, acc, causal)
+  B::attention(x, x, x, x, att, y, y);           // (q, k, v, mask, attrs, out, p)
+  B::attention_vjp(x, x, x, x, x, att, y, go, go, go);  // (q, k, v, p, g, attrs, scratch, gq, gk, gv)
   // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
   // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
   B::swiglu(x, x, y);                            // (gate, up, y)
-  B::swiglu_vjp(x, x, x, &y, acc, &y, acc);      // (gate, up, g, ggate, acc, gup, acc)
+  B::swiglu_vjp(x, x, x, go, go);                // (gate, up, g, ggate, gup)
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
   B::sgd_update(y, x, y, x, v, v, v, acc);
   B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);

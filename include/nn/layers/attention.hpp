@@ -185,6 +185,33 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
   return detail::gqa_attention(tp, q, k, v, cos, sin, mask, false, T, n_heads, n_kv_heads, head_dim, scale, traditional);
 }
 
+/// gqa_attention's arguments by name, for the form that cannot mix up its four integers:
+///   gqa_attention(tp, q, k, v, {.T = T, .n_heads = 8, .n_kv_heads = 2, .head_dim = 64,
+///                               .cos = rope.cos, .sin = rope.sin, .causal = true});
+/// (Designated initializers go in declaration order; leave out what you do not need.)
+struct AttentionOptions {
+  std::int64_t T = 0;           // the sequence length (q's rows split into (B, T))
+  std::int64_t n_heads = 0;     // query heads
+  std::int64_t n_kv_heads = 0;  // key/value heads; 0: n_heads (MHA)
+  std::int64_t head_dim = 0;
+  double scale = 0;             // multiplies the scores; 0: 1 / sqrt(head_dim)
+  GVar cos{}, sin{};            // RoPE tables from rope_fill; none when empty
+  GVar mask{};                  // additive, broadcasting to (B, n_heads, T, T); none when empty
+  bool causal = false;          // query i sees keys 0..i, with or without a mask, no (T, T) tensor
+  bool traditional = false;     // interleaved RoPE pairs (2i, 2i + 1) instead of NEOX halves
+};
+
+/// Grouped-query attention with named options (AttentionOptions): the same as the positional
+/// forms below, which are the seed's.
+template <class B>
+GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions& o) {
+  const std::int64_t n_kv = o.n_kv_heads == 0 ? o.n_heads : o.n_kv_heads;
+  if (o.head_dim <= 0) detail::fail("gqa_attention", "options need head_dim > 0, got ", o.head_dim);
+  const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
+  return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
+                               o.traditional);
+}
+
 /// The tag that asks gqa_attention for causal attention without a mask tensor.
 struct Causal {};
 inline constexpr Causal causal{};

@@ -60,10 +60,8 @@ template <class B>
 GVar view(GTape<B>& tp, GVar x, const Shape& s) {
   if (s.numel() != tp.shape(x).numel())
     fail("reshape", "cannot view ", tp.shape(x).str(), " as ", s.str());
-  Attrs a;
-  a.shape = s;
   GVar in[] = {x};
-  return tp.record(ReshapePrim<B>::def, in, a, s, tp.dtype(x));
+  return tp.record(ReshapePrim<B>::def, in, ReshapeAttrs{s}, s, tp.dtype(x));
 }
 
 /// "(2, 3) float64": how layer errors name an operand.

@@ -62,16 +62,18 @@ inline Tensor attention_mask_fill(const Tensor& keep, DType dtype = DType::f32, 
   return Tensor::from_doubles(Shape{Bn, 1, T, T}, m, dtype);
 }
 
-/// The tape forms register the mask as a constant on the tape's device. (A mask that changes
+/// The tape forms register the mask as a constant on the tape's device, in the tape's float dtype
+/// (GTape::float_dtype) unless given one. (A mask that changes
 /// between replays, e.g. padding per batch, belongs in an input slot: nn::input(tp, mask).)
 template <class B>
-GVar causal_mask_fill(GTape<B>& tp, std::int64_t T, DType dtype = DType::f32, double masked = kMaskedValue,
-                      std::int64_t offset = 0) {
-  return tp.constant(detail::on_backend<B>(causal_mask_fill(T, dtype, masked, offset)));
+GVar causal_mask_fill(GTape<B>& tp, std::int64_t T, std::optional<DType> dtype = std::nullopt,
+                      double masked = kMaskedValue, std::int64_t offset = 0) {
+  return tp.constant(detail::on_backend<B>(causal_mask_fill(T, dtype.value_or(tp.float_dtype()), masked, offset)));
 }
 template <class B>
-GVar attention_mask_fill(GTape<B>& tp, const Tensor& keep, DType dtype = DType::f32, double masked = kMaskedValue) {
-  return tp.constant(detail::on_backend<B>(attention_mask_fill(keep, dtype, masked)));
+GVar attention_mask_fill(GTape<B>& tp, const Tensor& keep, std::optional<DType> dtype = std::nullopt,
+                         double masked = kMaskedValue) {
+  return tp.constant(detail::on_backend<B>(attention_mask_fill(keep, dtype.value_or(tp.float_dtype()), masked)));
 }
 
 }  // namespace nn

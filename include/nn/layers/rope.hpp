@@ -40,15 +40,16 @@ inline RopeTable rope_fill(std::int64_t T, std::int64_t dims, double base = 1000
   return {Tensor::from_doubles(Shape{T, half}, c, dtype), Tensor::from_doubles(Shape{T, half}, s, dtype)};
 }
 
-/// The tables registered as constants on a tape (on its backend's device).
+/// The tables registered as constants on a tape (on its backend's device), in `dtype`, or else in
+/// the tape's float dtype (GTape::float_dtype).
 struct RopeVars {
   GVar cos, sin;
 };
 
 template <class B>
 RopeVars rope_fill(GTape<B>& tp, std::int64_t T, std::int64_t dims, double base = 10000.0, double scale = 1.0,
-                   std::int64_t offset = 0, DType dtype = DType::f32) {
-  RopeTable t = rope_fill(T, dims, base, scale, offset, dtype);
+                   std::int64_t offset = 0, std::optional<DType> dtype = std::nullopt) {
+  RopeTable t = rope_fill(T, dims, base, scale, offset, dtype.value_or(tp.float_dtype()));
   return {tp.constant(detail::on_backend<B>(t.cos)), tp.constant(detail::on_backend<B>(t.sin))};
 }
 

@@ -178,10 +178,16 @@ struct CausalLM {
       GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
       GVar v = detail::project(tp, l.self_attn.v_proj, n1);
       // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
-      GVar ctx = mask.valid() ? gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, T, c.num_attention_heads,
-                                              c.num_key_value_heads, c.head_dim, scale)
-                              : gqa_attention(tp, q, k, v, rp.cos, rp.sin, nn::causal, T, c.num_attention_heads,
-                                              c.num_key_value_heads, c.head_dim, scale);  // (B, T, n_heads * hd)
+      GVar ctx = gqa_attention(tp, q, k, v,
+                               {.T = T,
+                                .n_heads = c.num_attention_heads,
+                                .n_kv_heads = c.num_key_value_heads,
+                                .head_dim = c.head_dim,
+                                .scale = scale,
+                                .cos = rp.cos,
+                                .sin = rp.sin,
+                                .mask = mask,
+                                .causal = !mask.valid()});  // (B, T, n_heads * hd)
       x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
       x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
     }

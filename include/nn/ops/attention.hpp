@@ -14,63 +14,41 @@ namespace nn {
 
 namespace detail {
 
-/// The gradient buffers of an attention node's q, k and v (null where none is needed) and
-/// whether each accumulates into what is there.
-template <class B>
-struct QkvGrads {
-  Tensor* g[3] = {nullptr, nullptr, nullptr};
-  bool acc[3] = {false, false, false};
-  QkvGrads(GTape<B>& tp, Node<B>& n) {
-    for (std::size_t k = 0; k < 3; ++k) {
-      if (!tp.needs_grad(n, k)) continue;
-      GradSlot s = tp.grad_slot(n, k);
-      g[k] = &s.g;
-      acc[k] = s.acc;
-    }
-  }
-};
-
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd) (or the same with B and T merged),
-/// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient).
-/// attrs.shape = (B, T, H, KV, hd), attrs.scalar = the score scale, attrs.flag_a = causal.
+/// optionally 3 an additive mask broadcasting to (B, H, T, T) (no gradient). AttentionAttrs.
 /// saved[0] = the probabilities (B, H, T, T); saved[1] = the vjp's scratch (B * KV, T, T).
 template <class B>
 struct AttentionPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    Tensor& p = tp.scratch(n, 0, Shape{d[0], d[2], d[1], d[1]}, n.value.dtype());
-    B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), d[0], d[1], d[2],
-                 d[3], d[4], n.attrs.scalar, n.value, p, n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    Tensor& p = tp.scratch(n, 0, Shape{a.B, a.H, a.T, a.T}, n.value.dtype());
+    B::attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(), a, n.value, p);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    QkvGrads<B> gr(tp, n);
-    Tensor& scratch = tp.scratch(n, 1, Shape{d[0] * d[3], d[1], d[1]}, n.value.dtype());
-    B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, d[0], d[1], d[2], d[3], d[4],
-                     n.attrs.scalar, scratch, gr.g[0], gr.acc[0], gr.g[1], gr.acc[1], gr.g[2], gr.acc[2],
-                     n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    const auto g = tp.template grad_outs<3>(n);
+    Tensor& scratch = tp.scratch(n, 1, Shape{a.B * a.KV, a.T, a.T}, n.value.dtype());
+    B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, a, scratch, g[0], g[1], g[2]);
   }
   static constexpr OpDef<B> def{"attention", &forward, &vjp};
 };
 
-/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); attrs as AttentionPrim's (no mask).
+/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); AttentionAttrs (no mask).
 /// saved[0] = the rows' log-sum-exp (B, H, T); saved[1] = the vjp's rowsum(g * out) (B, H, T).
 /// The vjp reads the output (n.value), as the unary ops' vjps do.
 template <class B>
 struct FlashAttentionPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    Tensor& lse = tp.scratch(n, 0, Shape{d[0], d[2], d[1]}, n.value.dtype());
-    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), d[0], d[1], d[2], d[3], d[4], n.attrs.scalar, n.value,
-                       lse, n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    Tensor& lse = tp.scratch(n, 0, Shape{a.B, a.H, a.T}, n.value.dtype());
+    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), a, n.value, lse);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    const Shape& d = n.attrs.shape;
-    QkvGrads<B> gr(tp, n);
-    Tensor& delta = tp.scratch(n, 1, Shape{d[0], d[2], d[1]}, n.value.dtype());
-    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, d[0], d[1], d[2], d[3],
-                           d[4], n.attrs.scalar, delta, gr.g[0], gr.acc[0], gr.g[1], gr.acc[1], gr.g[2], gr.acc[2],
-                           n.attrs.flag_a);
+    const auto& a = attrs_of<AttentionAttrs>(n);
+    const auto g = tp.template grad_outs<3>(n);
+    Tensor& delta = tp.scratch(n, 1, Shape{a.B, a.H, a.T}, n.value.dtype());
+    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, a, delta, g[0], g[1],
+                           g[2]);
   }
   static constexpr OpDef<B> def{"flash_attention", &forward, &vjp};
 };
@@ -103,9 +81,9 @@ inline constexpr std::int64_t kFlashMinT = 128;
 /// True when backend B has the flash kernels (the CPU backend does; others run the
 /// probabilities kernel instead).
 template <class B>
-concept HasFlashAttention = requires(const Tensor& x, Tensor& y, Tensor* gp, std::int64_t i, double s, bool f) {
-  B::flash_attention(x, x, x, i, i, i, i, i, s, y, y, f);
-  B::flash_attention_vjp(x, x, x, x, x, x, i, i, i, i, i, s, y, gp, f, gp, f, gp, f, f);
+concept HasFlashAttention = requires(const Tensor& x, Tensor& y, const AttentionAttrs& a, GradOut g) {
+  B::flash_attention(x, x, x, a, y, y);                   // (q, k, v, attrs, out, lse)
+  B::flash_attention_vjp(x, x, x, x, x, x, a, y, g, g, g);  // (q, k, v, out, lse, g, attrs, delta, gq, gk, gv)
 };
 
 }  // namespace detail
@@ -124,10 +102,7 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
   const char* op = "attention";
   const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
   const Shape& qs = tp.shape(q);
-  Attrs a;
-  a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
-  a.scalar = scale;
-  a.flag_a = causal;
+  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
   if (!mask.valid()) {
     GVar in[] = {q, k, v};
     return tp.record(detail::AttentionPrim<B>::def, in, a, qs, tp.dtype(q));
@@ -156,10 +131,7 @@ GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::
                      std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
   const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, "flash_attention");
   const Shape& qs = tp.shape(q);
-  Attrs a;
-  a.shape = Shape{Bn, T, n_heads, n_kv_heads, head_dim};
-  a.scalar = scale;
-  a.flag_a = causal;
+  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
   GVar in[] = {q, k, v};
   return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
 }

@@ -7,6 +7,12 @@
 
 namespace nn::detail {
 
+/// The attributes a primitive recorded on node n (its own struct, e.g. UnaryAttrs).
+template <class A, class B>
+const A& attrs_of(const Node<B>& n) {
+  return n.attrs.template get<A>();
+}
+
 template <class B>
 void require_float(const GTape<B>& tp, GVar x, const char* op) {
   DType t = tp.dtype(x);

@@ -9,29 +9,22 @@
 
 namespace nn {
 
-/// How a loss over rows is reduced (PyTorch's `reduction`).
-enum class Reduction : std::uint8_t { none, sum, mean };
-
-constexpr const char* reduction_name(Reduction r) {
-  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
-}
-
 namespace detail {
 
 /// inputs: 0 logits (..., T, V), 1 targets (..., N) integer, N <= T (N == T: one row per
-/// target; the kernel maps target rows to logit rows). attrs.start = ignore index,
-/// attrs.code = reduction. saved[0] = logsumexp per target.
+/// target; the kernel maps target rows to logit rows). Attributes: CrossEntropyAttrs
+/// (backend/policy.hpp). saved[0] = logsumexp per target.
 template <class B>
 struct CrossEntropyPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor& t = tp.in(n, 1);
     Tensor& lse = tp.scratch(n, 0, Shape{t.numel()}, n.value.dtype());
-    B::cross_entropy(tp.in(n, 0), t, n.attrs.start, n.attrs.code, n.value, lse);
+    B::cross_entropy(tp.in(n, 0), t, attrs_of<CrossEntropyAttrs>(n), n.value, lse);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     if (!tp.needs_grad(n, 0)) return;
     GradSlot s = tp.grad_slot(n, 0);
-    B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), n.attrs.start, n.attrs.code, n.saved[0], n.grad, s.g, s.acc);
+    B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), attrs_of<CrossEntropyAttrs>(n), n.saved[0], n.grad, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"cross_entropy", &forward, &vjp};
 };
@@ -52,11 +45,8 @@ GVar record_cross_entropy(GTape<B>& tp, GVar logits, GVar targets, Reduction red
     fail(op, "targets ", ts.str(), " do not match logits ", ls.str(),
          first_rows ? ": expected logits (..., T, V) and targets (..., N) with N <= T"
                     : ": expected targets of the logits' leading dims (classes on the last axis)");
-  Attrs a;
-  a.start = ignore_index;
-  a.code = static_cast<int>(reduction);
   GVar in[] = {logits, targets};
-  return tp.record(CrossEntropyPrim<B>::def, in, a, reduction == Reduction::none ? ts : Shape{}, tp.dtype(logits));
+  return tp.record(CrossEntropyPrim<B>::def, in, CrossEntropyAttrs{ignore_index, reduction}, reduction == Reduction::none ? ts : Shape{}, tp.dtype(logits));
 }
 }  // namespace detail
 

@@ -7,16 +7,28 @@
 
 namespace nn {
 
+/// A unary primitive's kernel and its scalar (pow's exponent, scale's factor; unused else).
+struct UnaryAttrs {
+  Unary op;
+  double arg;
+};
+/// A binary primitive's kernel.
+struct BinaryAttrs {
+  Binary op;
+};
+
 namespace detail {
 
 template <class B>
 struct UnaryPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::unary(static_cast<Unary>(n.attrs.code), n.attrs.scalar, tp.in(n, 0), n.value);
+    const auto& a = attrs_of<UnaryAttrs>(n);
+    B::unary(a.op, a.arg, tp.in(n, 0), n.value);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<UnaryAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
-    B::unary_vjp(static_cast<Unary>(n.attrs.code), n.attrs.scalar, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
+    B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"unary", &forward, &vjp};
 };
@@ -26,10 +38,10 @@ struct UnaryPrim {
 template <class B>
 struct BinaryPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::binary(static_cast<Binary>(n.attrs.code), tp.in(n, 0), tp.in(n, 1), n.value);
+    B::binary(attrs_of<BinaryAttrs>(n).op, tp.in(n, 0), tp.in(n, 1), n.value);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    const auto op = static_cast<Binary>(n.attrs.code);
+    const Binary op = attrs_of<BinaryAttrs>(n).op;
     const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
     for (std::size_t k = 0; k < 2; ++k) {
       if (!tp.needs_grad(n, k)) continue;
@@ -80,11 +92,8 @@ struct StopGradientPrim {
 template <class B>
 GVar unary(GTape<B>& tp, Unary op, GVar x, double arg = 0.0) {
   detail::require_float(tp, x, unary_name(op));
-  Attrs a;
-  a.code = static_cast<int>(op);
-  a.scalar = arg;
   GVar in[] = {x};
-  return tp.record(detail::UnaryPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+  return tp.record(detail::UnaryPrim<B>::def, in, UnaryAttrs{op, arg}, tp.shape(x), tp.dtype(x));
 }
 
 // clang-format off
@@ -112,10 +121,8 @@ template <class B>
 GVar binary(GTape<B>& tp, Binary op, GVar a, GVar b) {
   detail::require_same_dtype(tp, a, b, binary_name(op));
   Shape out = detail::broadcast_shapes(tp.shape(a), tp.shape(b), binary_name(op));
-  Attrs at;
-  at.code = static_cast<int>(op);
   GVar in[] = {a, b};
-  return tp.record(detail::BinaryPrim<B>::def, in, at, out, tp.dtype(a));
+  return tp.record(detail::BinaryPrim<B>::def, in, BinaryAttrs{op}, out, tp.dtype(a));
 }
 
 // clang-format off
@@ -136,15 +143,14 @@ GVar where(GTape<B>& tp, GVar mask, GVar a, GVar b) {
   detail::require_same_dtype(tp, a, b, "where");
   Shape out = detail::broadcast_shapes(detail::broadcast_shapes(tp.shape(mask), tp.shape(a), "where"), tp.shape(b), "where");
   GVar in[] = {mask, a, b};
-  Attrs at;
-  return tp.record(detail::WherePrim<B>::def, in, at, out, tp.dtype(a));
+  return tp.record(detail::WherePrim<B>::def, in, NoAttrs{}, out, tp.dtype(a));
 }
 
 /// x in the forward pass; no gradient flows back through it.
 template <class B>
 GVar stop_gradient(GTape<B>& tp, GVar x) {
   GVar in[] = {x};
-  GVar y = tp.record(detail::StopGradientPrim<B>::def, in, Attrs{}, tp.shape(x), tp.dtype(x));
+  GVar y = tp.record(detail::StopGradientPrim<B>::def, in, NoAttrs{}, tp.shape(x), tp.dtype(x));
   tp.node(y).requires_grad = false;
   return y;
 }

@@ -15,15 +15,8 @@ template <class B>
 struct SwigluPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::swiglu(tp.in(n, 0), tp.in(n, 1), n.value); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
-    Tensor* g[2] = {nullptr, nullptr};
-    bool acc[2] = {false, false};
-    for (std::size_t k = 0; k < 2; ++k) {
-      if (!tp.needs_grad(n, k)) continue;
-      GradSlot s = tp.grad_slot(n, k);
-      g[k] = &s.g;
-      acc[k] = s.acc;
-    }
-    B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], acc[0], g[1], acc[1]);
+    const auto g = tp.template grad_outs<2>(n);
+    B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], g[1]);
   }
   static constexpr OpDef<B> def{"swiglu", &forward, &vjp};
 };
@@ -37,7 +30,7 @@ GVar fused_swiglu(GTape<B>& tp, GVar gate, GVar up) {
   if (!(tp.shape(gate) == tp.shape(up)))
     detail::fail("swiglu", "gate ", tp.shape(gate).str(), " and up ", tp.shape(up).str(), " must have the same shape");
   GVar in[] = {gate, up};
-  return tp.record(detail::SwigluPrim<B>::def, in, Attrs{}, tp.shape(gate), tp.dtype(gate));
+  return tp.record(detail::SwigluPrim<B>::def, in, NoAttrs{}, tp.shape(gate), tp.dtype(gate));
 }
 
 }  // namespace nn

@@ -63,7 +63,7 @@ GVar gather_rows(GTape<B>& tp, GVar table, GVar ids) {
   Shape out = tp.shape(ids);
   out.push_back(ts[1]);
   GVar in[] = {table, ids};
-  return tp.record(detail::GatherRowsPrim<B>::def, in, Attrs{}, out, bf16 ? DType::f32 : tp.dtype(table));
+  return tp.record(detail::GatherRowsPrim<B>::def, in, NoAttrs{}, out, bf16 ? DType::f32 : tp.dtype(table));
 }
 
 /// out[i] = x[i, idx[i]] for x (..., V) and integer idx (...); an index < 0 picks 0 and passes no
@@ -77,7 +77,7 @@ GVar pick(GTape<B>& tp, GVar x, GVar idx) {
   for (int i = 0; ok && i < is.rank(); ++i) ok = xs[i] == is[i];
   if (!ok) detail::fail("pick", "indices ", is.str(), " do not match the leading dims of ", xs.str());
   GVar in[] = {x, idx};
-  return tp.record(detail::PickPrim<B>::def, in, Attrs{}, is, tp.dtype(x));
+  return tp.record(detail::PickPrim<B>::def, in, NoAttrs{}, is, tp.dtype(x));
 }
 
 }  // namespace nn

@@ -6,17 +6,23 @@
 
 namespace nn {
 
+/// matmul's flags: A and/or B read transposed; autocast (GTape::set_autocast): the product and
+/// its vjp on bf16-rounded operands with f32 accumulation.
+struct MatmulAttrs {
+  bool trans_a, trans_b, autocast;
+};
+
 namespace detail {
 
-/// C = op(A) @ op(B), flags attrs.flag_a / flag_b. When B is a matrix shared by a batched A
+/// C = op(A) @ op(B) (MatmulAttrs). When B is a matrix shared by a batched A
 /// (x @ W^T, the Linear case), A's batch folds into its rows so every product is one GEMM.
-/// attrs.code = 1: autocast (GTape::set_autocast): the forward product, dA and dB on bf16-rounded
+/// Autocast: the forward product, dA and dB on bf16-rounded
 /// operands with f32 accumulation (B::matmul_bf16), as torch.autocast's backward runs them.
 template <class B>
 struct MatmulPrim {
   static void mm(const Node<B>& n, const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool acc) {
     if constexpr (requires { B::bf16_weights; })
-      if (n.attrs.code == 1) return B::matmul_bf16(a, ta, b, tb, c, acc);
+      if (attrs_of<MatmulAttrs>(n).autocast) return B::matmul_bf16(a, ta, b, tb, c, acc);
     B::matmul(a, ta, b, tb, c, acc);
   }
 
@@ -26,7 +32,7 @@ struct MatmulPrim {
 
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
-    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    const bool ta = attrs_of<MatmulAttrs>(n).trans_a, tb = attrs_of<MatmulAttrs>(n).trans_b;
     if (foldable(a, b, ta)) {
       Tensor c = rows(n.value);
       mm(n, rows(a), false, b, tb, c, false);
@@ -39,7 +45,7 @@ struct MatmulPrim {
   //                   dB = op(A)^T G  (or G^T op(A) when B is read transposed).
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const Tensor &a = tp.in(n, 0), &b = tp.in(n, 1);
-    const bool ta = n.attrs.flag_a, tb = n.attrs.flag_b;
+    const bool ta = attrs_of<MatmulAttrs>(n).trans_a, tb = attrs_of<MatmulAttrs>(n).trans_b;
     const bool fold = foldable(a, b, ta);
     const Tensor a2 = fold ? rows(a) : a;
     const Tensor g = fold ? rows(n.grad) : n.grad;
@@ -101,13 +107,11 @@ GVar matmul(GTape<B>& tp, GVar a, GVar b, bool trans_a = false, bool trans_b = f
   }
   out.push_back(M);
   out.push_back(N);
-  Attrs at;
-  at.flag_a = trans_a;
-  at.flag_b = trans_b;
+  MatmulAttrs at{trans_a, trans_b, false};
   // autocast: products whose right operand is a float32 matrix (a weight), as torch.autocast;
   // a transposed batched a would not fold into rows, so it keeps float32
   if constexpr (requires { B::bf16_weights; })
-    at.code = tp.autocast() == DType::bf16 && tp.dtype(a) == DType::f32 && tp.dtype(b) == DType::f32 &&
+    at.autocast = tp.autocast() == DType::bf16 && tp.dtype(a) == DType::f32 && tp.dtype(b) == DType::f32 &&
               sb.rank() == 2 && !(sa.rank() > 2 && trans_a);
   GVar in[] = {a, b};
   return tp.record(detail::MatmulPrim<B>::def, in, at, out, tp.dtype(a));

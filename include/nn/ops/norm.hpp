@@ -9,32 +9,25 @@
 
 namespace nn {
 
+/// RMSNorm's epsilon.
+struct NormAttrs {
+  double eps;
+};
+
 namespace detail {
 
-/// inputs: 0 x (..., C), optionally 1 w (C). attrs.scalar = eps. saved[0] = 1/rms per row.
+/// inputs: 0 x (..., C), optionally 1 w (C). saved[0] = 1/rms per row.
 template <class B>
 struct RmsNormPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor& x = tp.in(n, 0);
     Tensor& rstd = tp.scratch(n, 0, Shape{x.numel() / x.dim(-1)}, x.dtype());
-    B::rms_norm(x, n.inputs.size() > 1 ? tp.in(n, 1) : Tensor(), n.attrs.scalar, n.value, rstd);
+    B::rms_norm(x, n.inputs.size() > 1 ? tp.in(n, 1) : Tensor(), attrs_of<NormAttrs>(n).eps, n.value, rstd);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const bool has_w = n.inputs.size() > 1;
-    Tensor* gx = nullptr;
-    Tensor* gw = nullptr;
-    bool ax = false, aw = false;
-    if (tp.needs_grad(n, 0)) {
-      GradSlot s = tp.grad_slot(n, 0);
-      gx = &s.g;
-      ax = s.acc;
-    }
-    if (has_w && tp.needs_grad(n, 1)) {
-      GradSlot s = tp.grad_slot(n, 1);
-      gw = &s.g;
-      aw = s.acc;
-    }
-    B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, gx, ax, gw, aw);
+    const auto g = tp.template grad_outs<2>(n);
+    B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, g[0], g[1]);
   }
   static constexpr OpDef<B> def{"rmsnorm", &forward, &vjp};
 };
@@ -49,8 +42,7 @@ GVar fused_rmsnorm(GTape<B>& tp, GVar x, GVar w, double eps) {
   const Shape& xs = tp.shape(x);
   if (xs.rank() < 1 || xs.dim(-1) == 0) detail::fail("rmsnorm", "x must have a non-empty last axis, got ", xs.str());
   if (!(eps >= 0)) detail::fail("rmsnorm", "eps must be >= 0, got ", eps);
-  Attrs a;
-  a.scalar = eps;
+  const NormAttrs a{eps};
   if (!w.valid()) {
     GVar in[] = {x};
     return tp.record(detail::RmsNormPrim<B>::def, in, a, xs, tp.dtype(x));

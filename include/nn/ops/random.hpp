@@ -17,15 +17,20 @@ void require_key(const GTape<B>& tp, GVar key, const char* op) {
          dtype_name(tp.dtype(key)), " ", tp.shape(key).str());
 }
 
-/// bernoulli(p, shape, key) as a uint8 mask: inputs 0 key; attrs.scalar p. No gradient.
+/// bernoulli's and dropout's probability (of a 1 in the mask; of dropping).
+struct ProbabilityAttrs {
+  double p;
+};
+
+/// bernoulli(p, shape, key) as a uint8 mask: inputs 0 key. No gradient.
 template <class B>
 struct BernoulliPrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), n.attrs.scalar, 1.0, n.value); }
+  static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), attrs_of<ProbabilityAttrs>(n).p, 1.0, n.value); }
   static void vjp(GTape<B>&, Node<B>&) {}
   static constexpr OpDef<B> def{"bernoulli", &forward, &vjp};
 };
 
-/// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; attrs.scalar p.
+/// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
 /// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
 /// into a buffer the node owns, so the vjp reuses exactly the mask the forward applied and a
 /// replay redraws it in place from the key then in the slot.
@@ -38,7 +43,7 @@ struct DropoutPrim {
     Tensor& m = tp.scratch(n, 0, x.shape(), x.dtype());
     // 1 - p and 1 / (1 - p) in double, as MLX's Python layer computes them, then rounded to the
     // mask's dtype by the kernel (float32(p_keep) for the test, float32(scale) for the values).
-    const double p_keep = 1.0 - n.attrs.scalar;
+    const double p_keep = 1.0 - attrs_of<ProbabilityAttrs>(n).p;
     B::bernoulli_mask(tp.in(n, 1), p_keep, 1.0 / p_keep, m);
     B::binary(Binary::mul, m, x, n.value);
   }
@@ -57,10 +62,8 @@ template <class B>
 GVar bernoulli(GTape<B>& tp, double p, const Shape& shape, GVar key) {
   detail::require_key(tp, key, "bernoulli");
   if (!(p >= 0.0 && p <= 1.0)) detail::fail("bernoulli", "p = ", p, " is not a probability in [0, 1]");
-  Attrs a;
-  a.scalar = p;
   GVar in[] = {key};
-  return tp.record(detail::BernoulliPrim<B>::def, in, a, shape, DType::u8);
+  return tp.record(detail::BernoulliPrim<B>::def, in, detail::ProbabilityAttrs{p}, shape, DType::u8);
 }
 
 /// The dropout primitive: x * bernoulli(1 - p, x.shape, key) / (1 - p), for p in [0, 1). Models
@@ -70,10 +73,8 @@ GVar dropout_mask_mul(GTape<B>& tp, GVar x, double p, GVar key) {
   detail::require_float(tp, x, "dropout");
   detail::require_key(tp, key, "dropout");
   if (!(p >= 0.0 && p < 1.0)) detail::fail("dropout", "the dropout probability ", p, " is not in [0, 1)");
-  Attrs a;
-  a.scalar = p;
   GVar in[] = {x, key};
-  return tp.record(detail::DropoutPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+  return tp.record(detail::DropoutPrim<B>::def, in, detail::ProbabilityAttrs{p}, tp.shape(x), tp.dtype(x));
 }
 
 }  // namespace nn

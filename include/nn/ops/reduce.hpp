@@ -9,33 +9,48 @@
 
 namespace nn {
 
+/// sum / mean: the keepdims shape, and the scale (1, or 1/count for the mean).
+struct SumAttrs {
+  Shape keep;
+  double scale;
+};
+/// max: the axis, and the keepdims shape.
+struct MaxAttrs {
+  int axis;
+  Shape keep;
+};
+
 namespace detail {
 
-/// sum / mean: attrs.shape is the keepdims shape, attrs.scalar the scale (1 or 1/count).
+/// sum / mean (SumAttrs).
 template <class B>
 struct SumPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    Tensor y = n.value.reshape(n.attrs.shape);
-    B::sum_to(tp.in(n, 0), y, n.attrs.scalar, false);
+    const auto& a = attrs_of<SumAttrs>(n);
+    Tensor y = n.value.reshape(a.keep);
+    B::sum_to(tp.in(n, 0), y, a.scale, false);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<SumAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
-    B::broadcast_to(n.grad.reshape(n.attrs.shape), s.g, n.attrs.scalar, s.acc);
+    B::broadcast_to(n.grad.reshape(a.keep), s.g, a.scale, s.acc);
   }
   static constexpr OpDef<B> def{"sum", &forward, &vjp};
 };
 
-/// max over attrs.axis; saved[0] holds the argmax (i32, keepdims shape).
+/// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
 template <class B>
 struct MaxPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    Tensor& idx = tp.scratch(n, 0, n.attrs.shape, DType::i32);
-    Tensor y = n.value.reshape(n.attrs.shape);
-    B::max_axis(tp.in(n, 0), static_cast<int>(n.attrs.axis), y, idx);
+    const auto& a = attrs_of<MaxAttrs>(n);
+    Tensor& idx = tp.scratch(n, 0, a.keep, DType::i32);
+    Tensor y = n.value.reshape(a.keep);
+    B::max_axis(tp.in(n, 0), a.axis, y, idx);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<MaxAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
-    B::max_axis_vjp(n.grad.reshape(n.attrs.shape), n.saved[0], static_cast<int>(n.attrs.axis), s.g, s.acc);
+    B::max_axis_vjp(n.grad.reshape(a.keep), n.saved[0], a.axis, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"max", &forward, &vjp};
 };
@@ -70,9 +85,7 @@ GVar reduce_sum(GTape<B>& tp, GVar x, std::span<const int> axes, bool keepdims, 
     if (red) count *= s[i];
     else out.push_back(s[i]);
   }
-  Attrs a;
-  a.shape = keep;
-  a.scalar = mean ? 1.0 / static_cast<double>(count) : 1.0;
+  const SumAttrs a{keep, mean ? 1.0 / static_cast<double>(count) : 1.0};
   if (mean && count == 0) fail(op, "mean over an empty axis of shape ", s.str());
   GVar in[] = {x};
   return tp.record(SumPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
@@ -113,9 +126,7 @@ GVar max(GTape<B>& tp, GVar x, int axis, bool keepdims = false) {
     keep.push_back(i == ax ? 1 : s[i]);
     if (i != ax) out.push_back(s[i]);
   }
-  Attrs a;
-  a.axis = ax;
-  a.shape = keep;
+  const MaxAttrs a{ax, keep};
   GVar in[] = {x};
   return tp.record(detail::MaxPrim<B>::def, in, a, keepdims ? keep : out, tp.dtype(x));
 }

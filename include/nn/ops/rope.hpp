@@ -9,19 +9,23 @@
 
 namespace nn {
 
+/// RoPE's pairing: traditional (interleaved pairs (2i, 2i + 1)) or NEOX (half split).
+struct RopeAttrs {
+  bool traditional;
+};
+
 namespace detail {
 
-/// inputs: 0 x, 1 cos, 2 sin (tables, no gradient). attrs.flag_a = traditional (interleaved
-/// pairs) rather than NEOX (half split).
+/// inputs: 0 x, 1 cos, 2 sin (tables, no gradient).
 template <class B>
 struct RopePrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.attrs.flag_a, false, n.value, false);
+    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, false, n.value, false);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     if (!tp.needs_grad(n, 0)) return;
     GradSlot s = tp.grad_slot(n, 0);
-    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), n.attrs.flag_a, true, s.g, s.acc);  // rotate back
+    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, true, s.g, s.acc);  // rotate back
   }
   static constexpr OpDef<B> def{"rope", &forward, &vjp};
 };
@@ -51,10 +55,8 @@ GVar fused_rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = fal
                  " do not fit: expected x (..., T, D) with tables (T, dims/2), or x (..., T, M, D) with (T, 1, dims/2)");
   if (tp.requires_grad(cos) || tp.requires_grad(sin))
     detail::fail("rope", "the cos/sin tables cannot require a gradient in the fused primitive");
-  Attrs a;
-  a.flag_a = traditional;
   GVar in[] = {x, cos, sin};
-  return tp.record(detail::RopePrim<B>::def, in, a, xs, tp.dtype(x));
+  return tp.record(detail::RopePrim<B>::def, in, RopeAttrs{traditional}, xs, tp.dtype(x));
 }
 
 }  // namespace nn

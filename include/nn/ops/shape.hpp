@@ -9,12 +9,30 @@
 
 namespace nn {
 
+/// reshape's target shape (the node's output is a view, so the shape is kept here).
+struct ReshapeAttrs {
+  Shape shape;
+};
+/// permute's order: out.shape[i] = in.shape[perm[i]].
+struct PermuteAttrs {
+  std::array<int, kMaxRank> perm;
+};
+/// slice's axis and first index (its length is the output's).
+struct SliceAttrs {
+  int axis;
+  std::int64_t start;
+};
+/// concat's axis.
+struct ConcatAttrs {
+  int axis;
+};
+
 namespace detail {
 
 /// The output is a view of input 0 (re-taken on every forward, so a swapped input is seen).
 template <class B>
 struct ReshapePrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { n.value = tp.in(n, 0).reshape(n.attrs.shape); }
+  static void forward(GTape<B>& tp, Node<B>& n) { n.value = tp.in(n, 0).reshape(attrs_of<ReshapeAttrs>(n).shape); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     GradSlot s = tp.grad_slot(n, 0);
     B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
@@ -24,10 +42,11 @@ struct ReshapePrim {
 
 template <class B>
 struct PermutePrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { B::permute(tp.in(n, 0), n.attrs.perm, n.value, false); }
+  static void forward(GTape<B>& tp, Node<B>& n) { B::permute(tp.in(n, 0), attrs_of<PermuteAttrs>(n).perm, n.value, false); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& perm = attrs_of<PermuteAttrs>(n).perm;
     std::array<int, kMaxRank> inv{};
-    for (int i = 0; i < n.value.rank(); ++i) inv[static_cast<std::size_t>(n.attrs.perm[static_cast<std::size_t>(i)])] = i;
+    for (int i = 0; i < n.value.rank(); ++i) inv[static_cast<std::size_t>(perm[static_cast<std::size_t>(i)])] = i;
     GradSlot s = tp.grad_slot(n, 0);
     B::permute(n.grad, inv, s.g, s.acc);
   }
@@ -37,12 +56,14 @@ struct PermutePrim {
 template <class B>
 struct SlicePrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::slice_copy(tp.in(n, 0), static_cast<int>(n.attrs.axis), n.attrs.start, n.value);
+    const auto& a = attrs_of<SliceAttrs>(n);
+    B::slice_copy(tp.in(n, 0), a.axis, a.start, n.value);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
+    const auto& a = attrs_of<SliceAttrs>(n);
     GradSlot s = tp.grad_slot(n, 0);
     if (!s.acc) B::fill(s.g, 0.0);
-    B::slice_scatter(n.grad, static_cast<int>(n.attrs.axis), n.attrs.start, s.g, s.acc);
+    B::slice_scatter(n.grad, a.axis, a.start, s.g, s.acc);
   }
   static constexpr OpDef<B> def{"slice", &forward, &vjp};
 };
@@ -51,7 +72,7 @@ template <class B>
 struct ConcatPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     std::int64_t at = 0;
-    const int axis = static_cast<int>(n.attrs.axis);
+    const int axis = attrs_of<ConcatAttrs>(n).axis;
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
       const Tensor& x = tp.in(n, k);
       B::slice_scatter(x, axis, at, n.value, false);
@@ -60,7 +81,7 @@ struct ConcatPrim {
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     std::int64_t at = 0;
-    const int axis = static_cast<int>(n.attrs.axis);
+    const int axis = attrs_of<ConcatAttrs>(n).axis;
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
       const Shape& s = tp.in(n, k).shape();
       if (tp.needs_grad(n, k)) {
@@ -114,10 +135,8 @@ GVar reshape(GTape<B>& tp, GVar x, std::span<const std::int64_t> dims) {
   if (out.numel() != s.numel())
     detail::fail("reshape", "cannot reshape ", s.str(), " (", s.numel(), " elements) to ", out.str(), " (",
                  out.numel(), " elements)");
-  Attrs a;
-  a.shape = out;
   GVar in[] = {x};
-  return tp.record(detail::ReshapePrim<B>::def, in, a, out, tp.dtype(x));
+  return tp.record(detail::ReshapePrim<B>::def, in, ReshapeAttrs{out}, out, tp.dtype(x));
 }
 
 template <class B>
@@ -131,7 +150,7 @@ GVar permute(GTape<B>& tp, GVar x, std::span<const int> perm) {
   const Shape& s = tp.shape(x);
   if (static_cast<int>(perm.size()) != s.rank())
     detail::fail("permute", "permutation of length ", perm.size(), " for shape ", s.str());
-  Attrs a;
+  PermuteAttrs a{};
   Shape out;
   std::array<bool, kMaxRank> seen{};
   int i = 0;
@@ -161,7 +180,7 @@ GVar transpose(GTape<B>& tp, GVar x, int d0 = -2, int d1 = -1) {
   std::vector<int> p(static_cast<std::size_t>(s.rank()));
   for (int i = 0; i < s.rank(); ++i) p[static_cast<std::size_t>(i)] = i;
   std::swap(p[static_cast<std::size_t>(a0)], p[static_cast<std::size_t>(a1)]);
-  Attrs a;
+  PermuteAttrs a{};
   Shape out;
   for (int i = 0; i < s.rank(); ++i) {
     a.perm[static_cast<std::size_t>(i)] = p[static_cast<std::size_t>(i)];
@@ -183,11 +202,8 @@ GVar slice(GTape<B>& tp, GVar x, int axis, std::int64_t start, std::int64_t stop
     detail::fail("slice", "range [", start, ", ", stop, ") out of bounds for axis ", axis, " of shape ", s.str());
   Shape out = s;
   out[ax] = e - b;
-  Attrs a;
-  a.axis = ax;
-  a.start = b;
   GVar in[] = {x};
-  return tp.record(detail::SlicePrim<B>::def, in, a, out, tp.dtype(x));
+  return tp.record(detail::SlicePrim<B>::def, in, SliceAttrs{ax, b}, out, tp.dtype(x));
 }
 
 /// Joins tensors along `axis`; every other dim must match.
@@ -209,9 +225,7 @@ GVar concat(GTape<B>& tp, std::span<const GVar> xs, int axis) {
     if (!ok) detail::fail("concat", "shapes ", s0.str(), " and ", s.str(), " differ outside axis ", axis);
     out[ax] += s[ax];
   }
-  Attrs a;
-  a.axis = ax;
-  return tp.record(detail::ConcatPrim<B>::def, xs, a, out, tp.dtype(xs[0]));
+  return tp.record(detail::ConcatPrim<B>::def, xs, ConcatAttrs{ax}, out, tp.dtype(xs[0]));
 }
 template <class B>
 GVar concat(GTape<B>& tp, std::initializer_list<GVar> xs, int axis) {
@@ -225,9 +239,7 @@ GVar broadcast_to(GTape<B>& tp, GVar x, const Shape& shape) {
   if (!detail::broadcasts_to(tp.shape(x), shape))
     detail::fail("broadcast_to", "shape ", tp.shape(x).str(), " cannot broadcast to ", shape.str());
   GVar in[] = {x};
-  Attrs a;
-  a.shape = shape;
-  return tp.record(detail::BroadcastPrim<B>::def, in, a, shape, tp.dtype(x));
+  return tp.record(detail::BroadcastPrim<B>::def, in, NoAttrs{}, shape, tp.dtype(x));
 }
 
 }  // namespace nn

@@ -7,15 +7,19 @@
 
 namespace nn {
 
+/// Softmax's one attribute: log-softmax or softmax.
+struct SoftmaxAttrs {
+  bool log;
+};
+
 namespace detail {
 
-/// attrs.flag_a: log-softmax.
 template <class B>
 struct SoftmaxPrim {
-  static void forward(GTape<B>& tp, Node<B>& n) { B::softmax(tp.in(n, 0), n.value, n.attrs.flag_a); }
+  static void forward(GTape<B>& tp, Node<B>& n) { B::softmax(tp.in(n, 0), n.value, attrs_of<SoftmaxAttrs>(n).log); }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     GradSlot s = tp.grad_slot(n, 0);
-    B::softmax_vjp(n.value, n.grad, s.g, n.attrs.flag_a, s.acc);
+    B::softmax_vjp(n.value, n.grad, s.g, attrs_of<SoftmaxAttrs>(n).log, s.acc);
   }
   static constexpr OpDef<B> def{"softmax", &forward, &vjp};
 };
@@ -25,10 +29,8 @@ GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {
   const char* op = log ? "log_softmax" : "softmax";
   require_float(tp, x, op);
   if (tp.shape(x).rank() == 0) fail(op, "needs at least one axis, got a scalar");
-  Attrs a;
-  a.flag_a = log;
   GVar in[] = {x};
-  return tp.record(SoftmaxPrim<B>::def, in, a, tp.shape(x), tp.dtype(x));
+  return tp.record(SoftmaxPrim<B>::def, in, SoftmaxAttrs{log}, tp.shape(x), tp.dtype(x));
 }
 
 }  // namespace detail

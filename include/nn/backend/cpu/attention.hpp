@@ -10,21 +10,6 @@ namespace nn {
 
 namespace detail {
 
-/// One tensor passed as two of attention's inputs (k = v, self-attention's q = k = v) has one
-/// gradient buffer: the tape hands its first slot acc = false and the later ones acc = true, but
-/// the vjps interleave their writes, so such a buffer is zeroed once and every write to it
-/// accumulates.
-inline void share_grad_buffers(Tensor* gq, bool& acc_q, Tensor* gk, bool& acc_k, Tensor* gv, bool& acc_v) {
-  auto share = [](Tensor* a, bool& acc_a, Tensor* b, bool& acc_b) {
-    if (!a || !b || a->raw() != b->raw() || (acc_a && acc_b)) return;
-    std::memset(a->raw(), 0, a->nbytes());
-    acc_a = acc_b = true;
-  };
-  share(gq, acc_q, gk, acc_k);
-  share(gq, acc_q, gv, acc_v);
-  share(gk, acc_k, gv, acc_v);
-}
-
 /// Flash attention's tile: kFlashRows queries against kFlashCols keys. A tile's scores (64 KiB in
 /// f32) stay in L2 beside the q, k and v rows they come from. Measured on bench_attention at
 /// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
@@ -48,9 +33,11 @@ struct AttentionKernels {
   /// from key i + 1 to its block's end, and the rest is left unwritten (never read, here or in
   /// the vjp).
   /// The heads run in parallel, each product a strided GEMM on its thread (no permuted copies).
-  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, std::int64_t Bn,
-                        std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                        Tensor& p, bool causal = false) {
+  static void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const AttentionAttrs& a,
+                        Tensor& out, Tensor& p) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
       const T* Q = static_cast<const T*>(q.raw());
@@ -89,9 +76,12 @@ struct AttentionKernels {
   /// (B * KV, T, T)); dq = dS k; dk += dS^T q. Any of gq, gk, gv may be null. `causal`: P is
   /// attention's causal one, and the products read only the blocks the forward wrote.
   static void attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& g,
-                            std::int64_t Bn, std::int64_t T_, std::int64_t H, std::int64_t KV, std::int64_t hd,
-                            double scale, Tensor& scratch, Tensor* gq, bool acc_q, Tensor* gk, bool acc_k, Tensor* gv,
-                            bool acc_v, bool causal = false) {
+                            const AttentionAttrs& a, Tensor& scratch, GradOut oq, GradOut ok, GradOut ov) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
+    Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "attention", [&]<class T>() {
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd, rb = causal ? detail::kAttnBlock : T_;
       const T* Q = static_cast<const T*>(q.raw());
@@ -103,7 +93,6 @@ struct AttentionKernels {
       T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
       T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
       T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
-      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
       const T sc = static_cast<T>(scale);
       [[maybe_unused]] detail::BlasSerial serial;
       detail::parallel_for(Bn * KV, p.numel() * hd > detail::kParallelGrain, [&](std::int64_t t) {
@@ -148,9 +137,11 @@ struct AttentionKernels {
   /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
   /// sees keys 0..i; key blocks past a query block's last row are never touched.
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
-  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t Bn, std::int64_t T_,
-                              std::int64_t H, std::int64_t KV, std::int64_t hd, double scale, Tensor& out,
-                              Tensor& lse, bool causal) {
+  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& a, Tensor& out,
+                              Tensor& lse) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
@@ -214,9 +205,13 @@ struct AttentionKernels {
   /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
   /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
   static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                  const Tensor& lse, const Tensor& g, std::int64_t Bn, std::int64_t T_, std::int64_t H,
-                                  std::int64_t KV, std::int64_t hd, double scale, Tensor& delta, Tensor* gq,
-                                  bool acc_q, Tensor* gk, bool acc_k, Tensor* gv, bool acc_v, bool causal) {
+                                  const Tensor& lse, const Tensor& g, const AttentionAttrs& a, Tensor& delta,
+                                  GradOut oq, GradOut ok, GradOut ov) {
+    const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
+    const double scale = a.scale;
+    const bool causal = a.causal;
+    Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
@@ -230,7 +225,6 @@ struct AttentionKernels {
       T* GQ = gq ? static_cast<T*>(gq->raw()) : nullptr;
       T* GK = gk ? static_cast<T*>(gk->raw()) : nullptr;
       T* GV = gv ? static_cast<T*>(gv->raw()) : nullptr;
-      detail::share_grad_buffers(gq, acc_q, gk, acc_k, gv, acc_v);
       const T sc = static_cast<T>(scale);
       [[maybe_unused]] detail::BlasSerial serial;
       const bool wide = Bn * H * T_ * (causal ? T_ / 2 + 1 : T_) * hd > detail::kParallelGrain;

@@ -13,12 +13,13 @@ struct CrossEntropyKernels {
   /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
   /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
   /// scores T - 1 positions without copying the logits); N == T (x (R, V), t (R)) is one row per
-  /// target. A target equal to `ignore` contributes nothing. reduction 0: y (t's shape) per
-  /// target (0 where ignored); 1: y (one element) the sum; 2: the mean over the targets not
+  /// target. A target equal to a.ignore_index contributes nothing. Reduction::none: y (t's shape)
+  /// per target (0 where ignored); sum: y (one element) the sum; mean: the mean over the targets not
   /// ignored (NaN when all are, as PyTorch). lse (t.numel()) keeps logsumexp for the vjp. Any
   /// other target outside [0, V) raises.
-  static void cross_entropy(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction, Tensor& y,
-                            Tensor& lse) {
+  static void cross_entropy(const Tensor& x, const Tensor& t, const CrossEntropyAttrs& a, Tensor& y, Tensor& lse) {
+    const std::int64_t ignore = a.ignore_index;
+    const int reduction = static_cast<int>(a.reduction);  // 0 none, 1 sum, 2 mean
     detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
       const std::int64_t V = x.dim(-1), R = t.numel();
       const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;
@@ -57,8 +58,10 @@ struct CrossEntropyKernels {
   /// gx (+)= g_r (softmax(x_row) - onehot(t_r)) for each target's row (the mapping of
   /// cross_entropy); rows of ignored targets and rows no target scores get 0. g has t's shape
   /// for reduction 0, else one element (divided by the kept-target count for the mean).
-  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, std::int64_t ignore, int reduction,
-                                const Tensor& lse, const Tensor& g, Tensor& gx, bool acc) {
+  static void cross_entropy_vjp(const Tensor& x, const Tensor& t, const CrossEntropyAttrs& a, const Tensor& lse,
+                                const Tensor& g, Tensor& gx, bool acc) {
+    const std::int64_t ignore = a.ignore_index;
+    const int reduction = static_cast<int>(a.reduction);  // 0 none, 1 sum, 2 mean
     detail::dispatch_float(x.dtype(), "cross_entropy", [&]<class T>() {
       const std::int64_t V = x.dim(-1), R = t.numel();
       const std::int64_t N = t.rank() ? t.dim(-1) : 1, G = x.rank() >= 2 ? x.dim(-2) : 1;

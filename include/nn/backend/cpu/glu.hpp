@@ -25,8 +25,9 @@ struct GluKernels {
   }
 
   /// The vjp of swiglu: ggate (+)= g up s (1 + gate (1 - s)), gup (+)= g gate s, s = sigmoid(gate).
-  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, Tensor* ggate, bool acc_gate,
-                         Tensor* gup, bool acc_up) {
+  static void swiglu_vjp(const Tensor& gate, const Tensor& up, const Tensor& g, GradOut og, GradOut ou) {
+    Tensor *ggate = og.g, *gup = ou.g;
+    const bool acc_gate = og.acc, acc_up = ou.acc;
     detail::dispatch_float(g.dtype(), "swiglu", [&]<class T>() {
       const T* as = static_cast<const T*>(gate.raw());
       const T* us = static_cast<const T*>(up.raw());

@@ -32,8 +32,10 @@ struct NormKernels {
 
   /// The vjp of rms_norm: with u = g * w (or g), gx (+)= rstd u - rstd^3 x sum(u x) / C per row,
   /// gw (+)= sum over rows of g x rstd (serial over rows: deterministic). Either may be null.
-  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, Tensor* gx,
-                           bool acc_x, Tensor* gw, bool acc_w) {
+  static void rms_norm_vjp(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& g, GradOut ox,
+                           GradOut ow) {
+    Tensor *gx = ox.g, *gw = ow.g;
+    const bool acc_x = ox.acc, acc_w = ow.acc;
     detail::dispatch_float(x.dtype(), "rmsnorm", [&]<class T>() {
       const std::int64_t C = x.dim(-1), R = x.numel() / C;
       const T* xs = static_cast<const T*>(x.raw());
