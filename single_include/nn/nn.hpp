@@ -9631,7 +9631,7 @@ class Optimizer {
     auto it = slots_.find(path);
     if (it == slots_.end()) {
       Slots& s = slots_[path];
-      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(p.shape(), p.dtype(), p.device());
+      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(slot_shape(name, p), p.dtype(), p.device());
       return;
     }
     for (const char* name : slot_names(p)) {
@@ -9639,9 +9639,11 @@ class Optimizer {
       if (t == it->second.end())
         detail::fail("optimizer", "parameter '", path, "' has no slot '", name, "' (state entry 'slots.", path, ".",
                      name, "' is missing)");
-      if (!(t->second.shape() == p.shape()) || t->second.dtype() != p.dtype())
+      const Shape want = slot_shape(name, p);
+      if (!(t->second.shape() == want) || t->second.dtype() != p.dtype())
         detail::fail("optimizer", "slot '", name, "' of '", path, "' is ", t->second.shape().str(), " ",
-                     dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()));
+                     dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()),
+                     want == p.shape() ? std::string() : " (the slot should be " + want.str() + ")");
     }
     // Slots loaded from a checkpoint are host tensors: they follow their parameter to its device.
     for (const char* name : slot_names(p)) {
@@ -9741,6 +9743,9 @@ class Optimizer {
 
   /// Which zero-initialised slots a parameter needs ("m", "v", ...).
   virtual std::vector<const char*> slot_names(const Tensor& p) const = 0;
+  /// The shape of slot `name` of parameter p: p's own unless an optimizer keeps another (Adafactor's
+  /// factored second moments). Slots are created, and checked, with it.
+  virtual Shape slot_shape(const char* /*name*/, const Tensor& p) const { return p.shape(); }
   Tensor& slot(const std::string& path, const char* name) { return slots_.at(path).at(name); }
 
   Tensor step_;  // 0-D int64
