@@ -9389,6 +9389,7 @@ struct LoraLinear {
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -9631,7 +9632,7 @@ class Optimizer {
     auto it = slots_.find(path);
     if (it == slots_.end()) {
       Slots& s = slots_[path];
-      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(slot_shape(name, p), p.dtype(), p.device());
+      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(slot_shape(path, name, p), p.dtype(), p.device());
       return;
     }
     for (const char* name : slot_names(p)) {
@@ -9639,7 +9640,7 @@ class Optimizer {
       if (t == it->second.end())
         detail::fail("optimizer", "parameter '", path, "' has no slot '", name, "' (state entry 'slots.", path, ".",
                      name, "' is missing)");
-      const Shape want = slot_shape(name, p);
+      const Shape want = slot_shape(path, name, p);
       if (!(t->second.shape() == want) || t->second.dtype() != p.dtype())
         detail::fail("optimizer", "slot '", name, "' of '", path, "' is ", t->second.shape().str(), " ",
                      dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()),
@@ -9650,6 +9651,12 @@ class Optimizer {
       Tensor& t = it->second.at(name);
       if (t.device() != p.device()) t = t.to(p.device());
     }
+  }
+  /// The shape of slot `name` of the parameter at `path` (value p): p's own unless an optimizer
+  /// keeps another (Adafactor's factored second moments). Slots are created and checked with it,
+  /// and so are a checkpoint's entries (MultiOptimizer asks the member `path` goes to).
+  virtual Shape slot_shape(const std::string& /*path*/, std::string_view /*name*/, const Tensor& p) const {
+    return p.shape();
   }
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
@@ -9743,9 +9750,6 @@ class Optimizer {
 
   /// Which zero-initialised slots a parameter needs ("m", "v", ...).
   virtual std::vector<const char*> slot_names(const Tensor& p) const = 0;
-  /// The shape of slot `name` of parameter p: p's own unless an optimizer keeps another (Adafactor's
-  /// factored second moments). Slots are created, and checked, with it.
-  virtual Shape slot_shape(const char* /*name*/, const Tensor& p) const { return p.shape(); }
   Tensor& slot(const std::string& path, const char* name) { return slots_.at(path).at(name); }
 
   Tensor step_;  // 0-D int64
@@ -10043,6 +10047,12 @@ class Adafactor : public Optimizer {
     else update_as<double>(*work_.at(path), path, p, g);
   }
 
+  Shape slot_shape(const std::string&, std::string_view name, const Tensor& p) const override {
+    if (p.rank() >= 2 && name == "exp_avg_sq_row") return head(p.shape(), 1);
+    if (p.rank() >= 2 && name == "exp_avg_sq_col") return head(p.shape(), 2, {p.shape().dim(-1)});
+    return p.shape();
+  }
+
  protected:
   void init_param(const std::string& path, const Tensor& p) override {
     if (!relative_step_ && !has_lr_)
@@ -10064,12 +10074,6 @@ class Adafactor : public Optimizer {
     else names = {"exp_avg_sq"};
     if (use_beta1_) names.push_back("exp_avg");
     return names;
-  }
-  Shape slot_shape(const char* name, const Tensor& p) const override {
-    const std::string_view n(name);
-    if (n == "exp_avg_sq_row") return head(p.shape(), 1);
-    if (n == "exp_avg_sq_col") return head(p.shape(), 2, {p.shape().dim(-1)});
-    return p.shape();
   }
 
  private:
@@ -10217,6 +10221,9 @@ class MultiOptimizer : public Optimizer {
     fallback_->begin_step();
   }
   void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
+  Shape slot_shape(const std::string& path, std::string_view name, const Tensor& p) const override {
+    return route(path).slot_shape(path, name, p);
+  }
   const char* type_name() const override { return "MultiOptimizer"; }
   /// Each member's type and fields, prefixed by its index ("0.type", "0.b1", ..., the default
   /// optimizer last), as its state is.
@@ -10280,7 +10287,7 @@ class MultiOptimizer : public Optimizer {
     }
     return parts;
   }
-  Optimizer& route(const std::string& path) {
+  Optimizer& route(const std::string& path) const {
     for (auto& g : groups_)
       if (g.first(path)) return *g.second;
     return *fallback_;
@@ -10832,10 +10839,16 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
       if (end <= begin) continue;
       const std::string p = name.substr(begin, end - begin);
       auto it = trainable.find(p);
-      if (it == trainable.end()) diffs.push_back("optimizer " + quote(name) + ": a slot of no trainable parameter here");
-      else if (t.defined() && it->second->defined() && !(t.shape() == it->second->shape()))
+      if (it == trainable.end()) {
+        diffs.push_back("optimizer " + quote(name) + ": a slot of no trainable parameter here");
+        continue;
+      }
+      if (!t.defined() || !it->second->defined()) continue;
+      const Tensor& param = *it->second;
+      const Shape want = opt.slot_shape(p, std::string_view(name).substr(end + 1), param);
+      if (!(t.shape() == want))
         diffs.push_back("optimizer " + quote(name) + ": " + t.shape().str() + " in the file, the parameter is " +
-                        it->second->shape().str());
+                        param.shape().str() + (want == param.shape() ? "" : " (the slot should be " + want.str() + ")"));
     }
   }
 

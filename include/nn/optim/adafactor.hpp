@@ -62,6 +62,12 @@ class Adafactor : public Optimizer {
     else update_as<double>(*work_.at(path), path, p, g);
   }
 
+  Shape slot_shape(const std::string&, std::string_view name, const Tensor& p) const override {
+    if (p.rank() >= 2 && name == "exp_avg_sq_row") return head(p.shape(), 1);
+    if (p.rank() >= 2 && name == "exp_avg_sq_col") return head(p.shape(), 2, {p.shape().dim(-1)});
+    return p.shape();
+  }
+
  protected:
   void init_param(const std::string& path, const Tensor& p) override {
     if (!relative_step_ && !has_lr_)
@@ -83,12 +89,6 @@ class Adafactor : public Optimizer {
     else names = {"exp_avg_sq"};
     if (use_beta1_) names.push_back("exp_avg");
     return names;
-  }
-  Shape slot_shape(const char* name, const Tensor& p) const override {
-    const std::string_view n(name);
-    if (n == "exp_avg_sq_row") return head(p.shape(), 1);
-    if (n == "exp_avg_sq_col") return head(p.shape(), 2, {p.shape().dim(-1)});
-    return p.shape();
   }
 
  private:
