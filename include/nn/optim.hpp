@@ -8,5 +8,6 @@
 #include "optim/adam.hpp"
 #include "optim/lion.hpp"
 #include "optim/muon.hpp"
+#include "optim/adafactor.hpp"
 #include "optim/multi.hpp"
 #include "optim/clip.hpp"

@@ -220,6 +220,48 @@ TEST_CASE("a LoRA run resumed from its adapter-sized checkpoint is bitwise the s
   CHECK(snapshot(second) == snapshot(straight));
 }
 
+TEST_CASE("an Adafactor run (factored slots of their own shapes) resumes bitwise, and its hyperparameters are checked") {
+  Net straight = make_net(1);
+  Adafactor o1 = Adafactor().beta1(0.9);
+  train_steps(straight, o1, 0, 6);
+
+  Net first = make_net(1);
+  Adafactor o2 = Adafactor().beta1(0.9);
+  train_steps(first, o2, 0, 3);
+  save(tmp("adafactor.safetensors"), first, o2);
+
+  Net second = make_net(2);
+  Adafactor other = Adafactor().beta1(0.9).clip_threshold(0.5);
+  refused(tmp("adafactor.safetensors"), second, other,
+          {"optimizer clip_threshold: 1 in the file, 0.5 given"});
+  Adafactor o3 = Adafactor().beta1(0.9);
+  load_into(tmp("adafactor.safetensors"), second, o3);
+  CHECK(o3.step() == 3);
+  CHECK(o3.slots("l1.weight").at("exp_avg_sq_row").shape() == Shape{6});
+  CHECK(o3.slots("l1.weight").at("exp_avg_sq_col").shape() == Shape{4});
+  train_steps(second, o3, 3, 6);
+  CHECK(snapshot(second) == snapshot(straight));
+
+  // a slot is checked against the shape the optimizer gives it, not its parameter's
+  random::seed(3);
+  Net wider{Linear(4, 5), Linear(5, 3)};
+  Adafactor o4 = Adafactor().beta1(0.9);
+  refused(tmp("adafactor.safetensors"), wider, o4,
+          {"optimizer 'slots.l1.weight.exp_avg_sq_row': (6) in the file, the parameter is (5, 4) (the slot should be (5))",
+           "optimizer 'slots.l1.weight.exp_avg': (6, 4) in the file, the parameter is (5, 4)"});
+
+  // and through a MultiOptimizer, by the member the parameter goes to
+  auto matrices = [](const std::string& p) { return p.ends_with("weight"); };
+  MultiOptimizer multi = MultiOptimizer(AdamW(1e-2)).group(matrices, Adafactor());
+  Net third = make_net(1);
+  train_steps(third, multi, 0, 2);
+  save(tmp("adafactor_multi.safetensors"), third, multi);
+  Net fourth = make_net(2);
+  MultiOptimizer same = MultiOptimizer(AdamW(1e-2)).group(matrices, Adafactor());
+  load_into(tmp("adafactor_multi.safetensors"), fourth, same);
+  CHECK(snapshot(fourth) == snapshot(third));
+}
+
 TEST_CASE("MultiOptimizer's members are checked one by one") {
   Net a = make_net(1);
   auto first_layer = [](const std::string& p) { return p.rfind("l1.", 0) == 0; };

@@ -71,6 +71,12 @@ void both_steps(Net& eager, Optimizer& opt_e, Step& step, const Net& compiled, s
 
 auto loss_fn = [](GTape<cpu>& tp, const Net& m, GVar x, GVar y) { return mse(tp, m, x, y); };
 
+// An optimizer's describe() by field name.
+std::map<std::string, std::string> described(const Optimizer& o) {
+  const auto d = o.describe();
+  return {d.begin(), d.end()};
+}
+
 // sum(dropout(x) * w)
 struct Probe {
   Param w;
@@ -137,6 +143,23 @@ TEST_CASE("Sgd's momentum and weight decay record the step again") {
   opt_c.weight_decay(0.1);
   both_steps(e, opt_e, step, c, 4);
   CHECK(step.recordings() == 3);
+}
+
+TEST_CASE("Adafactor in a compiled step equals eager, and its hyperparameters record the step again") {
+  Net e = make_net(), c = clone(e);
+  Adafactor opt_e = Adafactor().beta1(0.9), opt_c = Adafactor().beta1(0.9);
+  auto step = compile<2>(c, opt_c, loss_fn);
+  std::uint64_t seed = 0;
+  int expected = 0;
+  auto after = [&](auto change) {  // to both optimizers; then one recording for two steps
+    change(opt_e);
+    change(opt_c);
+    for (int i = 0; i < 2; ++i) both_steps(e, opt_e, step, c, ++seed);
+    CHECK(step.recordings() == ++expected);
+  };
+  after([](Adafactor<>&) {});
+  after([](Adafactor<>& o) { o.clip_threshold(0.01); });
+  after([](Adafactor<>& o) { o.relative_step(false).decay_rate(-0.5).set_learning_rate(1e-2); });
 }
 
 TEST_CASE("no change, no recording, over 100 steps (with dropout on)") {
@@ -207,8 +230,7 @@ TEST_CASE("the structure hash sees configuration, storage and the frozen set") {
 
 TEST_CASE("an optimizer's hyperparameters come from NN_OPTIMIZER, with its type") {
   AdamW a(1e-3);
-  const auto d = a.describe();
-  std::map<std::string, std::string> m(d.begin(), d.end());
+  const auto m = described(a);
   CHECK(m.at("type") == "AdamW");
   CHECK(m.at("b1") == "0.90000000000000002");
   CHECK(m.at("wd") == "0.01");
@@ -222,16 +244,24 @@ TEST_CASE("an optimizer's hyperparameters come from NN_OPTIMIZER, with its type"
   a.eps(1e-6);
   CHECK(a.hyper_hash() != h);
   Sgd s(cosine_decay(1e-2, 100));
-  const auto ds = s.describe();
-  std::map<std::string, std::string> ms(ds.begin(), ds.end());
+  const auto ms = described(s);
   CHECK(ms.at("schedule") == "cosine_decay(init=0.01, decay_steps=100, end=0)");
   CHECK(ms.at("momentum") == "0");
   CHECK(ms.count("learning_rate") == 0);
   MultiOptimizer multi = MultiOptimizer(Sgd(0.1)).group([](const std::string&) { return true; }, Lion(1e-4));
-  const auto dm = multi.describe();
-  std::map<std::string, std::string> mm(dm.begin(), dm.end());
+  const auto mm = described(multi);
   CHECK(mm.at("type") == "MultiOptimizer");
   CHECK(mm.at("0.type") == "Lion");
   CHECK(mm.at("1.type") == "Sgd");
   CHECK(mm.at("0.learning_rate") == "0.0001");
+  Adafactor af;
+  const auto ma = described(af);
+  CHECK(ma.at("type") == "Adafactor");
+  CHECK(ma.at("eps1") == "1.0000000000000001e-30");
+  CHECK(ma.at("decay_rate") == "-0.80000000000000004");
+  CHECK(ma.at("use_beta1") == "false");
+  CHECK(ma.at("relative_step") == "true");
+  const std::uint64_t ha = af.hyper_hash();
+  af.warmup_init();
+  CHECK(af.hyper_hash() != ha);
 }

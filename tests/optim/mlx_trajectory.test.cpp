@@ -46,6 +46,13 @@ const std::map<std::string, Make>& builders() {
       {"muon/no_nesterov", [] { return own(Muon(0.02).nesterov(false)); }},
       {"muon/ns_steps_3", [] { return own(Muon(0.02).ns_steps(3)); }},
       {"muon/no_weight_decay", [] { return own(Muon(0.02).momentum(0.9).weight_decay(0.0)); }},
+      {"adafactor/default", [] { return own(Adafactor()); }},
+      {"adafactor/lr", [] { return own(Adafactor(0.003).relative_step(false)); }},
+      {"adafactor/beta1_wd", [] { return own(Adafactor(0.01).beta1(0.9).weight_decay(0.01).relative_step(false)); }},
+      {"adafactor/warmup_noscale", [] { return own(Adafactor().warmup_init().scale_parameter(false)); }},
+      {"adafactor/clip_decay_eps",
+       [] { return own(Adafactor(0.01).relative_step(false).clip_threshold(0.3).decay_rate(-0.5).eps(1e-20, 1e-2)); }},
+      {"adafactor/schedule", [] { return own(Adafactor(cosine_decay(0.01, 15, 1e-3)).relative_step(false)); }},
       {"schedule/exponential_decay", [] { return own(Sgd(exponential_decay(0.1, 0.9))); }},
       {"schedule/step_decay", [] { return own(Sgd(step_decay(0.1, 0.5, 6)).momentum(0.9)); }},
       {"schedule/cosine_decay", [] { return own(Adam(cosine_decay(0.01, 15, 1e-3))); }},
@@ -166,13 +173,16 @@ double run_case(const nlohmann::json& fx, const std::string& name) {
   // The state tree after the last step: every slot MLX has, with MLX's values, and its step.
   auto slots = slots_of(*opt);
   CHECK_MESSAGE(slots.size() == c.at("slots").size(), name << ": " << slots.size() << " slots, MLX has " << c.at("slots").size());
+  double worst_slot = 0;
   for (auto& [p, want] : c.at("slots").items()) {
     REQUIRE_MESSAGE(slots.count(p), name << ": no slot " << p);
     const double e = rel_err(slots.at(p).to_doubles(), f32s(want));
     CHECK_MESSAGE(e <= kSlotTol, name << ": slot " << p << " differs from MLX by " << e);
     worst_slots().add(name, e);
+    worst_slot = std::max(worst_slot, e);
   }
   CHECK(steps_of(*opt) == c.at("step").get<std::vector<std::int64_t>>());
+  MESSAGE(name << ": worst relative error " << worst << " (losses, norms, parameters), " << worst_slot << " (slots)");
   return worst;
 }
 
@@ -214,6 +224,9 @@ TEST_CASE("Adam matches MLX's Adam (default, betas/eps, bias correction)") { run
 TEST_CASE("AdamW matches MLX's AdamW (default decay, decay with bias correction)") { run_family("adamw"); }
 TEST_CASE("Lion matches MLX's Lion (default, weight decay)") { run_family("lion"); }
 TEST_CASE("Muon matches MLX's Muon (default, no nesterov, 3 Newton-Schulz steps, no decay)") { run_family("muon"); }
+TEST_CASE("Adafactor matches MLX's Adafactor (relative step, learning rate, beta1 + decay, warm-up, clipping, schedule)") {
+  run_family("adafactor");
+}
 TEST_CASE("schedules drive the learning rate as MLX's do") { run_family("schedule"); }
 TEST_CASE("MultiOptimizer splits parameters as MLX's does") { run_family("multi"); }
 TEST_CASE("clip_grad_norm before an update matches MLX's (active and inactive)") { run_family("clip"); }

@@ -42,6 +42,8 @@ TEST_CASE("every optimizer lowers a convex loss") {
   descends(AdamW(0.05).bias_correction(), "adamw");
   descends(Lion(0.01), "lion");
   descends(Muon(0.05), "muon");
+  descends(Adafactor(), "adafactor");
+  descends(Adafactor(0.05).relative_step(false).beta1(0.9), "adafactor beta1");
   descends(MultiOptimizer(Sgd(0.1)).group([](const std::string& p) { return p == "w"; }, Adam(0.05)), "multi");
   descends(Adam(cosine_decay(0.05, 30)), "adam cosine");
 }

@@ -168,6 +168,8 @@ TEST_CASE("state() and load_state round-trip: a resumed run continues bit for bi
   check_resume([] { return own(Sgd(0.1).momentum(0.9)); }, "sgd");
   check_resume([] { return own(Lion(1e-3)); }, "lion");
   check_resume([] { return own(Muon(0.02)); }, "muon");
+  check_resume([] { return own(Adafactor()); }, "adafactor");
+  check_resume([] { return own(Adafactor(0.01).relative_step(false).beta1(0.9).weight_decay(0.01)); }, "adafactor beta1");
   check_resume([] { return own(Adam(cosine_decay(0.01, 6))); }, "adam with a schedule");
   check_resume([] { return own(MultiOptimizer(AdamW(0.01)).group([](const std::string& p) { return p != "l1.bias"; }, Muon(0.02))); },
                "multi");
@@ -234,4 +236,42 @@ TEST_CASE("a bad state entry raises and leaves the optimizer unchanged") {
   bad.emplace_back("7.step", Tensor::zeros({}, DType::i64));
   check_error([&] { multi.load_state(bad); }, {"[optimizer]", "7.step", "no group"});
   same_state(multi, mb);
+}
+
+TEST_CASE("Adafactor's factored slots have their own shapes, checked on load and at the update") {
+  const Data d = small_data();
+  Net m = small_net();
+  Adafactor<> opt;
+  opt.init(m);
+  CHECK(opt.slots("l1.weight").at("exp_avg_sq_row").shape() == Shape{8});
+  CHECK(opt.slots("l1.weight").at("exp_avg_sq_col").shape() == Shape{4});
+  CHECK(opt.slots("e").at("exp_avg_sq_row").shape() == Shape{3, 2});
+  CHECK(opt.slots("e").at("exp_avg_sq_col").shape() == Shape{3, 4});
+  CHECK(opt.slots("l1.bias").at("exp_avg_sq").shape() == Shape{8});
+  CHECK(opt.slots("l1.bias").size() == 1);
+  CHECK(Adafactor().beta1(0.9).hyper_hash() != opt.hyper_hash());
+  train(m, opt, d, 2);
+  const auto before = snapshot(opt);
+  auto st = snapshot(opt);
+  for (auto& e : st)
+    if (e.first == "slots.l1.weight.exp_avg_sq_row") e.second = Tensor::zeros({8, 4}, DType::f64);
+  // held slots: the state entry must have the slot's shape
+  check_error([&] { opt.load_state(st); }, {"[optimizer]", "slots.l1.weight.exp_avg_sq_row", "(8, 4)", "(8)"});
+  same_state(opt, before);
+  // a fresh optimizer takes it, and the update refuses it before changing anything
+  Adafactor<> fresh;
+  fresh.load_state(st);
+  Net kept = deep_copy(m);
+  auto [loss, g] = loss_and_grads(m, d);
+  check_error([&] { fresh.update(m, g); }, {"[optimizer]", "exp_avg_sq_row", "l1.weight", "(8, 4)", "should be (8)"});
+  CHECK(same_values(m, kept));
+  CHECK(fresh.step() == 2);
+  // MLX raises without a learning rate when the relative step is off; so does nn, changing nothing
+  Adafactor<> no_lr = Adafactor().relative_step(false);
+  check_error([&] { no_lr.update(m, g); }, {"[optimizer]", "relative_step(false) needs a learning rate"});
+  CHECK(no_lr.step() == 0);
+  CHECK(no_lr.state().size() == 2);
+  no_lr.set_learning_rate(0.01);
+  no_lr.update(m, g);
+  CHECK(no_lr.step() == 1);
 }

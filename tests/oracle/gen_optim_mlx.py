@@ -92,6 +92,16 @@ CASES = {
     "muon/no_nesterov": lambda: optim.Muon(0.02, nesterov=False),
     "muon/ns_steps_3": lambda: optim.Muon(0.02, ns_steps=3),
     "muon/no_weight_decay": lambda: optim.Muon(0.02, momentum=0.9, weight_decay=0.0),
+    # Adafactor: factored second moments for the rank >= 2 parameters (l1.weight, l2.weight, e)
+    "adafactor/default": lambda: optim.Adafactor(),
+    "adafactor/lr": lambda: optim.Adafactor(learning_rate=0.003, relative_step=False),
+    "adafactor/beta1_wd": lambda: optim.Adafactor(learning_rate=0.01, beta_1=0.9, weight_decay=0.01, relative_step=False),
+    "adafactor/warmup_noscale": lambda: optim.Adafactor(warmup_init=True, scale_parameter=False),
+    # clips at every step (the unclipped update's RMS is about 1)
+    "adafactor/clip_decay_eps": lambda: optim.Adafactor(
+        learning_rate=0.01, relative_step=False, clip_threshold=0.3, decay_rate=-0.5, eps=(1e-20, 1e-2)
+    ),
+    "adafactor/schedule": lambda: optim.Adafactor(learning_rate=S.cosine_decay(0.01, 15, 1e-3), relative_step=False),
     "schedule/exponential_decay": lambda: optim.SGD(S.exponential_decay(0.1, 0.9)),
     "schedule/step_decay": lambda: optim.SGD(S.step_decay(0.1, 0.5, 6), momentum=0.9),
     "schedule/cosine_decay": lambda: optim.Adam(S.cosine_decay(0.01, 15, 1e-3)),
@@ -129,7 +139,9 @@ SCHEDULES = {
 # elements on a near-tie for Lion's default betas: c = b1 m + (1 - b1) g lands within rounding of 0
 # (m = (1 - b2) g1 after step 1), so sign(c) depends on the exact arithmetic order.
 UPDATE_STEPS = 3
-UPDATE_CASES = [n for n in CASES if n.split("/")[0] in ("sgd", "adam", "adamw", "lion", "muon", "schedule", "multi")]
+UPDATE_CASES = [
+    n for n in CASES if n.split("/")[0] in ("sgd", "adam", "adamw", "lion", "muon", "adafactor", "schedule", "multi")
+]
 
 
 def update_grads():

@@ -187,10 +187,16 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
       if (end <= begin) continue;
       const std::string p = name.substr(begin, end - begin);
       auto it = trainable.find(p);
-      if (it == trainable.end()) diffs.push_back("optimizer " + quote(name) + ": a slot of no trainable parameter here");
-      else if (t.defined() && it->second->defined() && !(t.shape() == it->second->shape()))
+      if (it == trainable.end()) {
+        diffs.push_back("optimizer " + quote(name) + ": a slot of no trainable parameter here");
+        continue;
+      }
+      if (!t.defined() || !it->second->defined()) continue;
+      const Tensor& param = *it->second;
+      const Shape want = opt.slot_shape(p, std::string_view(name).substr(end + 1), param);
+      if (!(t.shape() == want))
         diffs.push_back("optimizer " + quote(name) + ": " + t.shape().str() + " in the file, the parameter is " +
-                        it->second->shape().str());
+                        param.shape().str() + (want == param.shape() ? "" : " (the slot should be " + want.str() + ")"));
     }
   }
 

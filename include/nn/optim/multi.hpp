@@ -44,6 +44,9 @@ class MultiOptimizer : public Optimizer {
     fallback_->begin_step();
   }
   void init_param(const std::string& path, const Tensor& p) override { route(path).init_param(path, p); }
+  Shape slot_shape(const std::string& path, std::string_view name, const Tensor& p) const override {
+    return route(path).slot_shape(path, name, p);
+  }
   const char* type_name() const override { return "MultiOptimizer"; }
   /// Each member's type and fields, prefixed by its index ("0.type", "0.b1", ..., the default
   /// optimizer last), as its state is.
@@ -107,7 +110,7 @@ class MultiOptimizer : public Optimizer {
     }
     return parts;
   }
-  Optimizer& route(const std::string& path) {
+  Optimizer& route(const std::string& path) const {
     for (auto& g : groups_)
       if (g.first(path)) return *g.second;
     return *fallback_;

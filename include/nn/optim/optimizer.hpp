@@ -6,6 +6,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -131,7 +132,7 @@ class Optimizer {
     auto it = slots_.find(path);
     if (it == slots_.end()) {
       Slots& s = slots_[path];
-      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(p.shape(), p.dtype(), p.device());
+      for (const char* name : slot_names(p)) s[name] = detail::zeros_on(slot_shape(path, name, p), p.dtype(), p.device());
       return;
     }
     for (const char* name : slot_names(p)) {
@@ -139,15 +140,23 @@ class Optimizer {
       if (t == it->second.end())
         detail::fail("optimizer", "parameter '", path, "' has no slot '", name, "' (state entry 'slots.", path, ".",
                      name, "' is missing)");
-      if (!(t->second.shape() == p.shape()) || t->second.dtype() != p.dtype())
+      const Shape want = slot_shape(path, name, p);
+      if (!(t->second.shape() == want) || t->second.dtype() != p.dtype())
         detail::fail("optimizer", "slot '", name, "' of '", path, "' is ", t->second.shape().str(), " ",
-                     dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()));
+                     dtype_name(t->second.dtype()), " but the parameter is ", p.shape().str(), " ", dtype_name(p.dtype()),
+                     want == p.shape() ? std::string() : " (the slot should be " + want.str() + ")");
     }
     // Slots loaded from a checkpoint are host tensors: they follow their parameter to its device.
     for (const char* name : slot_names(p)) {
       Tensor& t = it->second.at(name);
       if (t.device() != p.device()) t = t.to(p.device());
     }
+  }
+  /// The shape of slot `name` of the parameter at `path` (value p): p's own unless an optimizer
+  /// keeps another (Adafactor's factored second moments). Slots are created and checked with it,
+  /// and so are a checkpoint's entries (MultiOptimizer asks the member `path` goes to).
+  virtual Shape slot_shape(const std::string& /*path*/, std::string_view /*name*/, const Tensor& p) const {
+    return p.shape();
   }
   /// The update of one parameter from its gradient, using its slots.
   virtual void apply(const std::string& path, Tensor& p, const Tensor& g) = 0;
