@@ -63,14 +63,16 @@ class GTape;
 template <class B>
 struct Node;
 
-/// A primitive's definition: its name (for errors), its forward kernel call and its vjp, side by
-/// side in the op's header. Nodes point at a static OpDef, so a node stays data, not a closure.
+/// A primitive's definition: which primitive (its name, for errors), its forward kernel call and
+/// its vjp, side by side in the op's header. Nodes point at a static OpDef, so a node stays data,
+/// not a closure.
 template <class B>
 struct OpDef {
-  const char* name;
+  Prim prim;
   void (*forward)(GTape<B>&, Node<B>&);
   void (*vjp)(GTape<B>&, Node<B>&);
   bool aliases_input = false;  // forward makes value a view of input 0 (reshape): no output buffer
+  constexpr const char* name() const { return prim_name(prim); }
 };
 
 /// One entry of the tape.
@@ -88,7 +90,7 @@ struct Node {
   bool grad_live = false;         // grad holds a contribution from the current backward
 
   const char* name() const {
-    if (def) return def->name;
+    if (def) return def->name();
     switch (leaf) {
       case LeafKind::param: return "param";
       case LeafKind::constant: return "constant";
@@ -142,6 +144,9 @@ class GTape {
     n.requires_grad = trainable && is_floating(t.dtype());
     return handle();
   }
+  /// A temporary cannot be bound: the leaf would point at a destroyed tensor. Keep the tensor in
+  /// a variable (or a module's Param) that outlives the tape, or use constant() / input().
+  GVar param(Tensor&&, bool = true) = delete;
   /// A value that never gets a gradient (shares t's storage).
   GVar constant(const Tensor& t) {
     check_leaf(t, "constant");

@@ -1101,6 +1101,37 @@ constexpr const char* binary_name(Binary b) {
   return "?";
 }
 
+/// Every primitive the tape records (ops/), one enumerator each. A new primitive adds itself here
+/// (beside its kernels' lines below), and
+/// tests/ops/registry.test.cpp fails until the op registry (tests/support/op_registry.hpp) lists
+/// it with sample inputs, so no primitive ships without its fixture, finite-difference, replay
+/// and CUDA checks.
+#define NN_PRIMITIVES(X)                                                                                  \
+  X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
+  X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
+  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu)
+
+enum class Prim : std::uint8_t {
+#define NN_PRIM_ENUMERATOR(p) p,
+  NN_PRIMITIVES(NN_PRIM_ENUMERATOR)
+#undef NN_PRIM_ENUMERATOR
+};
+#define NN_PRIM_COUNT(p) +1
+inline constexpr std::size_t kPrimCount = 0 NN_PRIMITIVES(NN_PRIM_COUNT);
+#undef NN_PRIM_COUNT
+
+/// The primitive's name, as errors and summaries print it.
+constexpr const char* prim_name(Prim p) {
+  switch (p) {
+#define NN_PRIM_NAME(n) \
+  case Prim::n:         \
+    return #n;
+    NN_PRIMITIVES(NN_PRIM_NAME)
+#undef NN_PRIM_NAME
+  }
+  return "?";
+}
+
 /// How a loss over rows is reduced (PyTorch's `reduction`).
 enum class Reduction : std::uint8_t { none, sum, mean };
 
@@ -4881,14 +4912,16 @@ class GTape;
 template <class B>
 struct Node;
 
-/// A primitive's definition: its name (for errors), its forward kernel call and its vjp, side by
-/// side in the op's header. Nodes point at a static OpDef, so a node stays data, not a closure.
+/// A primitive's definition: which primitive (its name, for errors), its forward kernel call and
+/// its vjp, side by side in the op's header. Nodes point at a static OpDef, so a node stays data,
+/// not a closure.
 template <class B>
 struct OpDef {
-  const char* name;
+  Prim prim;
   void (*forward)(GTape<B>&, Node<B>&);
   void (*vjp)(GTape<B>&, Node<B>&);
   bool aliases_input = false;  // forward makes value a view of input 0 (reshape): no output buffer
+  constexpr const char* name() const { return prim_name(prim); }
 };
 
 /// One entry of the tape.
@@ -4906,7 +4939,7 @@ struct Node {
   bool grad_live = false;         // grad holds a contribution from the current backward
 
   const char* name() const {
-    if (def) return def->name;
+    if (def) return def->name();
     switch (leaf) {
       case LeafKind::param: return "param";
       case LeafKind::constant: return "constant";
@@ -4960,6 +4993,9 @@ class GTape {
     n.requires_grad = trainable && is_floating(t.dtype());
     return handle();
   }
+  /// A temporary cannot be bound: the leaf would point at a destroyed tensor. Keep the tensor in
+  /// a variable (or a module's Param) that outlives the tape, or use constant() / input().
+  GVar param(Tensor&&, bool = true) = delete;
   /// A value that never gets a gradient (shares t's storage).
   GVar constant(const Tensor& t) {
     check_leaf(t, "constant");
@@ -5383,7 +5419,7 @@ struct UnaryPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"unary", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp};
 };
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
@@ -5408,7 +5444,7 @@ struct BinaryPrim {
       }
     }
   }
-  static constexpr OpDef<B> def{"binary", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp};
 };
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
@@ -5428,7 +5464,7 @@ struct WherePrim {
       }
     }
   }
-  static constexpr OpDef<B> def{"where", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::where, &forward, &vjp};
 };
 
 /// A copy that the backward sweep does not cross.
@@ -5436,7 +5472,7 @@ template <class B>
 struct StopGradientPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::copy(tp.in(n, 0), n.value, false); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{"stop_gradient", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::stop_gradient, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -5545,7 +5581,7 @@ struct SumPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::broadcast_to(n.grad.reshape(a.keep), s.g, a.scale, s.acc);
   }
-  static constexpr OpDef<B> def{"sum", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::sum, &forward, &vjp};
 };
 
 /// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
@@ -5562,7 +5598,7 @@ struct MaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::max_axis_vjp(n.grad.reshape(a.keep), n.saved[0], a.axis, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"max", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::max, &forward, &vjp};
 };
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
@@ -5704,7 +5740,7 @@ struct MatmulPrim {
       else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
-  static constexpr OpDef<B> def{"matmul", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::matmul, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -5799,7 +5835,7 @@ struct ReshapePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
   }
-  static constexpr OpDef<B> def{"reshape", &forward, &vjp, true};
+  static constexpr OpDef<B> def{Prim::reshape, &forward, &vjp, true};
 };
 
 template <class B>
@@ -5812,7 +5848,7 @@ struct PermutePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::permute(n.grad, inv, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"permute", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::permute, &forward, &vjp};
 };
 
 template <class B>
@@ -5827,7 +5863,7 @@ struct SlicePrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::slice_scatter(n.grad, a.axis, a.start, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"slice", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::slice, &forward, &vjp};
 };
 
 template <class B>
@@ -5859,14 +5895,14 @@ struct ConcatPrim {
       at += s[axis];
     }
   }
-  static constexpr OpDef<B> def{"concat", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::concat, &forward, &vjp};
 };
 
 template <class B>
 struct BroadcastPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::broadcast_to(tp.in(n, 0), n.value, 1.0, false); }
   static void vjp(GTape<B>& tp, Node<B>& n) { tp.accumulate_reduced(n, 0, n.grad); }
-  static constexpr OpDef<B> def{"broadcast_to", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::broadcast_to, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -6028,7 +6064,7 @@ struct GatherRowsPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::scatter_add_rows(n.grad, tp.in(n, 1), s.g);  // repeated ids accumulate
   }
-  static constexpr OpDef<B> def{"gather_rows", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::gather_rows, &forward, &vjp};
 };
 
 /// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
@@ -6041,7 +6077,7 @@ struct PickPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::pick_vjp(n.grad, tp.in(n, 1), s.g);
   }
-  static constexpr OpDef<B> def{"pick", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::pick, &forward, &vjp};
 };
 
 template <class B>
@@ -6109,7 +6145,7 @@ struct SoftmaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::softmax_vjp(n.value, n.grad, s.g, attrs_of<SoftmaxAttrs>(n).log, s.acc);
   }
-  static constexpr OpDef<B> def{"softmax", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::softmax, &forward, &vjp};
 };
 
 template <class B>
@@ -6162,7 +6198,7 @@ struct CrossEntropyPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), attrs_of<CrossEntropyAttrs>(n), n.saved[0], n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"cross_entropy", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::cross_entropy, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -6235,7 +6271,7 @@ template <class B>
 struct BernoulliPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), attrs_of<ProbabilityAttrs>(n).p, 1.0, n.value); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{"bernoulli", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::bernoulli, &forward, &vjp};
 };
 
 /// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
@@ -6260,7 +6296,7 @@ struct DropoutPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::binary_vjp(Binary::mul, 1, n.saved[0], tp.in(n, 0), n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"dropout", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::dropout, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -6316,7 +6352,7 @@ struct RmsNormPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{"rmsnorm", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::rmsnorm, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -6371,7 +6407,7 @@ struct RopePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, true, s.g, s.acc);  // rotate back
   }
-  static constexpr OpDef<B> def{"rope", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::rope, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -6435,7 +6471,7 @@ struct AttentionPrim {
     Tensor& scratch = tp.scratch(n, 1, Shape{a.B * a.KV, a.T, a.T}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, a, scratch, g[0], g[1], g[2]);
   }
-  static constexpr OpDef<B> def{"attention", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::attention, &forward, &vjp};
 };
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); AttentionAttrs (no mask).
@@ -6455,7 +6491,7 @@ struct FlashAttentionPrim {
     B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, a, delta, g[0], g[1],
                            g[2]);
   }
-  static constexpr OpDef<B> def{"flash_attention", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::flash_attention, &forward, &vjp};
 };
 
 /// The checks fused_attention and flash_attention share; returns B (q's rows / T).
@@ -6561,7 +6597,7 @@ struct SwigluPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{"swiglu", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::swiglu, &forward, &vjp};
 };
 
 }  // namespace detail
@@ -6591,6 +6627,9 @@ template <class B>
 GVar param(GTape<B>& tp, const Tensor& t, bool trainable = true) {
   return tp.param(t, trainable);
 }
+/// Not for a temporary: the leaf would point at a destroyed tensor (see GTape::param).
+template <class B>
+GVar param(GTape<B>& tp, Tensor&& t, bool trainable = true) = delete;
 
 /// Registers `t` as a value that never gets a gradient (the seed's nn_const).
 template <class B>

@@ -63,7 +63,8 @@ TEST_CASE("each primitive keeps its own attribute struct; reading another type i
   CHECK(a.get<AttentionAttrs>().causal);
   // on the tape: a recorded node holds what its builder gave it
   GTape<cpu> tp;
-  GVar x = tp.param(test::random_tensor({3, 4}, DType::f64, 5));
+  const Tensor X = test::random_tensor({3, 4}, DType::f64, 5);
+  GVar x = tp.param(X);
   GVar y = softmax_cross_entropy(tp, x, tp.constant(Tensor::from<std::int64_t>({3}, {1, 0, -7})), Reduction::sum, -7);
   CHECK(detail::attrs_of<CrossEntropyAttrs>(tp.node(y)).ignore_index == -7);
   CHECK(detail::attrs_of<CrossEntropyAttrs>(tp.node(y)).reduction == Reduction::sum);
@@ -71,8 +72,9 @@ TEST_CASE("each primitive keeps its own attribute struct; reading another type i
 
 TEST_CASE("the tape resolves gradient aliasing: inputs that are one tensor share one zeroed, accumulating buffer") {
   GTape<cpu> tp;
-  GVar x = tp.param(test::random_tensor({2, 3}, DType::f64, 6));
-  GVar w = tp.param(test::random_tensor({2, 3}, DType::f64, 7));
+  const Tensor X = test::random_tensor({2, 3}, DType::f64, 6), W = test::random_tensor({2, 3}, DType::f64, 7);
+  const Tensor C = test::random_tensor({2, 3}, DType::f64, 8);
+  GVar x = tp.param(X), w = tp.param(W);  // params bind their tensors by reference: keep them alive
   GVar same = fused_swiglu(tp, x, x);
   auto g = tp.grad_outs<2>(tp.node(same));
   REQUIRE(g[0].g != nullptr);
@@ -85,7 +87,7 @@ TEST_CASE("the tape resolves gradient aliasing: inputs that are one tensor share
   CHECK(h[0].acc);     // x's buffer already holds the first node's contribution in this sweep
   CHECK(!h[1].acc);    // w's first
   // an input without a gradient gets no destination
-  GVar c = fused_swiglu(tp, tp.constant(test::random_tensor({2, 3}, DType::f64, 8)), w);
+  GVar c = fused_swiglu(tp, tp.constant(C), w);
   auto k = tp.grad_outs<2>(tp.node(c));
   CHECK(k[0].g == nullptr);
 }
@@ -96,9 +98,10 @@ TEST_CASE("the tape's float dtype: set, or from the first float32/float64 leaf; 
   tp.constant(Tensor::zeros({2}, DType::bf16));  // a storage type: not the compute dtype
   tp.input(Tensor::zeros({2}, DType::i64));
   CHECK(tp.float_dtype() == DType::f32);
-  tp.param(Tensor::zeros({2}, DType::f64));
+  const Tensor p64 = Tensor::zeros({2}, DType::f64), p32 = Tensor::zeros({3}, DType::f32);
+  tp.param(p64);
   CHECK(tp.float_dtype() == DType::f64);
-  tp.param(Tensor::zeros({3}, DType::f32));  // the first one decides
+  tp.param(p32);  // the first one decides
   CHECK(tp.float_dtype() == DType::f64);
   CHECK(tp.dtype(causal_mask_fill(tp, 3)) == DType::f64);
   CHECK(tp.dtype(rope_fill(tp, 3, 4).sin) == DType::f64);
@@ -106,7 +109,7 @@ TEST_CASE("the tape's float dtype: set, or from the first float32/float64 leaf; 
   tp.clear();
   CHECK(tp.float_dtype() == DType::f32);
   tp.set_float_dtype(DType::f64);
-  tp.param(Tensor::zeros({2}, DType::f32));
+  tp.param(p32);
   CHECK(tp.float_dtype() == DType::f64);
   tp.clear();
   CHECK(tp.float_dtype() == DType::f64);  // set explicitly: kept

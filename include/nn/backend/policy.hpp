@@ -66,6 +66,37 @@ constexpr const char* binary_name(Binary b) {
   return "?";
 }
 
+/// Every primitive the tape records (ops/), one enumerator each. A new primitive adds itself here
+/// (beside its kernels' lines below), and
+/// tests/ops/registry.test.cpp fails until the op registry (tests/support/op_registry.hpp) lists
+/// it with sample inputs, so no primitive ships without its fixture, finite-difference, replay
+/// and CUDA checks.
+#define NN_PRIMITIVES(X)                                                                                  \
+  X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
+  X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
+  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu)
+
+enum class Prim : std::uint8_t {
+#define NN_PRIM_ENUMERATOR(p) p,
+  NN_PRIMITIVES(NN_PRIM_ENUMERATOR)
+#undef NN_PRIM_ENUMERATOR
+};
+#define NN_PRIM_COUNT(p) +1
+inline constexpr std::size_t kPrimCount = 0 NN_PRIMITIVES(NN_PRIM_COUNT);
+#undef NN_PRIM_COUNT
+
+/// The primitive's name, as errors and summaries print it.
+constexpr const char* prim_name(Prim p) {
+  switch (p) {
+#define NN_PRIM_NAME(n) \
+  case Prim::n:         \
+    return #n;
+    NN_PRIMITIVES(NN_PRIM_NAME)
+#undef NN_PRIM_NAME
+  }
+  return "?";
+}
+
 /// How a loss over rows is reduced (PyTorch's `reduction`).
 enum class Reduction : std::uint8_t { none, sum, mean };
 

@@ -13,6 +13,9 @@ template <class B>
 GVar param(GTape<B>& tp, const Tensor& t, bool trainable = true) {
   return tp.param(t, trainable);
 }
+/// Not for a temporary: the leaf would point at a destroyed tensor (see GTape::param).
+template <class B>
+GVar param(GTape<B>& tp, Tensor&& t, bool trainable = true) = delete;
 
 /// Registers `t` as a value that never gets a gradient (the seed's nn_const).
 template <class B>

@@ -30,7 +30,7 @@ struct AttentionPrim {
     Tensor& scratch = tp.scratch(n, 1, Shape{a.B * a.KV, a.T, a.T}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, a, scratch, g[0], g[1], g[2]);
   }
-  static constexpr OpDef<B> def{"attention", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::attention, &forward, &vjp};
 };
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); AttentionAttrs (no mask).
@@ -50,7 +50,7 @@ struct FlashAttentionPrim {
     B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, a, delta, g[0], g[1],
                            g[2]);
   }
-  static constexpr OpDef<B> def{"flash_attention", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::flash_attention, &forward, &vjp};
 };
 
 /// The checks fused_attention and flash_attention share; returns B (q's rows / T).

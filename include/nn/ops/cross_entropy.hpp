@@ -26,7 +26,7 @@ struct CrossEntropyPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), attrs_of<CrossEntropyAttrs>(n), n.saved[0], n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"cross_entropy", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::cross_entropy, &forward, &vjp};
 };
 
 }  // namespace detail

@@ -30,7 +30,7 @@ struct UnaryPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"unary", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp};
 };
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
@@ -55,7 +55,7 @@ struct BinaryPrim {
       }
     }
   }
-  static constexpr OpDef<B> def{"binary", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp};
 };
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
@@ -75,7 +75,7 @@ struct WherePrim {
       }
     }
   }
-  static constexpr OpDef<B> def{"where", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::where, &forward, &vjp};
 };
 
 /// A copy that the backward sweep does not cross.
@@ -83,7 +83,7 @@ template <class B>
 struct StopGradientPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::copy(tp.in(n, 0), n.value, false); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{"stop_gradient", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::stop_gradient, &forward, &vjp};
 };
 
 }  // namespace detail

@@ -18,7 +18,7 @@ struct SwigluPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{"swiglu", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::swiglu, &forward, &vjp};
 };
 
 }  // namespace detail

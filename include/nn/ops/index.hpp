@@ -22,7 +22,7 @@ struct GatherRowsPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::scatter_add_rows(n.grad, tp.in(n, 1), s.g);  // repeated ids accumulate
   }
-  static constexpr OpDef<B> def{"gather_rows", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::gather_rows, &forward, &vjp};
 };
 
 /// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
@@ -35,7 +35,7 @@ struct PickPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::pick_vjp(n.grad, tp.in(n, 1), s.g);
   }
-  static constexpr OpDef<B> def{"pick", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::pick, &forward, &vjp};
 };
 
 template <class B>

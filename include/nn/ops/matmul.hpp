@@ -61,7 +61,7 @@ struct MatmulPrim {
       else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
-  static constexpr OpDef<B> def{"matmul", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::matmul, &forward, &vjp};
 };
 
 }  // namespace detail

@@ -35,7 +35,7 @@ struct SumPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::broadcast_to(n.grad.reshape(a.keep), s.g, a.scale, s.acc);
   }
-  static constexpr OpDef<B> def{"sum", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::sum, &forward, &vjp};
 };
 
 /// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
@@ -52,7 +52,7 @@ struct MaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::max_axis_vjp(n.grad.reshape(a.keep), n.saved[0], a.axis, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"max", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::max, &forward, &vjp};
 };
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.

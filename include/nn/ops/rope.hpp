@@ -27,7 +27,7 @@ struct RopePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, true, s.g, s.acc);  // rotate back
   }
-  static constexpr OpDef<B> def{"rope", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::rope, &forward, &vjp};
 };
 
 }  // namespace detail

@@ -37,7 +37,7 @@ struct ReshapePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
   }
-  static constexpr OpDef<B> def{"reshape", &forward, &vjp, true};
+  static constexpr OpDef<B> def{Prim::reshape, &forward, &vjp, true};
 };
 
 template <class B>
@@ -50,7 +50,7 @@ struct PermutePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::permute(n.grad, inv, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"permute", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::permute, &forward, &vjp};
 };
 
 template <class B>
@@ -65,7 +65,7 @@ struct SlicePrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::slice_scatter(n.grad, a.axis, a.start, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{"slice", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::slice, &forward, &vjp};
 };
 
 template <class B>
@@ -97,14 +97,14 @@ struct ConcatPrim {
       at += s[axis];
     }
   }
-  static constexpr OpDef<B> def{"concat", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::concat, &forward, &vjp};
 };
 
 template <class B>
 struct BroadcastPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::broadcast_to(tp.in(n, 0), n.value, 1.0, false); }
   static void vjp(GTape<B>& tp, Node<B>& n) { tp.accumulate_reduced(n, 0, n.grad); }
-  static constexpr OpDef<B> def{"broadcast_to", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::broadcast_to, &forward, &vjp};
 };
 
 }  // namespace detail

@@ -21,7 +21,7 @@ struct SoftmaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::softmax_vjp(n.value, n.grad, s.g, attrs_of<SoftmaxAttrs>(n).log, s.acc);
   }
-  static constexpr OpDef<B> def{"softmax", &forward, &vjp};
+  static constexpr OpDef<B> def{Prim::softmax, &forward, &vjp};
 };
 
 template <class B>

@@ -1,0 +1,206 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// The op registry: one table listing every primitive (nn::Prim) with sample inputs, tolerances,
+// the PyTorch fixture case it matches (if any) and the composite it must equal (for the fused
+// ones), as PyTorch's OpInfo does. Every check runs from this one table:
+//   tests/ops/registry.test.cpp   each primitive has an entry (a new enumerator without one fails),
+//                                 each entry records the primitive it names, PyTorch fixture in
+//                                 float64 and float32, central differences in float64, fused
+//                                 equals composite, replay equals eager bit for bit (f32, f64);
+//   tests/cuda/registry.test.cu   (nvcc) CUDA against CPU, values and gradients.
+// The per-header tests (tests/ops/*.test.cpp) keep their long case lists against the same fixtures.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "support/check.hpp"
+
+namespace nn::test::registry {
+
+/// How a sample input is drawn.
+enum class Kind : std::uint8_t {
+  real,  // uniform in [lo, hi], differentiable unless `grad` is false
+  ids,   // int64 uniform in [0, n)
+  mask,  // uint8 0/1
+  key,   // an MLX key, uint32 (2)
+};
+
+struct Input {
+  Shape shape;
+  Kind kind = Kind::real;
+  double lo = -1, hi = 1;
+  std::int64_t n = 0;  // ids: the range
+  bool grad = true;    // real: gets a gradient
+
+  bool differentiable() const { return kind == Kind::real && grad; }
+};
+inline Input real(Shape s, double lo = -1, double hi = 1) { return {s, Kind::real, lo, hi, 0, true}; }
+inline Input constant(Shape s, double lo = -1, double hi = 1) { return {s, Kind::real, lo, hi, 0, false}; }
+inline Input ids(Shape s, std::int64_t n) { return {s, Kind::ids, 0, 0, n, false}; }
+inline Input mask(Shape s) { return {s, Kind::mask, 0, 0, 0, false}; }
+inline Input key() { return {Shape{2}, Kind::key, 0, 0, 0, false}; }
+
+template <class B>
+using Build = std::function<GVar(GTape<B>&, const std::vector<GVar>&)>;
+
+struct Tol {
+  double fd = 1e-7;          // float64 vs central differences
+  double torch32 = 1e-5;     // float32 vs the PyTorch float64 fixture (float64: kTolF64 = 1e-12)
+  double composite64 = 1e-12, composite32 = 1e-5;  // fused vs composite
+  double cuda64 = 1e-12, cuda32 = 1e-5;            // CUDA vs CPU
+};
+
+template <class B>
+struct OpCase {
+  Prim prim;
+  std::string name;
+  std::vector<Input> inputs;
+  Build<B> build;
+  bool fd = true;           // smooth at the samples: central differences apply
+  std::string fixture;      // "elementwise.json:silu/matrix": the PyTorch case `build` computes
+  Build<B> composite = {};  // a fused primitive's reference from other primitives
+  Tol tol = {};
+};
+
+/// The sample inputs of a case in float dtype `dt` (seeded, so every run draws the same).
+inline std::vector<Tensor> make_inputs(const std::vector<Input>& ins, DType dt, std::uint64_t seed) {
+  std::vector<Tensor> out;
+  std::mt19937_64 rng(seed);
+  for (const Input& in : ins) {
+    const std::uint64_t s = rng();
+    switch (in.kind) {
+      case Kind::real: out.push_back(random_tensor(in.shape, dt, s, in.lo, in.hi)); break;
+      case Kind::ids: {
+        std::vector<std::int64_t> v(static_cast<std::size_t>(in.shape.numel()));
+        for (auto& x : v) x = static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(in.n));
+        out.push_back(Tensor::from<std::int64_t>(in.shape, v));
+        break;
+      }
+      case Kind::mask: {
+        std::vector<std::uint8_t> v(static_cast<std::size_t>(in.shape.numel()));
+        for (auto& x : v) x = static_cast<std::uint8_t>(rng() % 2);
+        out.push_back(Tensor::from<std::uint8_t>(in.shape, v));
+        break;
+      }
+      case Kind::key: out.push_back(random::key(s)); break;
+    }
+  }
+  return out;
+}
+
+/// Every primitive, at least once. Builders are generic over the backend: the same table runs on
+/// nn::cpu and nn::cuda (a primitive a backend lacks, such as flash attention on CUDA, is left
+/// out for it).
+template <class B>
+std::vector<OpCase<B>> cases() {
+  using V = const std::vector<GVar>&;
+  using T = GTape<B>&;
+  std::vector<OpCase<B>> c;
+  auto add = [&](OpCase<B> oc) { c.push_back(std::move(oc)); };
+
+  // ---- elementwise -------------------------------------------------------------------------
+  const Shape m{3, 4};
+  const struct {
+    Unary op;
+    const char* fixture;
+    double lo, hi, arg;
+  } unaries[] = {
+      {Unary::neg, "neg/matrix", -2, 2, 0},         {Unary::exp, "exp/matrix", -2, 2, 0},
+      {Unary::log, "log/positive", 0.5, 2, 0},      {Unary::sqrt, "sqrt/positive", 0.5, 2, 0},
+      {Unary::rsqrt, "rsqrt/positive", 0.5, 2, 0},  {Unary::tanh, "tanh/matrix", -2, 2, 0},
+      {Unary::sigmoid, "sigmoid/matrix", -2, 2, 0}, {Unary::relu, "relu/away_from_zero", -2, 2, 0},
+      {Unary::abs, "abs/away_from_zero", -2, 2, 0}, {Unary::pow, "pow/2.5", 0.5, 2, 2.5},
+      {Unary::silu, "silu/matrix", -2, 2, 0},       {Unary::gelu, "gelu/matrix", -2, 2, 0},
+      {Unary::gelu_approx, "gelu_approx/matrix", -2, 2, 0},
+      {Unary::gelu_fast, "gelu_fast/matrix", -2, 2, 0},
+      {Unary::scale, "scale/-1.75", -2, 2, -1.75},  {Unary::add_scalar, "add_scalar/0.625", -2, 2, 0.625},
+  };
+  for (const auto& u : unaries)
+    add({Prim::unary, std::string("unary/") + unary_name(u.op), {real(m, u.lo, u.hi)},
+         [op = u.op, a = u.arg](T tp, V v) { return unary(tp, op, v[0], a); }, true,
+         std::string("elementwise.json:") + u.fixture});
+  const std::pair<Binary, double> binaries[] = {{Binary::add, -1}, {Binary::sub, -1},     {Binary::mul, -1},
+                                                {Binary::div, 0.5}, {Binary::maximum, -1}, {Binary::minimum, -1}};
+  for (auto [op, lo] : binaries)
+    add({Prim::binary, std::string("binary/") + binary_name(op), {real({2, 3, 4}), real({4}, lo, 1.5)},
+         [op = op](T tp, V v) { return binary(tp, op, v[0], v[1]); }, true,
+         std::string("elementwise.json:") + binary_name(op) + "/trailing"});
+  add({Prim::where, "where", {mask(m), real(m), real(m)}, [](T tp, V v) { return where(tp, v[0], v[1], v[2]); }, true,
+       "elementwise.json:where/same"});
+  // x * stop_gradient(x): the gradient is x's through one path only, not the derivative of x^2
+  add({Prim::stop_gradient, "stop_gradient", {real(m)},
+       [](T tp, V v) { return mul(tp, v[0], stop_gradient(tp, v[0])); }, false,
+       "elementwise.json:stop_gradient/x_times_sg_x"});
+
+  // ---- shapes, reductions, products, indexing ------------------------------------------------
+  const Shape r3{2, 3, 4};
+  add({Prim::reshape, "reshape", {real(r3)}, [](T tp, V v) { return reshape(tp, v[0], {6, 4}); }, true,
+       "shape.json:reshape/to_matrix"});
+  add({Prim::permute, "permute", {real(r3)}, [](T tp, V v) { return permute(tp, v[0], {2, 0, 1}); }, true,
+       "shape.json:permute/201"});
+  add({Prim::slice, "slice", {real(r3)}, [](T tp, V v) { return slice(tp, v[0], 1, 1, 3); }, true,
+       "shape.json:slice/axis1"});
+  add({Prim::concat, "concat", {real({2, 3}), real({1, 3}), real({3, 3})},
+       [](T tp, V v) { return concat(tp, {v[0], v[1], v[2]}, 0); }, true, "shape.json:concat/axis0"});
+  add({Prim::broadcast_to, "broadcast_to", {real({3, 1})},
+       [](T tp, V v) { return broadcast_to(tp, v[0], Shape{2, 3, 4}); }, true, "shape.json:broadcast_to/column"});
+  add({Prim::sum, "sum", {real(r3)}, [](T tp, V v) { return sum(tp, v[0]); }, true, "reduce.json:sum/all"});
+  add({Prim::sum, "mean", {real(r3)}, [](T tp, V v) { return mean(tp, v[0]); }, true, "reduce.json:mean/all"});
+  add({Prim::max, "max", {real(r3)}, [](T tp, V v) { return max(tp, v[0], 1); }, true, "reduce.json:max/axis1"});
+  add({Prim::matmul, "matmul", {real({3, 4}), real({4, 5})}, [](T tp, V v) { return matmul(tp, v[0], v[1]); }, true,
+       "matmul.json:matmul/plain"});
+  add({Prim::matmul, "matmul/shared_weight_transposed", {real({2, 3, 4}), real({5, 4})},
+       [](T tp, V v) { return matmul(tp, v[0], v[1], false, true); }, true, ""});  // x @ W^T: one GEMM
+  add({Prim::gather_rows, "gather_rows", {real({5, 3}), ids({4}, 5)},
+       [](T tp, V v) { return gather_rows(tp, v[0], v[1]); }, true, "index.json:gather_rows/repeated_ids"});
+  add({Prim::pick, "pick", {real({4, 5}), ids({4}, 5)}, [](T tp, V v) { return pick(tp, v[0], v[1]); }, true,
+       "index.json:pick/ignored_row"});
+  add({Prim::softmax, "softmax", {real({3, 5}, -2, 2)}, [](T tp, V v) { return softmax(tp, v[0]); }, true,
+       "softmax.json:softmax/matrix"});
+  add({Prim::softmax, "log_softmax", {real({3, 5}, -2, 2)}, [](T tp, V v) { return log_softmax(tp, v[0]); }, true,
+       "softmax.json:log_softmax/matrix"});
+  // mean cross-entropy against its composite, -mean(pick(log_softmax(x), t))
+  add({Prim::cross_entropy, "cross_entropy", {real({2, 3, 6}, -2, 2), ids({2, 3}, 6)},
+       [](T tp, V v) { return softmax_cross_entropy(tp, v[0], v[1]); }, true, "",
+       [](T tp, V v) {
+         GVar lp = log_softmax(tp, reshape(tp, v[0], {6, 6}));
+         return scale(tp, sum(tp, pick(tp, lp, reshape(tp, v[1], {6}))), -1.0 / 6);
+       }});
+
+  // ---- random ---------------------------------------------------------------------------------
+  add({Prim::bernoulli, "bernoulli", {key()}, [](T tp, V v) { return bernoulli(tp, 0.3, Shape{4, 5}, v[0]); }, false, ""});
+  add({Prim::dropout, "dropout", {real(m), key()}, [](T tp, V v) { return dropout_mask_mul(tp, v[0], 0.25, v[1]); }, true, ""});
+
+  // ---- fused, each against its composite --------------------------------------------------------
+  add({Prim::rmsnorm, "rmsnorm", {real({2, 3, 8}), real({8}, 0.5, 1.5)},
+       [](T tp, V v) { return fused_rmsnorm(tp, v[0], v[1], 1e-5); }, true, "",
+       [](T tp, V v) { return reference::rmsnorm(tp, v[0], v[1], 1e-5); }});
+  add({Prim::rope, "rope", {real({2, 5, 8})},
+       [](T tp, V v) {
+         RopeVars r = rope_fill(tp, 5, 6);  // dims 6 of 8: the last two features pass through
+         return fused_rope(tp, v[0], r.cos, r.sin);
+       },
+       true, "",
+       [](T tp, V v) {
+         RopeVars r = rope_fill(tp, 5, 6);
+         return reference::rope(tp, v[0], r.cos, r.sin);
+       }});
+  // grouped-query attention with an additive mask: B 2, T 4, 4 query heads on 2 kv heads, hd 3
+  add({Prim::attention, "attention", {real({2, 4, 12}), real({2, 4, 6}), real({2, 4, 6}), constant({4, 4}, -2, 0)},
+       [](T tp, V v) { return fused_attention(tp, v[0], v[1], v[2], v[3], 4, 4, 2, 3, 0.6); }, true, "",
+       [](T tp, V v) { return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, v[3], 4, 4, 2, 3, 0.6); }});
+  if constexpr (detail::HasFlashAttention<B>)
+    add({Prim::flash_attention, "flash_attention/causal", {real({2, 5, 8}), real({2, 5, 4}), real({2, 5, 4})},
+         [](T tp, V v) { return flash_attention(tp, v[0], v[1], v[2], 5, 4, 2, 2, 0.7, true); }, true, "",
+         [](T tp, V v) {
+           return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, causal_mask_fill(tp, 5), 5, 4, 2, 2,
+                                           0.7);
+         }});
+  add({Prim::swiglu, "swiglu", {real({3, 8}, -3, 3), real({3, 8})},
+       [](T tp, V v) { return fused_swiglu(tp, v[0], v[1]); }, true, "",
+       [](T tp, V v) { return reference::swiglu(tp, v[0], v[1]); }});
+  return c;
+}
+
+}  // namespace nn::test::registry
