@@ -1158,6 +1158,13 @@ struct CrossEntropyAttrs {
   Reduction reduction = Reduction::mean;
 };
 
+/// RoPE's kernel options: traditional (interleaved pairs (2i, 2i + 1)) or NEOX halves; inverse
+/// rotates by minus the angle (the vjp).
+struct RopeArgs {
+  bool traditional = false;
+  bool inverse = false;
+};
+
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
 /// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
 /// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
@@ -1174,7 +1181,8 @@ struct GradOut {
 template <class B>
 concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
                                  int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
-                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go) {
+                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go,
+                                 RopeArgs ra) {
   { B::device } -> std::convertible_to<Device>;
   { B::name } -> std::convertible_to<const char*>;
   { B::alloc(s, dt) } -> std::same_as<Tensor>;
@@ -1208,7 +1216,7 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   // a null gradient pointer means that input needs none
   B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
   B::rms_norm_vjp(x, x, x, x, go, go);           // (x, w, rstd, g, gx, gw)
-  B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
+  B::rope(x, x, x, ra, y, acc);                  // (x, cos, sin, {traditional, inverse}, y, acc)
   B::attention(x, x, x, x, att, y, y);           // (q, k, v, mask, attrs, out, p)
   B::attention_vjp(x, x, x, x, x, att, y, go, go, go);  // (q, k, v, p, g, attrs, scratch, gq, gk, gv)
   // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
@@ -4297,8 +4305,8 @@ struct RopeKernels {
   /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
   /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
   /// cos/sin (T, dims/2) against x (..., T, D), or (T, 1, dims/2) against x (..., T, M, D).
-  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool traditional, bool inverse, Tensor& y,
-                   bool acc) {
+  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, RopeArgs args, Tensor& y, bool acc) {
+    const bool traditional = args.traditional, inverse = args.inverse;
     detail::dispatch_float(x.dtype(), "rope", [&]<class T>() {
       const std::int64_t D = x.dim(-1), half = cos.dim(-1), T_ = cos.dim(0);
       const std::int64_t M = cos.rank() == 3 ? x.dim(-2) : 1, rows = x.numel() / D;
@@ -6400,12 +6408,13 @@ namespace detail {
 template <class B>
 struct RopePrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, false, n.value, false);
+    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), RopeArgs{attrs_of<RopeAttrs>(n).traditional, false}, n.value, false);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     if (!tp.needs_grad(n, 0)) return;
     GradSlot s = tp.grad_slot(n, 0);
-    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, true, s.g, s.acc);  // rotate back
+    // the vjp rotates back
+    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), RopeArgs{attrs_of<RopeAttrs>(n).traditional, true}, s.g, s.acc);
   }
   static constexpr OpDef<B> def{Prim::rope, &forward, &vjp};
 };

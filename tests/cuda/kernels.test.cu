@@ -496,8 +496,8 @@ TEST_CASE("cuda kernels: fused rms_norm, rope, attention, swiglu and their vjps"
             const std::string nm = "rope " + c.x.str() + (trad ? " traditional" : "") + (inverse ? " inverse" : "") +
                                    (acc ? " acc" : "");
             both(nm, acc ? rnd(c.x, dt) : poisoned(c.x, dt), [&](Tensor& h, Tensor& d) {
-              cpu::rope(x, cs, sn, trad, inverse, h, acc);
-              cuda::rope(dev(x), dev(cs), dev(sn), trad, inverse, d, acc);
+              cpu::rope(x, cs, sn, {trad, inverse}, h, acc);
+              cuda::rope(dev(x), dev(cs), dev(sn), {trad, inverse}, d, acc);
             });
           }
     // attention: grouped heads, batched over b (B >= KV) and over kv heads (B < KV), masks

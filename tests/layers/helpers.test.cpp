@@ -8,7 +8,8 @@ TEST_CASE("helpers: param, constant, input and fills register what they say") {
   GTape<cpu> tp;
   Tensor W = Tensor::from<double>({2, 2}, {1, 2, 3, 4});
   GVar w = nn::param(tp, W);
-  GVar f = nn::param(tp, Tensor::ones({2}, DType::f64), false);
+  const Tensor F = Tensor::ones({2}, DType::f64);  // params bind by reference: a named tensor
+  GVar f = nn::param(tp, F, false);
   GVar c = nn::constant(tp, Tensor::zeros({2}, DType::f64));
   GVar x = nn::input(tp, Tensor::ones({2}, DType::f64), true);
   CHECK(tp.requires_grad(w));

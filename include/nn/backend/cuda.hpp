@@ -623,8 +623,8 @@ struct cuda {
   }
 
   /// y (+)= x rotated by its position's angles (minus them when `inverse`: the vjp).
-  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool traditional, bool inverse, Tensor& y,
-                   bool acc) {
+  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, RopeArgs args, Tensor& y, bool acc) {
+    const bool traditional = args.traditional, inverse = args.inverse;
     namespace cu = detail::cu;
     const std::int64_t D = x.dim(-1), half = cos.dim(-1), Tn = cos.dim(0);
     const std::int64_t M = cos.rank() == 3 ? x.dim(-2) : 1, rows = x.numel() / std::max<std::int64_t>(D, 1);

@@ -123,6 +123,13 @@ struct CrossEntropyAttrs {
   Reduction reduction = Reduction::mean;
 };
 
+/// RoPE's kernel options: traditional (interleaved pairs (2i, 2i + 1)) or NEOX halves; inverse
+/// rotates by minus the angle (the vjp).
+struct RopeArgs {
+  bool traditional = false;
+  bool inverse = false;
+};
+
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
 /// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
 /// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
@@ -139,7 +146,8 @@ struct GradOut {
 template <class B>
 concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
                                  int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
-                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go) {
+                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go,
+                                 RopeArgs ra) {
   { B::device } -> std::convertible_to<Device>;
   { B::name } -> std::convertible_to<const char*>;
   { B::alloc(s, dt) } -> std::same_as<Tensor>;
@@ -173,7 +181,7 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   // a null gradient pointer means that input needs none
   B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
   B::rms_norm_vjp(x, x, x, x, go, go);           // (x, w, rstd, g, gx, gw)
-  B::rope(x, x, x, acc, acc, y, acc);            // (x, cos, sin, traditional, inverse, y, acc)
+  B::rope(x, x, x, ra, y, acc);                  // (x, cos, sin, {traditional, inverse}, y, acc)
   B::attention(x, x, x, x, att, y, y);           // (q, k, v, mask, attrs, out, p)
   B::attention_vjp(x, x, x, x, x, att, y, go, go, go);  // (q, k, v, p, g, attrs, scratch, gq, gk, gv)
   // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in

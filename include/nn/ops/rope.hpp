@@ -20,12 +20,13 @@ namespace detail {
 template <class B>
 struct RopePrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
-    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, false, n.value, false);
+    B::rope(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), RopeArgs{attrs_of<RopeAttrs>(n).traditional, false}, n.value, false);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     if (!tp.needs_grad(n, 0)) return;
     GradSlot s = tp.grad_slot(n, 0);
-    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), attrs_of<RopeAttrs>(n).traditional, true, s.g, s.acc);  // rotate back
+    // the vjp rotates back
+    B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), RopeArgs{attrs_of<RopeAttrs>(n).traditional, true}, s.g, s.acc);
   }
   static constexpr OpDef<B> def{Prim::rope, &forward, &vjp};
 };

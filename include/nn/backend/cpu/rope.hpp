@@ -13,8 +13,8 @@ struct RopeKernels {
   /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
   /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
   /// cos/sin (T, dims/2) against x (..., T, D), or (T, 1, dims/2) against x (..., T, M, D).
-  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool traditional, bool inverse, Tensor& y,
-                   bool acc) {
+  static void rope(const Tensor& x, const Tensor& cos, const Tensor& sin, RopeArgs args, Tensor& y, bool acc) {
+    const bool traditional = args.traditional, inverse = args.inverse;
     detail::dispatch_float(x.dtype(), "rope", [&]<class T>() {
       const std::int64_t D = x.dim(-1), half = cos.dim(-1), T_ = cos.dim(0);
       const std::int64_t M = cos.rank() == 3 ? x.dim(-2) : 1, rows = x.numel() / D;

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT OR Apache-2.0
+# Compile time of two programs against <nn/nn.hpp>, at -O0 and -O2 (and -fsyntax-only): a 2-layer
+# MLP trained by a compiled step (bench/compile_time/mlp_step.cpp, core only) and the README's API
+# tour (tests/core/readme_tour.test.cpp). Prints CPU seconds (user + sys) per compile, one
+# translation unit each, as a user's build pays them; run on an idle machine.
+#
+#   bash bench/compile_time.sh [CXX]        (also: cmake --build build --target compile_time)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cxx="${1:-${CXX:-g++}}"
+base=(-std=c++20 -fopenmp -Iinclude -Itests -I/usr/include/eigen3 -DNN_FIXTURES_DIR=\"tests/fixtures\")
+cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
+echo "compiler: $($cxx --version | head -1); CPU: $cpu ($(nproc) cores)"
+tmp=$(mktemp)
+trap 'rm -f "$tmp"' EXIT
+echo "| program | -fsyntax-only | -O0 | -O2 |"
+echo "|---|---|---|---|"
+for prog in bench/compile_time/mlp_step.cpp tests/core/readme_tour.test.cpp; do
+  row="| $prog"
+  for mode in -fsyntax-only -O0 -O2; do
+    out=-c
+    [ "$mode" = -fsyntax-only ] && out=
+    /usr/bin/time -o "$tmp" -f '%U %S' "$cxx" "${base[@]}" $mode $out "$prog" -o /dev/null >/dev/null 2>&1
+    row="$row | $(awk '{printf "%.1f s", $1 + $2}' "$tmp")"
+  done
+  echo "$row |"
+done
