@@ -231,7 +231,10 @@ class GTape {
     key_slots_.clear();
     loss_ = -1;
     autocast_ = DType::f32;
-    if (!float_dtype_set_) float_dtype_seen_ = false, float_dtype_ = DType::f32;
+    if (!float_dtype_set_) {
+      float_dtype_seen_ = false;
+      float_dtype_ = DType::f32;
+    }
   }
 
   /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
@@ -365,24 +368,19 @@ class GTape {
     std::array<GradOut, N> out{};
     for (std::size_t k = 0; k < N && k < n.inputs.size(); ++k) {
       if (!needs_grad(n, k)) continue;
-      std::size_t first = k;
-      for (std::size_t j = 0; j < k && first == k; ++j)
-        if (n.inputs[j] == n.inputs[k]) first = j;
-      if (first != k) {
-        out[k] = out[first];
+      std::size_t first = 0;
+      while (n.inputs[first] != n.inputs[k]) ++first;
+      if (first == k) {
+        GradSlot s = grad_slot(n, k);
+        out[k] = {&s.g, s.acc};
         continue;
       }
-      GradSlot s = grad_slot(n, k);
-      out[k] = {&s.g, s.acc};
-    }
-    for (std::size_t k = 0; k < N; ++k) {
-      if (!out[k].g || out[k].acc) continue;
-      bool shared = false;
-      for (std::size_t j = 0; j < N; ++j) shared = shared || (j != k && out[j].g == out[k].g);
-      if (!shared) continue;
-      B::fill(*out[k].g, 0.0);
-      for (GradOut& o : out)
-        if (o.g == out[k].g) o.acc = true;
+      // the same node again: its one buffer, zeroed once, every write to it accumulating
+      if (!out[first].acc) {
+        B::fill(*out[first].g, 0.0);
+        out[first].acc = true;
+      }
+      out[k] = out[first];
     }
     return out;
   }

@@ -1484,9 +1484,31 @@ NN_HD inline float m_abs(float x) { return ::fabsf(x); }
 NN_HD inline double m_abs(double x) { return ::fabs(x); }
 // clang-format on
 
-template <class T>
-NN_HD inline T sigmoid(T x) {
-  return T(1) / (T(1) + m_exp(-x));
+// The scalar type of V: V itself, or an Eigen array expression's Scalar. The functions below that
+// take a V run on scalars (every backend) and on Eigen arrays (the CPU's vectorised chunks).
+template <class V, class = void>
+struct scalar_of {
+  using type = V;
+};
+template <class V>
+struct scalar_of<V, std::void_t<typename V::Scalar>> {
+  using type = typename V::Scalar;
+};
+template <class V>
+using scalar_of_t = typename scalar_of<V>::type;
+
+/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+NN_HD_GENERIC template <class V>
+NN_HD inline auto v_exp(const V& x) {
+  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else return x.exp();
+}
+
+/// 1 / (1 + exp(-x)), of a scalar or an Eigen array.
+NN_HD_GENERIC template <class V>
+NN_HD inline auto sigmoid(const V& x) {
+  using T = scalar_of_t<V>;
+  return T(1) / (T(1) + v_exp(-x));
 }
 
 /// The forward math of every unary op.
@@ -1590,35 +1612,16 @@ NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
 }
 
 // ---- fused primitives and optimizer updates: the per-element math ----------------------------
-// Generic over the value V: a scalar (a CUDA thread's element, a CPU scalar loop) or an Eigen
-// array expression (the CPU's vectorised chunks), so the CPU keeps its vector code and both
-// backends still read one formula. T is V's scalar type. Eigen's vectorised exp is not glibc's:
+// Generic over the value V (see scalar_of): a scalar (a CUDA thread's element, a CPU scalar
+// loop) or an Eigen array expression (the CPU's vectorised chunks), so the CPU keeps its vector
+// code and both backends still read one formula. Eigen's vectorised exp is not glibc's:
 // the formula is shared, the last bits of exp are each backend's (tests compare with tolerance).
-
-template <class V, class = void>
-struct scalar_of {
-  using type = V;
-};
-template <class V>
-struct scalar_of<V, std::void_t<typename V::Scalar>> {
-  using type = typename V::Scalar;
-};
-template <class V>
-using scalar_of_t = typename scalar_of<V>::type;
-
-/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
-NN_HD_GENERIC template <class V>
-NN_HD inline auto v_exp(const V& x) {
-  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
-  else return x.exp();
-}
 
 /// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
 struct SwiGluMath {
   NN_HD_GENERIC template <class V>
   NN_HD static auto sig(const V& a) {
-    using T = scalar_of_t<V>;
-    return T(1) / (T(1) + v_exp(-a));
+    return sigmoid(a);
   }
   NN_HD_GENERIC template <class V, class U>
   NN_HD static auto y(const V& a, const U& u) {
@@ -5088,7 +5091,10 @@ class GTape {
     key_slots_.clear();
     loss_ = -1;
     autocast_ = DType::f32;
-    if (!float_dtype_set_) float_dtype_seen_ = false, float_dtype_ = DType::f32;
+    if (!float_dtype_set_) {
+      float_dtype_seen_ = false;
+      float_dtype_ = DType::f32;
+    }
   }
 
   /// DType::bf16: the products recorded from now on whose right operand is a float32 matrix (a
@@ -5222,24 +5228,19 @@ class GTape {
     std::array<GradOut, N> out{};
     for (std::size_t k = 0; k < N && k < n.inputs.size(); ++k) {
       if (!needs_grad(n, k)) continue;
-      std::size_t first = k;
-      for (std::size_t j = 0; j < k && first == k; ++j)
-        if (n.inputs[j] == n.inputs[k]) first = j;
-      if (first != k) {
-        out[k] = out[first];
+      std::size_t first = 0;
+      while (n.inputs[first] != n.inputs[k]) ++first;
+      if (first == k) {
+        GradSlot s = grad_slot(n, k);
+        out[k] = {&s.g, s.acc};
         continue;
       }
-      GradSlot s = grad_slot(n, k);
-      out[k] = {&s.g, s.acc};
-    }
-    for (std::size_t k = 0; k < N; ++k) {
-      if (!out[k].g || out[k].acc) continue;
-      bool shared = false;
-      for (std::size_t j = 0; j < N; ++j) shared = shared || (j != k && out[j].g == out[k].g);
-      if (!shared) continue;
-      B::fill(*out[k].g, 0.0);
-      for (GradOut& o : out)
-        if (o.g == out[k].g) o.acc = true;
+      // the same node again: its one buffer, zeroed once, every write to it accumulating
+      if (!out[first].acc) {
+        B::fill(*out[first].g, 0.0);
+        out[first].acc = true;
+      }
+      out[k] = out[first];
     }
     return out;
   }

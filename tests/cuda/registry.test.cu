@@ -10,35 +10,6 @@ using namespace nn;
 using namespace nn::test::gpu;
 namespace reg = nn::test::registry;
 
-// (A named namespace: NN_MODULE's members in an anonymous one draw nvcc's unused-function warnings.)
-namespace cuda_registry_test {
-
-struct Run {
-  Tensor out;
-  std::vector<Tensor> grads;
-};
-
-/// The output and the gradients of sum(out * w) of one case on backend B, brought to the host.
-template <class B>
-Run run(const reg::OpCase<B>& c, const std::vector<Tensor>& host_in, const Tensor& w) {
-  std::vector<Tensor> ts;
-  for (const Tensor& t : host_in) ts.push_back(B::device == Device::cpu ? t : t.to(B::device));
-  GTape<B> tp;
-  std::vector<GVar> vs;
-  for (std::size_t k = 0; k < ts.size(); ++k)
-    vs.push_back(c.inputs[k].differentiable() ? tp.param(ts[k]) : tp.input(ts[k]));
-  GVar out = c.build(tp, vs);
-  Run r{tp.value(out).to(Device::cpu), {}};
-  if (!w.defined()) return r;
-  tp.backward(sum(tp, mul(tp, out, tp.constant(B::device == Device::cpu ? w : w.to(B::device)))));
-  for (std::size_t k = 0; k < ts.size(); ++k)
-    r.grads.push_back(c.inputs[k].differentiable() ? tp.grad(vs[k]).to(Device::cpu) : Tensor());
-  return r;
-}
-
-}  // namespace cuda_registry_test
-using namespace cuda_registry_test;
-
 TEST_CASE("cuda registry: every registry case on CUDA equals the CPU's, values and gradients") {
   const std::vector<reg::OpCase<cpu>> host = reg::cases<cpu>();
   const std::vector<reg::OpCase<cuda>> device = reg::cases<cuda>();
@@ -52,9 +23,9 @@ TEST_CASE("cuda registry: every registry case on CUDA equals the CPU's, values a
     }
     for (DType dt : {DType::f64, DType::f32}) {
       const std::vector<Tensor> in = reg::make_inputs(hc.inputs, dt, 51);
-      const Run probe = run(hc, in, Tensor());
+      const reg::Run probe = reg::run(hc, hc.build, in, Tensor());
       const Tensor w = is_floating(probe.out.dtype()) ? test::random_tensor(probe.out.shape(), dt, 52) : Tensor();
-      const Run a = run(hc, in, w), b = run(*dc, in, w);
+      const reg::Run a = reg::run(hc, hc.build, in, w), b = reg::run(*dc, dc->build, in, w);
       const double tol = dt == DType::f64 ? hc.tol.cuda64 : hc.tol.cuda32;
       expect_close("registry " + hc.name + " out", a.out, b.out, tol);
       for (std::size_t k = 0; k < a.grads.size(); ++k)

@@ -21,43 +21,16 @@ const std::vector<Case>& all() {
   return c;
 }
 
-struct Run {
-  Tensor out;
-  std::vector<Tensor> grads;  // one per input; undefined where it gets none
-};
-
 /// A fixed cotangent for a case's output (its shape and dtype), or none for an integer output.
 Tensor cotangent(const Tensor& out, std::uint64_t seed) {
   return is_floating(out.dtype()) ? test::random_tensor(out.shape(), out.dtype(), seed) : Tensor();
-}
-
-/// Registers a case's inputs: differentiable ones as params (bound to `ts`), the others as input
-/// slots (a replay may set them).
-std::vector<GVar> bind_inputs(GTape<cpu>& tp, const Case& c, const std::vector<Tensor>& ts) {
-  std::vector<GVar> vs;
-  for (std::size_t k = 0; k < ts.size(); ++k)
-    vs.push_back(c.inputs[k].differentiable() ? tp.param(ts[k]) : tp.input(ts[k]));
-  return vs;
-}
-
-/// The output and the gradients of sum(out * w), on a fresh tape.
-Run eager(const Case& c, const reg::Build<cpu>& build, const std::vector<Tensor>& ts, const Tensor& w) {
-  GTape<cpu> tp;
-  std::vector<GVar> vs = bind_inputs(tp, c, ts);
-  GVar out = build(tp, vs);
-  Run r{tp.value(out).clone(), {}};
-  if (!w.defined()) return r;
-  tp.backward(sum(tp, mul(tp, out, tp.constant(w))));
-  for (std::size_t k = 0; k < ts.size(); ++k)
-    r.grads.push_back(c.inputs[k].differentiable() ? tp.grad(vs[k]).clone() : Tensor());
-  return r;
 }
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
-double worst_err(const Run& a, const Run& b) {
+double worst_err(const reg::Run& a, const reg::Run& b) {
   double e = test::rel_err(a.out.to_doubles(), b.out.to_doubles());
   for (std::size_t k = 0; k < a.grads.size(); ++k)
     if (a.grads[k].defined()) e = std::max(e, test::rel_err(a.grads[k].to_doubles(), b.grads[k].to_doubles()));
@@ -76,7 +49,7 @@ TEST_CASE("registry: every primitive has an entry, and each entry records the pr
   for (const Case& c : all()) {
     std::vector<Tensor> ts = reg::make_inputs(c.inputs, DType::f64, 1);
     GTape<cpu> tp;
-    std::vector<GVar> vs = bind_inputs(tp, c, ts);
+    std::vector<GVar> vs = reg::bind_inputs(tp, c, ts);
     c.build(tp, vs);
     bool recorded = false;
     for (std::size_t i = 0; i < tp.size(); ++i) {
@@ -113,7 +86,7 @@ TEST_CASE("registry: central differences in float64") {
     if (!c.fd) continue;
     INFO(c.name);
     const std::vector<Tensor> ts = reg::make_inputs(c.inputs, DType::f64, 11);
-    const Tensor w = cotangent(eager(c, c.build, ts, Tensor()).out, 12);
+    const Tensor w = cotangent(reg::run(c, c.build, ts, Tensor()).out, 12);
     std::vector<Tensor> diff;
     std::vector<std::size_t> where;
     for (std::size_t k = 0; k < ts.size(); ++k)
@@ -138,8 +111,8 @@ TEST_CASE("registry: fused primitives equal their composites, values and gradien
     if (!c.composite) continue;
     for (DType dt : {DType::f64, DType::f32}) {
       const std::vector<Tensor> ts = reg::make_inputs(c.inputs, dt, 31);
-      const Tensor w = cotangent(eager(c, c.build, ts, Tensor()).out, 32);
-      const double e = worst_err(eager(c, c.build, ts, w), eager(c, c.composite, ts, w));
+      const Tensor w = cotangent(reg::run(c, c.build, ts, Tensor()).out, 32);
+      const double e = worst_err(reg::run(c, c.build, ts, w), reg::run(c, c.composite, ts, w));
       const double tol = dt == DType::f64 ? c.tol.composite64 : c.tol.composite32;
       CHECK_MESSAGE(e <= tol, c.name << " " << dtype_name(dt) << ": fused vs composite " << e);
     }
@@ -156,7 +129,7 @@ TEST_CASE("registry: a replay equals an eager recording on the new data, bit for
       std::vector<Tensor> bound;  // what the params bind, rewritten in place before the replay
       for (const Tensor& t : first) bound.push_back(t.clone());
       GTape<cpu> tp;
-      std::vector<GVar> vs = bind_inputs(tp, c, bound);
+      std::vector<GVar> vs = reg::bind_inputs(tp, c, bound);
       GVar out = c.build(tp, vs);
       const Tensor w = cotangent(tp.value(out), 43);
       if (w.defined()) tp.backward(sum(tp, mul(tp, out, tp.constant(w))));
@@ -165,7 +138,7 @@ TEST_CASE("registry: a replay equals an eager recording on the new data, bit for
         else tp.set(vs[k], second[k]);
       }
       tp.replay();
-      const Run want = eager(c, c.build, second, w);
+      const reg::Run want = reg::run(c, c.build, second, w);
       CHECK_MESSAGE(same_bytes(tp.value(out), want.out), c.name << ": replayed output differs");
       for (std::size_t k = 0; k < want.grads.size(); ++k)
         if (want.grads[k].defined())

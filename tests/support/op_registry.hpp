@@ -89,6 +89,39 @@ inline std::vector<Tensor> make_inputs(const std::vector<Input>& ins, DType dt, 
   return out;
 }
 
+/// Registers a case's inputs, already on B's device: differentiable ones as params (bound to
+/// `ts`, which must outlive the tape), the others as input slots (a replay may set them).
+template <class B>
+std::vector<GVar> bind_inputs(GTape<B>& tp, const OpCase<B>& c, const std::vector<Tensor>& ts) {
+  std::vector<GVar> vs;
+  for (std::size_t k = 0; k < ts.size(); ++k)
+    vs.push_back(c.inputs[k].differentiable() ? tp.param(ts[k]) : tp.input(ts[k]));
+  return vs;
+}
+
+/// A case's output and the gradients of sum(out * w) (none when w is empty), host copies.
+struct Run {
+  Tensor out;
+  std::vector<Tensor> grads;  // one per input; undefined where it gets none
+};
+
+/// Runs `build` (the case's own, or its composite) on a fresh GTape<B> from host inputs.
+template <class B>
+Run run(const OpCase<B>& c, const Build<B>& build, const std::vector<Tensor>& host_in, const Tensor& w) {
+  auto on = [](const Tensor& t) { return t.to(B::device); };  // a copy: the host tensors stay as given
+  std::vector<Tensor> ts;
+  for (const Tensor& t : host_in) ts.push_back(on(t));
+  GTape<B> tp;
+  std::vector<GVar> vs = bind_inputs(tp, c, ts);
+  GVar out = build(tp, vs);
+  Run r{tp.value(out).to(Device::cpu), {}};
+  if (!w.defined()) return r;
+  tp.backward(sum(tp, mul(tp, out, tp.constant(on(w)))));
+  for (std::size_t k = 0; k < ts.size(); ++k)
+    r.grads.push_back(c.inputs[k].differentiable() ? tp.grad(vs[k]).to(Device::cpu) : Tensor());
+  return r;
+}
+
 /// Every primitive, at least once. Builders are generic over the backend: the same table runs on
 /// nn::cpu and nn::cuda (a primitive a backend lacks, such as flash attention on CUDA, is left
 /// out for it).

@@ -33,9 +33,31 @@ NN_HD inline float m_abs(float x) { return ::fabsf(x); }
 NN_HD inline double m_abs(double x) { return ::fabs(x); }
 // clang-format on
 
-template <class T>
-NN_HD inline T sigmoid(T x) {
-  return T(1) / (T(1) + m_exp(-x));
+// The scalar type of V: V itself, or an Eigen array expression's Scalar. The functions below that
+// take a V run on scalars (every backend) and on Eigen arrays (the CPU's vectorised chunks).
+template <class V, class = void>
+struct scalar_of {
+  using type = V;
+};
+template <class V>
+struct scalar_of<V, std::void_t<typename V::Scalar>> {
+  using type = typename V::Scalar;
+};
+template <class V>
+using scalar_of_t = typename scalar_of<V>::type;
+
+/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+NN_HD_GENERIC template <class V>
+NN_HD inline auto v_exp(const V& x) {
+  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else return x.exp();
+}
+
+/// 1 / (1 + exp(-x)), of a scalar or an Eigen array.
+NN_HD_GENERIC template <class V>
+NN_HD inline auto sigmoid(const V& x) {
+  using T = scalar_of_t<V>;
+  return T(1) / (T(1) + v_exp(-x));
 }
 
 /// The forward math of every unary op.
@@ -139,35 +161,16 @@ NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
 }
 
 // ---- fused primitives and optimizer updates: the per-element math ----------------------------
-// Generic over the value V: a scalar (a CUDA thread's element, a CPU scalar loop) or an Eigen
-// array expression (the CPU's vectorised chunks), so the CPU keeps its vector code and both
-// backends still read one formula. T is V's scalar type. Eigen's vectorised exp is not glibc's:
+// Generic over the value V (see scalar_of): a scalar (a CUDA thread's element, a CPU scalar
+// loop) or an Eigen array expression (the CPU's vectorised chunks), so the CPU keeps its vector
+// code and both backends still read one formula. Eigen's vectorised exp is not glibc's:
 // the formula is shared, the last bits of exp are each backend's (tests compare with tolerance).
-
-template <class V, class = void>
-struct scalar_of {
-  using type = V;
-};
-template <class V>
-struct scalar_of<V, std::void_t<typename V::Scalar>> {
-  using type = typename V::Scalar;
-};
-template <class V>
-using scalar_of_t = typename scalar_of<V>::type;
-
-/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
-NN_HD_GENERIC template <class V>
-NN_HD inline auto v_exp(const V& x) {
-  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
-  else return x.exp();
-}
 
 /// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
 struct SwiGluMath {
   NN_HD_GENERIC template <class V>
   NN_HD static auto sig(const V& a) {
-    using T = scalar_of_t<V>;
-    return T(1) / (T(1) + v_exp(-a));
+    return sigmoid(a);
   }
   NN_HD_GENERIC template <class V, class U>
   NN_HD static auto y(const V& a, const U& u) {
