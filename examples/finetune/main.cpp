@@ -33,7 +33,7 @@ struct Args {
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
       save_every = 50, threads = 0, max_tokens = 40;
   std::uint64_t seed = 0;
-  bool resume = false, resume_new_hyper = false, peft = true;
+  bool resume = false, resume_new_hyper = false, peft = true, dequantize = false;
 };
 
 const char* kUsage =
@@ -48,6 +48,7 @@ const char* kUsage =
     "  --resume              continue from ADAPTER_PATH/checkpoint.safetensors; the schedule and optimizer flags\n"
     "                        must be the run's (checked) unless --resume-new-hyperparameters\n"
     "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n"
+    "  --dequantize          a quantized GGUF base (Q4_0..Q8_0, Q2_K..Q6_K) in float32 (by default it stays quantized: QLoRA)\n"
     "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
     "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
     "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
@@ -63,7 +64,7 @@ Args parse(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) nn::detail::fail("finetune", "unexpected argument '", k, "'\n", kUsage);
     k = k.substr(2);
-    if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft") {
+    if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft" || k == "dequantize") {
       kv[k] = "1";
       continue;
     }
@@ -111,6 +112,7 @@ Args parse(int argc, char** argv) {
   if (kv.erase("resume")) a.resume = true;
   if (kv.erase("resume-new-hyperparameters")) a.resume = a.resume_new_hyper = true;
   if (kv.erase("no-peft")) a.peft = false;
+  if (kv.erase("dequantize")) a.dequantize = true;
   std::string keys = "q_proj,v_proj";
   str("keys", keys);
   if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
@@ -190,7 +192,7 @@ int run(const Args& a) {
   random::seed(a.seed);
   std::printf("%s\n", nn::cpu_info().line().c_str());
   std::printf("loading %s\n", a.model.c_str());
-  Pretrained pt = load_pretrained(a.model);
+  Pretrained pt = load_pretrained(a.model, DType::f32, !a.dequantize);
   CausalLM& model = pt.model;
   const Tokenizer& tok = pt.tokenizer;
   const ModelConfig& c = model.config();
@@ -198,6 +200,16 @@ int run(const Args& a) {
               static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
               static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
               static_cast<long long>(c.vocab_size), nn::detail::with_commas(model.num_params()).c_str());
+
+  {
+    int quantized = 0;
+    auto count = [&](const std::string&, const auto&) { ++quantized; };
+    model.map_modules<QuantizedLinear>([](const std::string&) { return true; }, count);
+    model.map_modules<QuantizedEmbedding>([](const std::string&) { return true; }, count);
+    if (quantized > 0)
+      std::printf("base: %d matrices kept quantized (GGUF blocks as affine groups; --dequantize for float32)\n",
+                  quantized);
+  }
 
   TokenizerText enc{tok};
   Splits data = load_splits(a.data, enc, DataOptions{}, 0.1, a.seed);
@@ -312,6 +324,7 @@ int run(const Args& a) {
   }
   if (!a.fuse.empty()) {
     set_precision(model, Precision::f32);  // the fused weights: the (bf16-rounded) base + the adapters, in f32
+    dequantize_layers(model);              // a quantized base: merged in float32 (LoraLinear::fused), the rest dequantized
     model.map_modules<LoraLinear>([](const std::string&) { return true; },
                                   [](const std::string&, const LoraLinear& l) { return l.fused(); });
     save_hf(a.fuse, model);

@@ -241,7 +241,7 @@ int tree_set_trainable(X& m, Pred pred, bool trainable) {
 /// "1,234,567"
 inline std::string with_commas(std::int64_t v) {
   std::string s = std::to_string(v);
-  for (int i = static_cast<int>(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(static_cast<std::size_t>(i), ",");
+  for (int i = static_cast<int>(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(s.begin() + i, ',');
   return s;
 }
 
@@ -422,9 +422,11 @@ struct ModuleMapper {
                 using R = decltype(f(path, alt));
                 if constexpr (std::is_void_v<R>) {
                   f(path, alt);
-                } else {
+                } else if constexpr (std::is_assignable_v<U&, R>) {
                   x = f(path, alt);  // replaces the alternative; alt is dangling from here on
                   return;
+                } else {
+                  fail("map_modules", "the module at '", path, "' is held in a std::variant that cannot take the replacement");
                 }
               }
               recurse(alt, path);

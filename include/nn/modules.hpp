@@ -7,4 +7,5 @@
 #include "modules/norm.hpp"
 #include "modules/rope.hpp"
 #include "modules/dropout.hpp"
+#include "modules/quantized.hpp"
 #include "modules/lora.hpp"

@@ -6,6 +6,7 @@
 
 #include "config.hpp"
 #include "tensor.hpp"
+#include "quant.hpp"
 #include "random.hpp"
 #include "backend/policy.hpp"
 #include "backend/cpu.hpp"
@@ -23,6 +24,7 @@
 #include "ops/rope.hpp"
 #include "ops/attention.hpp"
 #include "ops/glu.hpp"
+#include "ops/quantized.hpp"
 #include "layers/helpers.hpp"
 #include "layers/linear.hpp"
 #include "layers/norm.hpp"

@@ -5,21 +5,22 @@
 // amalgamate_fresh (tools/amalgamate --check) fails while this file is stale.
 // Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
 //
-// Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/random.hpp,
-// nn/backend/policy.hpp, nn/backend/cpu.hpp, nn/backend/cpu_info.hpp, nn/backend/cpu/common.hpp,
-// nn/backend/math.hpp, nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp,
+// Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/quant.hpp, nn/backend/math.hpp,
+// nn/backend/policy.hpp, nn/random.hpp, nn/backend/cpu.hpp, nn/backend/cpu_info.hpp,
+// nn/backend/cpu/common.hpp, nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp,
 // nn/backend/cpu/matmul.hpp, nn/backend/gemm.hpp, nn/backend/cpu/shape.hpp,
 // nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp,
 // nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp,
-// nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp,
-// nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
-// nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
-// nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
-// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
-// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
-// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/module.hpp, nn/statics.hpp,
-// nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp,
-// nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/lora.hpp,
+// nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/quantized.hpp,
+// nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp,
+// nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
+// nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
+// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/layers/helpers.hpp,
+// nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp,
+// nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp,
+// nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp,
+// nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp,
+// nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp, nn/modules/lora.hpp,
 // nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp,
 // nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/adafactor.hpp,
 // nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp
@@ -616,6 +617,970 @@ inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
 
 }  // namespace nn
 // ---- end nn/tensor.hpp ----
+// ---- begin nn/quant.hpp ----
+// Quantized matrices in MLX's formats, bit for bit: nn::quantize / nn::dequantize, and the code
+// reader every quantized kernel (ops/quantized.hpp's CPU and CUDA kernels) decodes with.
+//
+// A quantized (rows, cols) matrix is three tensors, as mx.quantize returns them and
+// mlx.nn.QuantizedLinear stores them:
+//   weight (rows, cols * bits / 32) u32  the codes, an LSB-first bit stream per row: code j sits
+//                                        at bits [j*bits, (j+1)*bits) of the row's little-endian
+//                                        bytes (8 x 4-bit or 4 x 8-bit per word; 3/5/6-bit codes
+//                                        straddle bytes, as MLX packs them)
+//   scales (rows, cols / group)          the weight's float dtype (affine), or u8 E8M0 (mxfp4)
+//   biases (rows, cols / group)          affine only
+// affine:  w = scale * q + bias,  q in [0, 2^bits - 1]               (groups 32/64/128, bits 2-8)
+// mxfp4:   w = 2^(e - 127) * E2M1[q], E2M1 = {0, .5, 1, 1.5, 2, 3, 4, 6} with the sign in bit 3
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+// ---- begin nn/backend/math.hpp ----
+// The math of every elementwise primitive, forward and derivative side by side, and the
+// per-element math of the fused primitives and the optimizer updates, compiled for the host and
+// (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas: a kernel in
+// backend/cpu/ or backend/cuda/ loops, reduces and dispatches, and takes its arithmetic from here.
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numbers>
+#include <type_traits>
+
+// ---- begin nn/backend/policy.hpp ----
+// The backend policy concept: the kernels a backend (nn::cpu, nn::cuda) must supply so the tape
+// and the ops can run on it without ever touching tensor memory themselves.
+
+#include <concepts>
+
+
+namespace nn {
+
+/// Elementwise one-input kernels. `arg` is the op's scalar (the exponent of pow, unused else).
+/// The math of each lives in the backend's unary kernel and its vjp next to it.
+enum class Unary : std::uint8_t {
+  neg,
+  exp,
+  log,
+  sqrt,
+  rsqrt,
+  tanh,
+  sigmoid,
+  relu,
+  abs,
+  pow,         // x^arg
+  silu,        // x * sigmoid(x)
+  gelu,        // 0.5 x (1 + erf(x / sqrt 2))                      (PyTorch gelu, MLX nn.gelu)
+  gelu_approx, // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))   (MLX nn.gelu_approx)
+  gelu_fast,   // x * sigmoid(1.702 x)                              (MLX nn.gelu_fast_approx)
+  scale,       // arg * x
+  add_scalar,  // x + arg
+};
+
+/// Elementwise two-input kernels with NumPy broadcasting.
+enum class Binary : std::uint8_t { add, sub, mul, div, maximum, minimum };
+
+constexpr const char* unary_name(Unary u) {
+  switch (u) {
+    case Unary::neg: return "neg";
+    case Unary::exp: return "exp";
+    case Unary::log: return "log";
+    case Unary::sqrt: return "sqrt";
+    case Unary::rsqrt: return "rsqrt";
+    case Unary::tanh: return "tanh";
+    case Unary::sigmoid: return "sigmoid";
+    case Unary::relu: return "relu";
+    case Unary::abs: return "abs";
+    case Unary::pow: return "pow";
+    case Unary::silu: return "silu";
+    case Unary::gelu: return "gelu";
+    case Unary::gelu_approx: return "gelu_approx";
+    case Unary::gelu_fast: return "gelu_fast_approx";
+    case Unary::scale: return "scale";
+    case Unary::add_scalar: return "add_scalar";
+  }
+  return "?";
+}
+constexpr const char* binary_name(Binary b) {
+  switch (b) {
+    case Binary::add: return "add";
+    case Binary::sub: return "sub";
+    case Binary::mul: return "mul";
+    case Binary::div: return "div";
+    case Binary::maximum: return "maximum";
+    case Binary::minimum: return "minimum";
+  }
+  return "?";
+}
+
+/// Every primitive the tape records (ops/), one enumerator each. A new primitive adds itself here
+/// (beside its kernels' lines below), and
+/// tests/ops/registry.test.cpp fails until the op registry (tests/support/op_registry.hpp) lists
+/// it with sample inputs, so no primitive ships without its fixture, finite-difference, replay
+/// and CUDA checks.
+#define NN_PRIMITIVES(X)                                                                                  \
+  X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
+  X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
+  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)
+
+enum class Prim : std::uint8_t {
+#define NN_PRIM_ENUMERATOR(p) p,
+  NN_PRIMITIVES(NN_PRIM_ENUMERATOR)
+#undef NN_PRIM_ENUMERATOR
+};
+#define NN_PRIM_COUNT(p) +1
+inline constexpr std::size_t kPrimCount = 0 NN_PRIMITIVES(NN_PRIM_COUNT);
+#undef NN_PRIM_COUNT
+
+/// The primitive's name, as errors and summaries print it.
+constexpr const char* prim_name(Prim p) {
+  switch (p) {
+#define NN_PRIM_NAME(n) \
+  case Prim::n:         \
+    return #n;
+    NN_PRIMITIVES(NN_PRIM_NAME)
+#undef NN_PRIM_NAME
+  }
+  return "?";
+}
+
+/// How a loss over rows is reduced (PyTorch's `reduction`).
+enum class Reduction : std::uint8_t { none, sum, mean };
+
+constexpr const char* reduction_name(Reduction r) {
+  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
+}
+
+// Attribute structs of the primitives whose kernels need more than a flag or two: the node keeps
+// them (ops/), and the kernels take them whole, not as long positional lists.
+
+/// Attention's shape and options: q, out (B, T, H * head_dim), k, v (B, T, KV * head_dim) (or
+/// the same with B and T merged); query head h reads kv head h / (H / KV). `scale` multiplies the
+/// scores; `causal`: query i sees keys 0..i only.
+struct AttentionAttrs {
+  std::int64_t B = 0, T = 0, H = 0, KV = 0, head_dim = 0;
+  double scale = 1.0;
+  bool causal = false;
+};
+
+/// Softmax cross-entropy's options: a target equal to ignore_index counts nothing (loss and
+/// gradient 0, left out of the mean).
+struct CrossEntropyAttrs {
+  std::int64_t ignore_index = -100;
+  Reduction reduction = Reduction::mean;
+};
+
+/// RoPE's kernel options: traditional (interleaved pairs (2i, 2i + 1)) or NEOX halves; inverse
+/// rotates by minus the angle (the vjp).
+struct RopeArgs {
+  bool traditional = false;
+  bool inverse = false;
+};
+
+/// A quantized matrix's format (quant.hpp): MLX's affine (w = scale * q + bias per group of
+/// `group` values along a row, `bits`-bit codes) or mxfp4 (E2M1 codes, an E8M0 scale per 32).
+enum class QuantMode : std::uint8_t { affine, mxfp4 };
+
+constexpr const char* quant_mode_name(QuantMode m) { return m == QuantMode::affine ? "affine" : "mxfp4"; }
+
+struct Quant {
+  QuantMode mode = QuantMode::affine;
+  int group = 64;
+  int bits = 4;
+  /// MLX's default: affine, groups of 64, 4 bits.
+  static constexpr Quant affine(int group = 64, int bits = 4) { return {QuantMode::affine, group, bits}; }
+  static constexpr Quant mxfp4() { return {QuantMode::mxfp4, 32, 4}; }
+  friend constexpr bool operator==(const Quant&, const Quant&) = default;
+};
+
+/// quantized_matmul's options: y = x @ W^T when transpose (W (N, K), a Linear's weight), else
+/// x @ W (W (K, N)); W quantized along its rows in format q.
+struct QuantMatmulAttrs {
+  Quant q;
+  bool transpose = true;
+};
+
+/// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
+/// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
+/// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
+/// zeroed, and both accumulate, so a kernel never tests whether its outputs overlap.
+struct GradOut {
+  Tensor* g = nullptr;
+  bool acc = false;
+};
+
+/// What a backend policy provides. Every kernel takes tensors already allocated by the caller
+/// (the tape owns all buffers, so a replay allocates nothing); `acc` means "add into the
+/// destination" rather than overwrite, which is how gradients accumulate. Shapes are validated
+/// by the ops before a kernel runs; kernels trust them.
+template <class B>
+concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
+                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
+                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go,
+                                 RopeArgs ra, const QuantMatmulAttrs& qa, const Quant& q) {
+  { B::device } -> std::convertible_to<Device>;
+  { B::name } -> std::convertible_to<const char*>;
+  { B::alloc(s, dt) } -> std::same_as<Tensor>;
+  B::fill(y, v);
+  B::copy(x, y, acc);                          // y (+)= x, same element count
+  B::cast(x, y);                               // dtype conversion, same shape
+  B::unary(Unary::exp, v, x, y);               // y = f(x)
+  B::unary_vjp(Unary::exp, v, x, x, x, y, acc);  // gx (+)= g * f'(x), given x, y = f(x), g
+  B::binary(Binary::add, x, x, y);             // y = a op b, broadcast
+  B::binary_vjp(Binary::add, 0, x, x, x, y, acc);  // d(a op b)/d(a or b) * g, full output shape
+  B::sum_to(x, y, v, acc);                     // y (+)= v * sum of x over y's broadcast dims
+  B::broadcast_to(x, y, v, acc);               // y (+)= v * x broadcast to y's shape
+  B::where(x, x, x, y);                        // y = mask ? a : b, broadcast
+  B::where_vjp(x, x, 0, y, acc);               // g masked to one branch, full output shape
+  B::max_axis(x, axis, y, y);                  // y = max over axis (keepdims), index of first max
+  B::max_axis_vjp(x, y, axis, y, acc);         // gx (+)= g at the argmax, 0 elsewhere
+  B::matmul(x, acc, x, acc, y, acc);           // c (+)= op(a) @ op(b), batched, see cpu.hpp
+  B::permute(x, perm, y, acc);                 // y (+)= x permuted
+  B::slice_copy(x, axis, i64, y);              // y = x[..., start:start+len, ...]
+  B::slice_scatter(x, axis, i64, y, acc);      // y[..., start:start+len, ...] (+)= x
+  B::gather_rows(x, x, y);                     // y[i, :] = table[ids[i], :]
+  B::scatter_add_rows(x, x, y);                // table_grad[ids[i], :] += g[i, :]
+  B::pick(x, x, y);                            // y[i] = x[i, idx[i]] (0 where idx < 0)
+  B::pick_vjp(x, x, y);                        // gx[i, idx[i]] += g[i]
+  B::bernoulli_mask(x, v, v, y);               // (key, p_keep, value, mask): MLX bernoulli ? value : 0
+  B::softmax(x, y, acc);                       // last axis; acc selects log_softmax here
+  B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
+  B::cross_entropy(x, x, ce, y, y);            // (logits, targets, attrs, y, lse)
+  B::cross_entropy_vjp(x, x, ce, x, x, y, acc);  // (logits, targets, attrs, lse, g, gx, acc)
+  // fused primitives, each beside its composite reference (ops/norm, rope, attention, glu.hpp);
+  // a null gradient pointer means that input needs none
+  B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
+  B::rms_norm_vjp(x, x, x, x, go, go);           // (x, w, rstd, g, gx, gw)
+  B::rope(x, x, x, ra, y, acc);                  // (x, cos, sin, {traditional, inverse}, y, acc)
+  B::attention(x, x, x, x, att, y, y);           // (q, k, v, mask, attrs, out, p)
+  B::attention_vjp(x, x, x, x, x, att, y, go, go, go);  // (q, k, v, p, g, attrs, scratch, gq, gk, gv)
+  // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
+  // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
+  B::swiglu(x, x, y);                            // (gate, up, y)
+  B::swiglu_vjp(x, x, x, go, go);                // (gate, up, g, ggate, gup)
+  // quantized weights (quant.hpp, ops/quantized.hpp): W given as (codes, scales, biases)
+  B::quantized_matmul(x, x, x, x, qa, y, acc);   // (x, wq, scales, biases, attrs, y, acc): y (+)= x @ op(W)
+  B::quantized_gather(x, x, x, x, q, y);         // (ids, wq, scales, biases, format, y): y[i] = W[ids[i]]
+  // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
+  B::sgd_update(y, x, y, x, v, v, v, acc);
+  B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);
+  B::lion_update(y, x, y, x, v, v, v);
+  B::muon_momentum(x, x, y, y, v, v, acc);
+  B::axpby(v, x, v, y);
+  { B::sum_squares(x) } -> std::convertible_to<double>;
+  B::normalize_frobenius(y, v);
+  B::apply_update(y, x, x, v);
+};
+
+}  // namespace nn
+// ---- end nn/backend/policy.hpp ----
+
+namespace nn::detail {
+
+// The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
+// to), CUDA's device versions under nvcc (never the fast intrinsics).
+// clang-format off
+NN_HD inline float m_exp(float x) { return ::expf(x); }
+NN_HD inline double m_exp(double x) { return ::exp(x); }
+NN_HD inline float m_log(float x) { return ::logf(x); }
+NN_HD inline double m_log(double x) { return ::log(x); }
+NN_HD inline float m_sqrt(float x) { return ::sqrtf(x); }
+NN_HD inline double m_sqrt(double x) { return ::sqrt(x); }
+NN_HD inline float m_tanh(float x) { return ::tanhf(x); }
+NN_HD inline double m_tanh(double x) { return ::tanh(x); }
+NN_HD inline float m_erf(float x) { return ::erff(x); }
+NN_HD inline double m_erf(double x) { return ::erf(x); }
+NN_HD inline float m_pow(float x, float a) { return ::powf(x, a); }
+NN_HD inline double m_pow(double x, double a) { return ::pow(x, a); }
+NN_HD inline float m_abs(float x) { return ::fabsf(x); }
+NN_HD inline double m_abs(double x) { return ::fabs(x); }
+// clang-format on
+
+// The scalar type of V: V itself, or an Eigen array expression's Scalar. The functions below that
+// take a V run on scalars (every backend) and on Eigen arrays (the CPU's vectorised chunks).
+template <class V, class = void>
+struct scalar_of {
+  using type = V;
+};
+template <class V>
+struct scalar_of<V, std::void_t<typename V::Scalar>> {
+  using type = typename V::Scalar;
+};
+template <class V>
+using scalar_of_t = typename scalar_of<V>::type;
+
+/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+NN_HD_GENERIC template <class V>
+NN_HD inline auto v_exp(const V& x) {
+  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else return x.exp();
+}
+
+/// 1 / (1 + exp(-x)), of a scalar or an Eigen array.
+NN_HD_GENERIC template <class V>
+NN_HD inline auto sigmoid(const V& x) {
+  using T = scalar_of_t<V>;
+  return T(1) / (T(1) + v_exp(-x));
+}
+
+/// The forward math of every unary op.
+template <class T>
+NN_HD inline T unary_f(Unary op, T x, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
+  switch (op) {
+    case Unary::neg: return -x;
+    case Unary::exp: return m_exp(x);
+    case Unary::log: return m_log(x);
+    case Unary::sqrt: return m_sqrt(x);
+    case Unary::rsqrt: return T(1) / m_sqrt(x);
+    case Unary::tanh: return m_tanh(x);
+    case Unary::sigmoid: return sigmoid(x);
+    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::abs: return m_abs(x);
+    case Unary::pow: return m_pow(x, a);
+    case Unary::silu: return x * sigmoid(x);
+    case Unary::gelu: return T(0.5) * x * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
+    case Unary::gelu_approx: return T(0.5) * x * (T(1) + m_tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
+    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
+    case Unary::scale: return a * x;
+    case Unary::add_scalar: return x + a;
+  }
+  return x;
+}
+
+/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
+/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
+template <class T>
+NN_HD inline T unary_df(Unary op, T x, T y, T a) {
+  constexpr T kSqrt2OverPi = T(0.7978845608028654);
+  switch (op) {
+    case Unary::neg: return T(-1);
+    case Unary::exp: return y;
+    case Unary::log: return T(1) / x;
+    case Unary::sqrt: return T(0.5) / y;
+    case Unary::rsqrt: return T(-0.5) * y / x;
+    case Unary::tanh: return T(1) - y * y;
+    case Unary::sigmoid: return y * (T(1) - y);
+    case Unary::relu: return x > T(0) ? T(1) : T(0);
+    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
+    case Unary::pow: return a == T(0) ? T(0) : a * m_pow(x, a - T(1));
+    case Unary::silu: {
+      T s = sigmoid(x);
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Unary::gelu: {
+      T cdf = T(0.5) * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
+      T pdf = m_exp(T(-0.5) * x * x) / m_sqrt(T(2) * std::numbers::pi_v<T>);
+      return cdf + x * pdf;
+    }
+    case Unary::gelu_approx: {
+      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
+      T t = m_tanh(u);
+      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
+    }
+    case Unary::gelu_fast: {
+      T s = sigmoid(T(1.702) * x);
+      return s + x * T(1.702) * s * (T(1) - s);
+    }
+    case Unary::scale: return a;
+    case Unary::add_scalar: return T(1);
+  }
+  return T(0);
+}
+
+template <class T>
+NN_HD inline T binary_f(Binary op, T a, T b) {
+  switch (op) {
+    case Binary::add: return a + b;
+    case Binary::sub: return a - b;
+    case Binary::mul: return a * b;
+    case Binary::div: return a / b;
+    case Binary::maximum: return a >= b ? a : b;
+    case Binary::minimum: return a <= b ? a : b;
+  }
+  return a;
+}
+
+/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
+/// to a (documented in ops/elementwise.hpp).
+template <class T>
+NN_HD inline T binary_df(Binary op, int which, T a, T b) {
+  switch (op) {
+    case Binary::add: return T(1);
+    case Binary::sub: return which == 0 ? T(1) : T(-1);
+    case Binary::mul: return which == 0 ? b : a;
+    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
+    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
+    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
+  }
+  return T(0);
+}
+
+template <class T>
+NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
+  if (acc) y[i] += v;
+  else y[i] = v;
+}
+
+// ---- fused primitives and optimizer updates: the per-element math ----------------------------
+// Generic over the value V (see scalar_of): a scalar (a CUDA thread's element, a CPU scalar
+// loop) or an Eigen array expression (the CPU's vectorised chunks), so the CPU keeps its vector
+// code and both backends still read one formula. Eigen's vectorised exp is not glibc's:
+// the formula is shared, the last bits of exp are each backend's (tests compare with tolerance).
+
+/// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
+struct SwiGluMath {
+  NN_HD_GENERIC template <class V>
+  NN_HD static auto sig(const V& a) {
+    return sigmoid(a);
+  }
+  NN_HD_GENERIC template <class V, class U>
+  NN_HD static auto y(const V& a, const U& u) {
+    return (a * sig(a)) * u;
+  }
+  NN_HD_GENERIC template <class V, class U, class G, class S>
+  NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
+    using T = scalar_of_t<V>;
+    return (g * u) * (s * (T(1) + a * (T(1) - s)));
+  }
+  NN_HD_GENERIC template <class V, class G, class S>
+  NN_HD static auto dup(const V& a, const G& g, const S& s) {
+    return g * (a * s);
+  }
+};
+
+/// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
+/// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
+struct RmsNormMath {
+  template <class T>
+  NN_HD static T rstd(T sum_sq, T inv_c, T eps) {
+    return T(1) / m_sqrt(inv_c * sum_sq + eps);
+  }
+  template <class T>
+  NN_HD static T vjp_coef(T rstd, T inv_c, T sum_ux) {
+    return rstd * rstd * rstd * inv_c * sum_ux;
+  }
+  NN_HD_GENERIC template <class T, class U, class X>
+  NN_HD static auto gx(T rstd, const U& u, T c, const X& x) {
+    return rstd * u - c * x;
+  }
+};
+
+/// RoPE's rotation of a feature pair (a1, a2) by an angle with cosine c and sine s (the inverse,
+/// the vjp, passes -s): (a1 c - a2 s, a1 s + a2 c).
+struct RopeMath {
+  template <class T>
+  NN_HD static T first(T a1, T a2, T c, T s) {
+    return a1 * c - a2 * s;
+  }
+  template <class T>
+  NN_HD static T second(T a1, T a2, T c, T s) {
+    return a1 * s + a2 * c;
+  }
+};
+
+// The optimizer updates (MLX's arithmetic order). make() forms the scalars on the host, in the
+// parameter's dtype T, as MLX does: 1 - b in double and then rounded (in float32, T(1) - T(0.999)
+// is 1.3e-5 away from T(0.001)); the learning rate rounded to T first (MLX's
+// learning_rate.astype(gradient.dtype)).
+
+/// SGD: g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
+/// update = nesterov ? g + mu v : v; p -= lr update.
+template <class T>
+struct SgdMath {
+  T l, mu, d, w;
+  bool has_wd, damp, nesterov;
+  static SgdMath make(double lr, double momentum, double dampening, double wd, bool nesterov) {
+    return {static_cast<T>(lr), static_cast<T>(momentum), static_cast<T>(1 - dampening), static_cast<T>(wd), wd != 0,
+            dampening > 0, nesterov};
+  }
+  /// One element; v is null without momentum.
+  NN_HD void operator()(T& p, T g, T* v) const {
+    const T gi = has_wd ? g + w * p : g;
+    if (!v) {
+      p = p - l * gi;
+      return;
+    }
+    T vi = mu * *v;
+    vi += damp ? d * gi : gi;
+    *v = vi;
+    p = p - l * (nesterov ? gi + mu * vi : vi);
+  }
+};
+
+/// Adam / AdamW: decoupled wd first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
+/// v = b2 v + (1-b2) g^2; p -= c1 m / (sqrt(v) c2 + eps) with c1 = lr / (1 - b1^t),
+/// c2 = 1 / sqrt(1 - b2^t) under bias correction, else c1 = lr, c2 = 1 (the same bits as
+/// lr m / (sqrt v + eps): x 1 is exact). t = step, already incremented.
+template <class T>
+struct AdamMath {
+  T B1, B2, E, C1, C2, decay, c1, c2;
+  bool decoupled;
+  static AdamMath make(double lr, double step, double b1, double b2, double eps, double decoupled_wd,
+                       bool bias_correction) {
+    AdamMath a;
+    const T l = static_cast<T>(lr), t = static_cast<T>(step);
+    a.B1 = static_cast<T>(b1), a.B2 = static_cast<T>(b2), a.E = static_cast<T>(eps);
+    a.C1 = static_cast<T>(1 - b1), a.C2 = static_cast<T>(1 - b2);
+    a.decay = T(1) - l * static_cast<T>(decoupled_wd);
+    a.c1 = bias_correction ? l / (T(1) - std::pow(a.B1, t)) : l;
+    a.c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(a.B2, t)) : T(1);
+    a.decoupled = decoupled_wd != 0;
+    return a;
+  }
+  NN_HD_GENERIC template <class M, class G>
+  NN_HD auto m(const M& m, const G& g) const {
+    return B1 * m + C1 * g;
+  }
+  NN_HD_GENERIC template <class V, class G>
+  NN_HD auto v(const V& v, const G& g) const {
+    return B2 * v + C2 * (g * g);
+  }
+  /// What p loses this step, from the new m and sqrt of the new v.
+  NN_HD_GENERIC template <class M, class R>
+  NN_HD auto delta(const M& m, const R& root_v) const {
+    return (c1 * m) / (root_v * c2 + E);
+  }
+};
+
+/// Lion: c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
+template <class T>
+struct LionMath {
+  T l, B1, B2, C1, C2, decay;
+  bool has_wd;
+  static LionMath make(double lr, double b1, double b2, double wd) {
+    const T l = static_cast<T>(lr);
+    return {l, static_cast<T>(b1), static_cast<T>(b2), static_cast<T>(1 - b1), static_cast<T>(1 - b2),
+            T(1) - l * static_cast<T>(wd), wd > 0};
+  }
+  NN_HD void operator()(T& p, T g, T& m) const {
+    const T c = B1 * m + C1 * g;
+    m = B2 * m + C2 * g;
+    const T pi = has_wd ? decay * p : p;
+    const T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
+    p = pi - l * sg;
+  }
+};
+
+/// Muon's momentum: g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
+template <class T>
+struct MuonMomentumMath {
+  T mu, w, c;
+  bool has_wd, nesterov;
+  static MuonMomentumMath make(double momentum, double wd, bool nesterov) {
+    return {static_cast<T>(momentum), static_cast<T>(wd), static_cast<T>(1 - momentum), wd != 0, nesterov};
+  }
+  NN_HD void operator()(T p, T g, T& v, T& u) const {
+    const T gi = has_wd ? g + w * p : g;
+    const T vi = mu * v + c * gi;
+    v = vi;
+    u = nesterov ? gi * c + vi * mu : vi;
+  }
+};
+
+/// y = a x + b y (Muon's Newton-Schulz steps).
+template <class T>
+struct AxpbyMath {
+  T a, b;
+  NN_HD T operator()(T x, T y) const { return a * x + b * y; }
+};
+
+/// p -= (lr factor) x, the rate rounded to T before the factor is applied (MLX's order).
+template <class T>
+struct ApplyUpdateMath {
+  T l;
+  static ApplyUpdateMath make(double lr, double factor) {
+    return {static_cast<T>(static_cast<T>(lr) * static_cast<T>(factor))};
+  }
+  NN_HD T operator()(T p, T x) const { return p - l * x; }
+};
+
+// ---- quantized formats (quant.hpp) ------------------------------------------------------------
+
+/// MLX's quantization, per value: the code reader of every quantized kernel, mxfp4's E2M1 and
+/// E8M0 tables, and the per-group arithmetic of nn::quantize, which follows MLX 0.32.4's CPU
+/// kernel operation by operation (so its codes, scales and biases are MLX's bit for bit).
+struct QuantMath {
+  /// Code c of a row's LSB-first bit stream of row_bytes bytes: bits [c*bits, (c+1)*bits).
+  NN_HD static std::uint32_t code(const std::uint8_t* row, std::int64_t c, int bits, std::int64_t row_bytes) {
+    const std::int64_t bit = c * bits, byte = bit >> 3;
+    std::uint32_t v = row[byte];
+    if (byte + 1 < row_bytes) v |= static_cast<std::uint32_t>(row[byte + 1]) << 8;
+    return (v >> (bit & 7)) & ((1u << bits) - 1u);
+  }
+  /// The inverse of code(): ORs code v (< 2^bits) into a zeroed row's bit stream at index c.
+  static void put_code(std::uint8_t* row, std::int64_t c, int bits, std::uint32_t v) {
+    const std::int64_t bit = c * bits;
+    std::uint8_t* p = row + bit / 8;
+    const std::uint32_t sh = static_cast<std::uint32_t>(bit % 8), wide = v << sh;
+    p[0] = static_cast<std::uint8_t>(p[0] | (wide & 0xffu));
+    if (sh + static_cast<std::uint32_t>(bits) > 8) p[1] = static_cast<std::uint8_t>(p[1] | (wide >> 8));
+  }
+  /// E2M1 code (sign in bit 3) -> {0, .5, 1, 1.5, 2, 3, 4, 6}, negated; code 8 is -0.
+  NN_HD static float e2m1(std::uint32_t c) {
+    const float lut[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = lut[c & 7u];
+    return (c & 8u) ? -v : v;
+  }
+  /// E8M0 scale byte -> 2^(e - 127) (255 gives infinity in float, as MLX's bf16 scale does).
+  template <class T>
+  NN_HD static T e8m0(std::uint8_t e) {
+    return ::ldexp(static_cast<T>(1), static_cast<int>(e) - 127);
+  }
+
+  /// One affine group's scale and bias (F = float as MLX; double for float64 weights).
+  template <class F>
+  struct Affine {
+    F scale, bias;
+  };
+  template <class F>
+  static Affine<F> affine_params(const double* g, std::int64_t n, int bits) {
+    const F n_bins = static_cast<F>((1 << bits) - 1), eps = static_cast<F>(1e-7);
+    F w_min = std::numeric_limits<F>::infinity(), w_max = -w_min;
+    for (std::int64_t j = 0; j < n; ++j) {
+      w_max = std::max(w_max, static_cast<F>(g[j]));
+      w_min = std::min(w_min, static_cast<F>(g[j]));
+    }
+    const bool mask = std::abs(w_min) > std::abs(w_max);
+    F scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    const F edge = mask ? w_min : w_max;
+    const F q0 = std::rint(edge / scale);
+    F bias = 0;
+    if (q0 != 0) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    return {scale, bias};
+  }
+  template <class F>
+  static std::uint32_t affine_code(F w, const Affine<F>& p, int bits) {
+    const F n_bins = static_cast<F>((1 << bits) - 1);
+    F q = std::rint((w - p.bias) / p.scale);
+    q = std::min(std::max(q, F(0)), n_bins);
+    return static_cast<std::uint32_t>(static_cast<std::uint64_t>(q));
+  }
+
+  /// v rounded to dtype t's precision (float32 arithmetic on bf16/f16 values, as MLX computes
+  /// half-precision ops: in float, rounded back), kept in double.
+  static double in(DType t, double v) {
+    if (t == DType::f64) return v;
+    const float f = static_cast<float>(v);
+    if (t == DType::bf16) return half::bf16_round(f);
+    if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(f));
+    return f;
+  }
+  /// mxfp4's scale exponent of a group of n values of dtype t, as MLX 0.32.4 computes it: s =
+  /// amax / 6 rounded to t, e = the smallest integer with 2^e >= s (rounding the scale up, so no
+  /// value saturates), 0 for a zero group. The stored byte is e + 127 (mod 256).
+  static std::int32_t mxfp4_exponent(const double* g, std::int64_t n, DType t) {
+    double amax = 0;
+    for (std::int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(g[j]));
+    const double s = t == DType::f64 ? amax / 6.0 : in(t, static_cast<float>(amax) / 6.0f);
+    if (s == 0) return 0;
+    if (!std::isfinite(s)) return 128;  // 2^128: float's infinity, as MLX stores it
+    int k = 0;
+    const double m = std::frexp(s, &k);  // s = m 2^k, m in [0.5, 1)
+    return m == 0.5 ? k - 1 : k;
+  }
+  static std::uint8_t mxfp4_byte(std::int32_t e) {
+    return static_cast<std::uint8_t>(static_cast<std::uint32_t>(e) + 127u);  // int32 -> uint8 wraps
+  }
+  /// The E2M1 code of w in a group of exponent e: the nearest table value to w / 2^e, computed
+  /// in t; the first index wins a tie (MLX's argmin).
+  static std::uint32_t mxfp4_code(double w, std::int32_t e, DType t) {
+    const double p = t == DType::f64 ? std::ldexp(1.0, e) : in(t, std::ldexp(1.0f, e));
+    const double v = t == DType::f64 ? w / p : in(t, static_cast<float>(w) / static_cast<float>(p));
+    std::uint32_t best = 0;
+    double best_d = 0;
+    for (std::uint32_t i = 0; i < 16; ++i) {
+      const double d = t == DType::f64 ? std::abs(v - e2m1(i)) : in(t, std::abs(static_cast<float>(v) - e2m1(i)));
+      if (i == 0 || d < best_d) {
+        best = i;
+        best_d = d;
+      }
+    }
+    return best;
+  }
+};
+
+}  // namespace nn::detail
+// ---- end nn/backend/math.hpp ----
+
+namespace nn {
+
+/// A quantized matrix: packed codes, scales, biases (undefined for mxfp4) and the format.
+struct QuantizedMatrix {
+  Tensor weight, scales, biases;
+  Quant q;
+  std::int64_t rows() const { return weight.dim(0); }
+  std::int64_t cols() const { return weight.dim(-1) * 32 / q.bits; }
+  /// The float dtype the matrix dequantizes to: the scales' (affine), float32 (mxfp4).
+  DType dtype() const { return q.mode == QuantMode::affine ? scales.dtype() : DType::f32; }
+  /// Bytes held: codes, scales and biases.
+  std::size_t nbytes() const { return weight.nbytes() + scales.nbytes() + (biases.defined() ? biases.nbytes() : 0); }
+};
+
+namespace detail {
+
+/// Refuses a format MLX does not define: affine groups 32/64/128 with bits 2/3/4/5/6/8 (and the
+/// GGUF-style groups 16 and 256), mxfp4 with group 32 and 4 bits.
+inline void check_quant(const Quant& q, const char* op) {
+  if (q.mode == QuantMode::mxfp4) {
+    if (q.group != 32 || q.bits != 4)
+      fail(op, "mxfp4 needs group size 32 and 4 bits, got group ", q.group, " and ", q.bits, " bits");
+    return;
+  }
+  if (q.bits < 2 || q.bits > 8 || q.bits == 7)
+    fail(op, "affine quantization supports 2, 3, 4, 5, 6 and 8 bits, got ", q.bits);
+  if (q.group != 16 && q.group != 32 && q.group != 64 && q.group != 128 && q.group != 256)
+    fail(op, "affine quantization supports group sizes 32, 64 and 128 (and GGUF's 16 and 256), got ", q.group);
+}
+
+/// What the checks read of a tensor: shape and dtype (or absent), so a tape's builder checks
+/// without touching data.
+struct QuantPart {
+  bool defined = false;
+  Shape shape;
+  DType dtype = DType::f32;
+  QuantPart() = default;
+  QuantPart(const Shape& s, DType t) : defined(true), shape(s), dtype(t) {}
+  QuantPart(const Tensor& t) : defined(t.defined()), shape(t.defined() ? t.shape() : Shape{}), dtype(t.dtype()) {}  // NOLINT
+  std::string str() const { return defined ? std::string(dtype_name(dtype)) + " " + shape.str() : std::string("none"); }
+};
+
+/// Checks that codes, scales and biases form a (rows, cols) matrix in format q; returns cols.
+inline std::int64_t check_quantized(const QuantPart& wq, const QuantPart& scales, const QuantPart& biases,
+                                    const Quant& q, const char* op) {
+  check_quant(q, op);
+  if (!wq.defined || wq.dtype != DType::u32 || wq.shape.rank() != 2)
+    fail(op, "the quantized weight must be a (rows, cols * bits / 32) uint32 matrix, got ", wq.str());
+  const std::int64_t cols = wq.shape[1] * 32 / q.bits;
+  if (wq.shape[1] * 32 % q.bits != 0 || cols % q.group != 0)
+    fail(op, "a weight of ", wq.shape.str(), " words holds ", wq.shape[1] * 32, " bits per row, not a whole number of ",
+         q.group, "-column groups of ", q.bits, "-bit codes");
+  const Shape s{wq.shape[0], cols / q.group};
+  if (!scales.defined || scales.shape != s)
+    fail(op, "scales must be ", s.str(), " for a weight of ", wq.shape.str(), " (", quant_mode_name(q.mode), ", group ",
+         q.group, ", ", q.bits, " bits), got ", scales.str());
+  if (q.mode == QuantMode::mxfp4) {
+    if (scales.dtype != DType::u8) fail(op, "mxfp4 scales must be uint8 (E8M0), got ", scales.str());
+    if (biases.defined) fail(op, "mxfp4 has no biases, got ", biases.str());
+  } else {
+    const DType t = scales.dtype;
+    if (t != DType::f32 && t != DType::f64 && t != DType::bf16 && t != DType::f16)
+      fail(op, "affine scales must be float32, float64, bfloat16 or float16, got ", scales.str());
+    if (!biases.defined || biases.shape != s || biases.dtype != t)
+      fail(op, "affine biases must be ", dtype_name(t), " ", s.str(), " like the scales, got ", biases.str());
+  }
+  return cols;
+}
+
+/// The same for tensors, which must also be on the host.
+inline std::int64_t check_quantized(const Tensor& wq, const Tensor& scales, const Tensor& biases, const Quant& q,
+                                    const char* op) {
+  const std::int64_t cols = check_quantized(QuantPart(wq), QuantPart(scales), QuantPart(biases), q, op);
+  for (const Tensor* t : {&wq, &scales, &biases})
+    if (t->defined() && t->device() != Device::cpu) fail(op, "quantized tensors must be on the host here, got ", t->device());
+  return cols;
+}
+
+/// A scale or bias element widened to T (f32/f64/bf16/f16 storage).
+template <class T>
+inline T widen_scale(const void* p, DType t, std::int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<T>(static_cast<const float*>(p)[i]);
+    case DType::f64: return static_cast<T>(static_cast<const double*>(p)[i]);
+    case DType::bf16: return static_cast<T>(half::bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]));
+    default: return static_cast<T>(half::f16_to_f32(static_cast<const std::uint16_t*>(p)[i]));
+  }
+}
+
+/// Reads a quantized matrix's values in T: the decoding every CPU quantized kernel shares.
+/// Values are scale * q + bias (affine) or 2^(e-127) * E2M1[q] (mxfp4), in T's arithmetic.
+template <class T>
+struct QuantReader {
+  const std::uint8_t* codes;  // row r's bit stream at codes + r * row_bytes
+  std::int64_t row_bytes, groups_per_row;
+  const void* scales;
+  const void* biases;
+  DType sdt;
+  Quant q;
+
+  QuantReader(const Tensor& wq, const Tensor& s, const Tensor& b, const Quant& quant)
+      : codes(static_cast<const std::uint8_t*>(wq.raw())),
+        row_bytes(wq.dim(1) * 4),
+        groups_per_row(s.dim(1)),
+        scales(s.raw()),
+        biases(b.defined() ? b.raw() : nullptr),
+        sdt(s.dtype()),
+        q(quant) {}
+
+  /// out[i * stride] = W[r, c0 + i] for i < n.
+  void run(std::int64_t r, std::int64_t c0, std::int64_t n, T* out, std::int64_t stride) const {
+    const std::uint8_t* row = codes + r * row_bytes;
+    const std::int64_t end = c0 + n;
+    for (std::int64_t c = c0; c < end;) {
+      const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
+      const std::int64_t si = r * groups_per_row + g;
+      if (q.mode == QuantMode::mxfp4) {
+        const T s = QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]);
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
+        continue;
+      }
+      const T s = widen_scale<T>(scales, sdt, si), b = widen_scale<T>(biases, sdt, si);
+      if (q.bits == 4) {  // the common case: two codes a byte
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>((row[c >> 1] >> ((c & 1) * 4)) & 15u) + b;
+      } else if (q.bits == 8) {
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(row[c]) + b;
+      } else {
+        for (; c < gend; ++c, out += stride)
+          *out = s * static_cast<T>(QuantMath::code(row, c, q.bits, row_bytes)) + b;
+      }
+    }
+  }
+};
+
+/// The value stored as T's storage type: f32 as is, bf16/f16 rounded to nearest even.
+inline float round_to(DType t, float v) {
+  if (t == DType::bf16) return half::bf16_round(v);
+  if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(v));
+  return v;
+}
+
+/// Keeps the compiler from fusing a product into the next addition (an FMA rounds once; MLX's
+/// dequantize rounds the product, then the sum).
+template <class T>
+inline T rounded(T v) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+}  // namespace detail
+
+/// mx.quantize(w, group_size, bits, mode), bit for bit (MLX 0.32.4's CPU kernel): w (rows, cols)
+/// float32, bfloat16, float16 (or float64, quantized in double), cols a multiple of the group.
+/// Affine, per group of `group` values along a row, in float32:
+///   scale = max((max - min) / (2^bits - 1), 1e-7), negated unless |min| > |max|;
+///   edge = min or max (whichever is larger in magnitude); q0 = rint(edge / scale);
+///   if q0 != 0: scale = edge / q0, bias = edge (so the edge value is exact), else bias = 0;
+///   q = clamp(rint((w - bias) / scale), 0, 2^bits - 1); scales and biases stored in w's dtype.
+/// mxfp4: e = rint(log2(amax / 6)) (0 for a zero group), codes the nearest E2M1 value of w / 2^e
+/// (the first in {+0, .5, ..., 6, -0, -.5, ..., -6} on a tie), scale byte e + 127.
+inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
+  detail::check_quant(q, "quantize");
+  if (!w.defined() || w.rank() != 2)
+    detail::fail("quantize", "needs a (rows, cols) matrix, got ", w.defined() ? w.shape().str() : std::string("none"));
+  const DType dt = w.dtype();
+  if (dt != DType::f32 && dt != DType::f64 && dt != DType::bf16 && dt != DType::f16)
+    detail::fail("quantize", "only float matrices can be quantized, got ", dtype_name(dt), " ", w.shape().str());
+  if (w.device() != Device::cpu) detail::fail("quantize", "runs on the host; the matrix is on ", w.device());
+  const std::int64_t rows = w.dim(0), cols = w.dim(1);
+  if (cols % q.group != 0)
+    detail::fail("quantize", "the last dimension of ", w.shape().str(), " is not a multiple of the group size ",
+                 q.group);
+  if (cols * q.bits % 32 != 0)
+    detail::fail("quantize", "a row of ", cols, " ", q.bits, "-bit codes does not fill whole 32-bit words");
+  QuantizedMatrix out;
+  out.q = q;
+  out.weight = Tensor::zeros(Shape{rows, cols * q.bits / 32}, DType::u32);
+  const std::int64_t groups = cols / q.group;
+  out.scales = Tensor::empty(Shape{rows, groups}, q.mode == QuantMode::mxfp4 ? DType::u8 : dt);
+  if (q.mode == QuantMode::affine) out.biases = Tensor::empty(Shape{rows, groups}, dt);
+  auto* codes = static_cast<std::uint8_t*>(out.weight.raw());
+  const std::int64_t row_bytes = cols * q.bits / 8;
+  auto put_code = [&](std::int64_t r, std::int64_t c, std::uint32_t v) {
+    detail::QuantMath::put_code(codes + r * row_bytes, c, q.bits, v);
+  };
+  auto store = [&](Tensor& t, std::int64_t i, double v) { detail::store_from_double(t.raw(), t.dtype(), i, v); };
+  std::vector<double> g(static_cast<std::size_t>(q.group));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t gi = 0; gi < groups; ++gi) {
+      for (std::int64_t j = 0; j < q.group; ++j) g[static_cast<std::size_t>(j)] = detail::load_as_double(w.raw(), dt, r * cols + gi * q.group + j);
+      const std::int64_t si = r * groups + gi;
+      if (q.mode == QuantMode::mxfp4) {
+        const std::int32_t e = detail::QuantMath::mxfp4_exponent(g.data(), q.group, dt);
+        static_cast<std::uint8_t*>(out.scales.raw())[si] = detail::QuantMath::mxfp4_byte(e);
+        for (std::int64_t j = 0; j < q.group; ++j)
+          put_code(r, gi * q.group + j, detail::QuantMath::mxfp4_code(g[static_cast<std::size_t>(j)], e, dt));
+        continue;
+      }
+      if (dt == DType::f64) {
+        const auto p = detail::QuantMath::affine_params<double>(g.data(), q.group, q.bits);
+        for (std::int64_t j = 0; j < q.group; ++j)
+          put_code(r, gi * q.group + j, detail::QuantMath::affine_code<double>(g[static_cast<std::size_t>(j)], p, q.bits));
+        store(out.scales, si, p.scale);
+        store(out.biases, si, p.bias);
+      } else {
+        // float32 arithmetic on the (exactly widened) values, as MLX's kernel
+        const auto p = detail::QuantMath::affine_params<float>(g.data(), q.group, q.bits);
+        for (std::int64_t j = 0; j < q.group; ++j)
+          put_code(r, gi * q.group + j,
+                   detail::QuantMath::affine_code<float>(static_cast<float>(g[static_cast<std::size_t>(j)]), p, q.bits));
+        store(out.scales, si, p.scale);  // a float widened to double: store rounds it to dt once
+        store(out.biases, si, p.bias);
+      }
+    }
+  return out;
+}
+
+/// quantize(w, Quant{mode, group, bits}).
+inline QuantizedMatrix quantize(const Tensor& w, int group, int bits, QuantMode mode = QuantMode::affine) {
+  return quantize(w, Quant{mode, group, bits});
+}
+
+/// mx.dequantize, bit for bit: affine gives the scales' dtype, computed as MLX does in it
+/// (scale * q rounded to that dtype, then + bias rounded); mxfp4 gives `out` (float32 by default)
+/// = E2M1[q] * 2^(e - 127). float64 scales dequantize in double.
+inline Tensor dequantize(const Tensor& wq, const Tensor& scales, const Tensor& biases, Quant q,
+                         DType out = DType::f32) {
+  const std::int64_t cols = detail::check_quantized(wq, scales, biases, q, "dequantize");
+  const std::int64_t rows = wq.dim(0);
+  if (q.mode == QuantMode::affine) out = scales.dtype();
+  else if (out != DType::f32 && out != DType::f64 && out != DType::bf16 && out != DType::f16)
+    detail::fail("dequantize", "mxfp4 dequantizes to a float dtype, not ", dtype_name(out));
+  Tensor y = Tensor::empty(Shape{rows, cols}, out);
+  if (out == DType::f64) {
+    detail::QuantReader<double> rd(wq, scales, biases, q);
+    for (std::int64_t r = 0; r < rows; ++r) rd.run(r, 0, cols, y.data<double>() + r * cols, 1);
+    return y;
+  }
+  const auto* codes = static_cast<const std::uint8_t*>(wq.raw());
+  const std::int64_t row_bytes = wq.dim(1) * 4, groups = cols / q.group;
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const std::uint32_t code = detail::QuantMath::code(codes + r * row_bytes, c, q.bits, row_bytes);
+      const std::int64_t si = r * groups + c / q.group;
+      float v;
+      if (q.mode == QuantMode::mxfp4) {
+        const float s = detail::round_to(out, detail::QuantMath::e8m0<float>(scales.data<std::uint8_t>()[si]));
+        v = detail::round_to(out, detail::rounded(detail::QuantMath::e2m1(code) * s));
+      } else {
+        const float s = detail::widen_scale<float>(scales.raw(), out, si), b = detail::widen_scale<float>(biases.raw(), out, si);
+        const float p = detail::round_to(out, detail::rounded(static_cast<float>(code) * s));
+        v = detail::round_to(out, p + b);
+      }
+      if (out == DType::bf16 && std::isnan(v))  // MLX's float -> bfloat16 makes every NaN 0x7fc0
+        static_cast<std::uint16_t*>(y.raw())[r * cols + c] = 0x7fc0;
+      else detail::store_from_double(y.raw(), out, r * cols + c, v);
+    }
+  return y;
+}
+
+inline Tensor dequantize(const QuantizedMatrix& m, DType out = DType::f32) {
+  return dequantize(m.weight, m.scales, m.biases, m.q, out);
+}
+
+}  // namespace nn
+// ---- end nn/quant.hpp ----
 // ---- begin nn/random.hpp ----
 // Counter-based random numbers that reproduce MLX's generator bit for bit (keys, split, bits,
 // uniform, normal, bernoulli, the global seed sequence) and the initialisers MLX's layers use.
@@ -1035,207 +2000,6 @@ inline LoraInit lora(std::int64_t in, std::int64_t out, std::int64_t r) {
 
 }  // namespace nn::init
 // ---- end nn/random.hpp ----
-// ---- begin nn/backend/policy.hpp ----
-// The backend policy concept: the kernels a backend (nn::cpu, nn::cuda) must supply so the tape
-// and the ops can run on it without ever touching tensor memory themselves.
-
-#include <concepts>
-
-
-namespace nn {
-
-/// Elementwise one-input kernels. `arg` is the op's scalar (the exponent of pow, unused else).
-/// The math of each lives in the backend's unary kernel and its vjp next to it.
-enum class Unary : std::uint8_t {
-  neg,
-  exp,
-  log,
-  sqrt,
-  rsqrt,
-  tanh,
-  sigmoid,
-  relu,
-  abs,
-  pow,         // x^arg
-  silu,        // x * sigmoid(x)
-  gelu,        // 0.5 x (1 + erf(x / sqrt 2))                      (PyTorch gelu, MLX nn.gelu)
-  gelu_approx, // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))   (MLX nn.gelu_approx)
-  gelu_fast,   // x * sigmoid(1.702 x)                              (MLX nn.gelu_fast_approx)
-  scale,       // arg * x
-  add_scalar,  // x + arg
-};
-
-/// Elementwise two-input kernels with NumPy broadcasting.
-enum class Binary : std::uint8_t { add, sub, mul, div, maximum, minimum };
-
-constexpr const char* unary_name(Unary u) {
-  switch (u) {
-    case Unary::neg: return "neg";
-    case Unary::exp: return "exp";
-    case Unary::log: return "log";
-    case Unary::sqrt: return "sqrt";
-    case Unary::rsqrt: return "rsqrt";
-    case Unary::tanh: return "tanh";
-    case Unary::sigmoid: return "sigmoid";
-    case Unary::relu: return "relu";
-    case Unary::abs: return "abs";
-    case Unary::pow: return "pow";
-    case Unary::silu: return "silu";
-    case Unary::gelu: return "gelu";
-    case Unary::gelu_approx: return "gelu_approx";
-    case Unary::gelu_fast: return "gelu_fast_approx";
-    case Unary::scale: return "scale";
-    case Unary::add_scalar: return "add_scalar";
-  }
-  return "?";
-}
-constexpr const char* binary_name(Binary b) {
-  switch (b) {
-    case Binary::add: return "add";
-    case Binary::sub: return "sub";
-    case Binary::mul: return "mul";
-    case Binary::div: return "div";
-    case Binary::maximum: return "maximum";
-    case Binary::minimum: return "minimum";
-  }
-  return "?";
-}
-
-/// Every primitive the tape records (ops/), one enumerator each. A new primitive adds itself here
-/// (beside its kernels' lines below), and
-/// tests/ops/registry.test.cpp fails until the op registry (tests/support/op_registry.hpp) lists
-/// it with sample inputs, so no primitive ships without its fixture, finite-difference, replay
-/// and CUDA checks.
-#define NN_PRIMITIVES(X)                                                                                  \
-  X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
-  X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
-  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu)
-
-enum class Prim : std::uint8_t {
-#define NN_PRIM_ENUMERATOR(p) p,
-  NN_PRIMITIVES(NN_PRIM_ENUMERATOR)
-#undef NN_PRIM_ENUMERATOR
-};
-#define NN_PRIM_COUNT(p) +1
-inline constexpr std::size_t kPrimCount = 0 NN_PRIMITIVES(NN_PRIM_COUNT);
-#undef NN_PRIM_COUNT
-
-/// The primitive's name, as errors and summaries print it.
-constexpr const char* prim_name(Prim p) {
-  switch (p) {
-#define NN_PRIM_NAME(n) \
-  case Prim::n:         \
-    return #n;
-    NN_PRIMITIVES(NN_PRIM_NAME)
-#undef NN_PRIM_NAME
-  }
-  return "?";
-}
-
-/// How a loss over rows is reduced (PyTorch's `reduction`).
-enum class Reduction : std::uint8_t { none, sum, mean };
-
-constexpr const char* reduction_name(Reduction r) {
-  return r == Reduction::none ? "none" : (r == Reduction::sum ? "sum" : "mean");
-}
-
-// Attribute structs of the primitives whose kernels need more than a flag or two: the node keeps
-// them (ops/), and the kernels take them whole, not as long positional lists.
-
-/// Attention's shape and options: q, out (B, T, H * head_dim), k, v (B, T, KV * head_dim) (or
-/// the same with B and T merged); query head h reads kv head h / (H / KV). `scale` multiplies the
-/// scores; `causal`: query i sees keys 0..i only.
-struct AttentionAttrs {
-  std::int64_t B = 0, T = 0, H = 0, KV = 0, head_dim = 0;
-  double scale = 1.0;
-  bool causal = false;
-};
-
-/// Softmax cross-entropy's options: a target equal to ignore_index counts nothing (loss and
-/// gradient 0, left out of the mean).
-struct CrossEntropyAttrs {
-  std::int64_t ignore_index = -100;
-  Reduction reduction = Reduction::mean;
-};
-
-/// RoPE's kernel options: traditional (interleaved pairs (2i, 2i + 1)) or NEOX halves; inverse
-/// rotates by minus the angle (the vjp).
-struct RopeArgs {
-  bool traditional = false;
-  bool inverse = false;
-};
-
-/// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
-/// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
-/// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
-/// zeroed, and both accumulate, so a kernel never tests whether its outputs overlap.
-struct GradOut {
-  Tensor* g = nullptr;
-  bool acc = false;
-};
-
-/// What a backend policy provides. Every kernel takes tensors already allocated by the caller
-/// (the tape owns all buffers, so a replay allocates nothing); `acc` means "add into the
-/// destination" rather than overwrite, which is how gradients accumulate. Shapes are validated
-/// by the ops before a kernel runs; kernels trust them.
-template <class B>
-concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
-                                 int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
-                                 const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go,
-                                 RopeArgs ra) {
-  { B::device } -> std::convertible_to<Device>;
-  { B::name } -> std::convertible_to<const char*>;
-  { B::alloc(s, dt) } -> std::same_as<Tensor>;
-  B::fill(y, v);
-  B::copy(x, y, acc);                          // y (+)= x, same element count
-  B::cast(x, y);                               // dtype conversion, same shape
-  B::unary(Unary::exp, v, x, y);               // y = f(x)
-  B::unary_vjp(Unary::exp, v, x, x, x, y, acc);  // gx (+)= g * f'(x), given x, y = f(x), g
-  B::binary(Binary::add, x, x, y);             // y = a op b, broadcast
-  B::binary_vjp(Binary::add, 0, x, x, x, y, acc);  // d(a op b)/d(a or b) * g, full output shape
-  B::sum_to(x, y, v, acc);                     // y (+)= v * sum of x over y's broadcast dims
-  B::broadcast_to(x, y, v, acc);               // y (+)= v * x broadcast to y's shape
-  B::where(x, x, x, y);                        // y = mask ? a : b, broadcast
-  B::where_vjp(x, x, 0, y, acc);               // g masked to one branch, full output shape
-  B::max_axis(x, axis, y, y);                  // y = max over axis (keepdims), index of first max
-  B::max_axis_vjp(x, y, axis, y, acc);         // gx (+)= g at the argmax, 0 elsewhere
-  B::matmul(x, acc, x, acc, y, acc);           // c (+)= op(a) @ op(b), batched, see cpu.hpp
-  B::permute(x, perm, y, acc);                 // y (+)= x permuted
-  B::slice_copy(x, axis, i64, y);              // y = x[..., start:start+len, ...]
-  B::slice_scatter(x, axis, i64, y, acc);      // y[..., start:start+len, ...] (+)= x
-  B::gather_rows(x, x, y);                     // y[i, :] = table[ids[i], :]
-  B::scatter_add_rows(x, x, y);                // table_grad[ids[i], :] += g[i, :]
-  B::pick(x, x, y);                            // y[i] = x[i, idx[i]] (0 where idx < 0)
-  B::pick_vjp(x, x, y);                        // gx[i, idx[i]] += g[i]
-  B::bernoulli_mask(x, v, v, y);               // (key, p_keep, value, mask): MLX bernoulli ? value : 0
-  B::softmax(x, y, acc);                       // last axis; acc selects log_softmax here
-  B::softmax_vjp(x, x, y, acc, acc);           // (y, g, gx, log?, acc)
-  B::cross_entropy(x, x, ce, y, y);            // (logits, targets, attrs, y, lse)
-  B::cross_entropy_vjp(x, x, ce, x, x, y, acc);  // (logits, targets, attrs, lse, g, gx, acc)
-  // fused primitives, each beside its composite reference (ops/norm, rope, attention, glu.hpp);
-  // a null gradient pointer means that input needs none
-  B::rms_norm(x, x, v, y, y);                    // (x, w or undefined, eps, y, rstd)
-  B::rms_norm_vjp(x, x, x, x, go, go);           // (x, w, rstd, g, gx, gw)
-  B::rope(x, x, x, ra, y, acc);                  // (x, cos, sin, {traditional, inverse}, y, acc)
-  B::attention(x, x, x, x, att, y, y);           // (q, k, v, mask, attrs, out, p)
-  B::attention_vjp(x, x, x, x, x, att, y, go, go, go);  // (q, k, v, p, g, attrs, scratch, gq, gk, gv)
-  // (optional: B::flash_attention / flash_attention_vjp, see detail::HasFlashAttention in
-  // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
-  B::swiglu(x, x, y);                            // (gate, up, y)
-  B::swiglu_vjp(x, x, x, go, go);                // (gate, up, g, ggate, gup)
-  // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
-  B::sgd_update(y, x, y, x, v, v, v, acc);
-  B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);
-  B::lion_update(y, x, y, x, v, v, v);
-  B::muon_momentum(x, x, y, y, v, v, acc);
-  B::axpby(v, x, v, y);
-  { B::sum_squares(x) } -> std::convertible_to<double>;
-  B::normalize_frobenius(y, v);
-  B::apply_update(y, x, x, v);
-};
-
-}  // namespace nn
-// ---- end nn/backend/policy.hpp ----
 // ---- begin nn/backend/cpu.hpp ----
 // nn::cpu: the host backend policy. Elementwise kernels are plain loops (OpenMP when built with
 // it); GEMM runs on nn's own engine (backend/gemm.hpp, kernels chosen by CPUID features), or on
@@ -1451,341 +2215,6 @@ struct CpuInfo {
 #include <immintrin.h>
 #endif
 
-// ---- begin nn/backend/math.hpp ----
-// The math of every elementwise primitive, forward and derivative side by side, and the
-// per-element math of the fused primitives and the optimizer updates, compiled for the host and
-// (under nvcc) for the device, so nn::cpu and nn::cuda run the same formulas: a kernel in
-// backend/cpu/ or backend/cuda/ loops, reduces and dispatches, and takes its arithmetic from here.
-
-#include <cmath>
-#include <cstdint>
-#include <numbers>
-#include <type_traits>
-
-
-namespace nn::detail {
-
-// The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
-// to), CUDA's device versions under nvcc (never the fast intrinsics).
-// clang-format off
-NN_HD inline float m_exp(float x) { return ::expf(x); }
-NN_HD inline double m_exp(double x) { return ::exp(x); }
-NN_HD inline float m_log(float x) { return ::logf(x); }
-NN_HD inline double m_log(double x) { return ::log(x); }
-NN_HD inline float m_sqrt(float x) { return ::sqrtf(x); }
-NN_HD inline double m_sqrt(double x) { return ::sqrt(x); }
-NN_HD inline float m_tanh(float x) { return ::tanhf(x); }
-NN_HD inline double m_tanh(double x) { return ::tanh(x); }
-NN_HD inline float m_erf(float x) { return ::erff(x); }
-NN_HD inline double m_erf(double x) { return ::erf(x); }
-NN_HD inline float m_pow(float x, float a) { return ::powf(x, a); }
-NN_HD inline double m_pow(double x, double a) { return ::pow(x, a); }
-NN_HD inline float m_abs(float x) { return ::fabsf(x); }
-NN_HD inline double m_abs(double x) { return ::fabs(x); }
-// clang-format on
-
-// The scalar type of V: V itself, or an Eigen array expression's Scalar. The functions below that
-// take a V run on scalars (every backend) and on Eigen arrays (the CPU's vectorised chunks).
-template <class V, class = void>
-struct scalar_of {
-  using type = V;
-};
-template <class V>
-struct scalar_of<V, std::void_t<typename V::Scalar>> {
-  using type = typename V::Scalar;
-};
-template <class V>
-using scalar_of_t = typename scalar_of<V>::type;
-
-/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
-NN_HD_GENERIC template <class V>
-NN_HD inline auto v_exp(const V& x) {
-  if constexpr (std::is_floating_point_v<V>) return m_exp(x);
-  else return x.exp();
-}
-
-/// 1 / (1 + exp(-x)), of a scalar or an Eigen array.
-NN_HD_GENERIC template <class V>
-NN_HD inline auto sigmoid(const V& x) {
-  using T = scalar_of_t<V>;
-  return T(1) / (T(1) + v_exp(-x));
-}
-
-/// The forward math of every unary op.
-template <class T>
-NN_HD inline T unary_f(Unary op, T x, T a) {
-  constexpr T kSqrt2OverPi = T(0.7978845608028654);  // sqrt(2/pi)
-  switch (op) {
-    case Unary::neg: return -x;
-    case Unary::exp: return m_exp(x);
-    case Unary::log: return m_log(x);
-    case Unary::sqrt: return m_sqrt(x);
-    case Unary::rsqrt: return T(1) / m_sqrt(x);
-    case Unary::tanh: return m_tanh(x);
-    case Unary::sigmoid: return sigmoid(x);
-    case Unary::relu: return x > T(0) ? x : T(0);
-    case Unary::abs: return m_abs(x);
-    case Unary::pow: return m_pow(x, a);
-    case Unary::silu: return x * sigmoid(x);
-    case Unary::gelu: return T(0.5) * x * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
-    case Unary::gelu_approx: return T(0.5) * x * (T(1) + m_tanh(kSqrt2OverPi * (x + T(0.044715) * x * x * x)));
-    case Unary::gelu_fast: return x * sigmoid(T(1.702) * x);
-    case Unary::scale: return a * x;
-    case Unary::add_scalar: return x + a;
-  }
-  return x;
-}
-
-/// d f(x) / dx for every unary op, given x and y = f(x). Kinks: relu'(0) = 0 (as PyTorch and
-/// tinygrad's where(x > 0)), abs'(0) = 0 (sign(0), as PyTorch).
-template <class T>
-NN_HD inline T unary_df(Unary op, T x, T y, T a) {
-  constexpr T kSqrt2OverPi = T(0.7978845608028654);
-  switch (op) {
-    case Unary::neg: return T(-1);
-    case Unary::exp: return y;
-    case Unary::log: return T(1) / x;
-    case Unary::sqrt: return T(0.5) / y;
-    case Unary::rsqrt: return T(-0.5) * y / x;
-    case Unary::tanh: return T(1) - y * y;
-    case Unary::sigmoid: return y * (T(1) - y);
-    case Unary::relu: return x > T(0) ? T(1) : T(0);
-    case Unary::abs: return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
-    case Unary::pow: return a == T(0) ? T(0) : a * m_pow(x, a - T(1));
-    case Unary::silu: {
-      T s = sigmoid(x);
-      return s * (T(1) + x * (T(1) - s));
-    }
-    case Unary::gelu: {
-      T cdf = T(0.5) * (T(1) + m_erf(x / std::numbers::sqrt2_v<T>));
-      T pdf = m_exp(T(-0.5) * x * x) / m_sqrt(T(2) * std::numbers::pi_v<T>);
-      return cdf + x * pdf;
-    }
-    case Unary::gelu_approx: {
-      T u = kSqrt2OverPi * (x + T(0.044715) * x * x * x);
-      T t = m_tanh(u);
-      T du = kSqrt2OverPi * (T(1) + T(3) * T(0.044715) * x * x);
-      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du;
-    }
-    case Unary::gelu_fast: {
-      T s = sigmoid(T(1.702) * x);
-      return s + x * T(1.702) * s * (T(1) - s);
-    }
-    case Unary::scale: return a;
-    case Unary::add_scalar: return T(1);
-  }
-  return T(0);
-}
-
-template <class T>
-NN_HD inline T binary_f(Binary op, T a, T b) {
-  switch (op) {
-    case Binary::add: return a + b;
-    case Binary::sub: return a - b;
-    case Binary::mul: return a * b;
-    case Binary::div: return a / b;
-    case Binary::maximum: return a >= b ? a : b;
-    case Binary::minimum: return a <= b ? a : b;
-  }
-  return a;
-}
-
-/// d(a op b)/d(a) (which = 0) or d/d(b) (which = 1). Ties of maximum/minimum send the gradient
-/// to a (documented in ops/elementwise.hpp).
-template <class T>
-NN_HD inline T binary_df(Binary op, int which, T a, T b) {
-  switch (op) {
-    case Binary::add: return T(1);
-    case Binary::sub: return which == 0 ? T(1) : T(-1);
-    case Binary::mul: return which == 0 ? b : a;
-    case Binary::div: return which == 0 ? T(1) / b : -a / (b * b);
-    case Binary::maximum: return (a >= b) == (which == 0) ? T(1) : T(0);
-    case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
-  }
-  return T(0);
-}
-
-template <class T>
-NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
-  if (acc) y[i] += v;
-  else y[i] = v;
-}
-
-// ---- fused primitives and optimizer updates: the per-element math ----------------------------
-// Generic over the value V (see scalar_of): a scalar (a CUDA thread's element, a CPU scalar
-// loop) or an Eigen array expression (the CPU's vectorised chunks), so the CPU keeps its vector
-// code and both backends still read one formula. Eigen's vectorised exp is not glibc's:
-// the formula is shared, the last bits of exp are each backend's (tests compare with tolerance).
-
-/// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
-struct SwiGluMath {
-  NN_HD_GENERIC template <class V>
-  NN_HD static auto sig(const V& a) {
-    return sigmoid(a);
-  }
-  NN_HD_GENERIC template <class V, class U>
-  NN_HD static auto y(const V& a, const U& u) {
-    return (a * sig(a)) * u;
-  }
-  NN_HD_GENERIC template <class V, class U, class G, class S>
-  NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
-    using T = scalar_of_t<V>;
-    return (g * u) * (s * (T(1) + a * (T(1) - s)));
-  }
-  NN_HD_GENERIC template <class V, class G, class S>
-  NN_HD static auto dup(const V& a, const G& g, const S& s) {
-    return g * (a * s);
-  }
-};
-
-/// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
-/// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
-struct RmsNormMath {
-  template <class T>
-  NN_HD static T rstd(T sum_sq, T inv_c, T eps) {
-    return T(1) / m_sqrt(inv_c * sum_sq + eps);
-  }
-  template <class T>
-  NN_HD static T vjp_coef(T rstd, T inv_c, T sum_ux) {
-    return rstd * rstd * rstd * inv_c * sum_ux;
-  }
-  NN_HD_GENERIC template <class T, class U, class X>
-  NN_HD static auto gx(T rstd, const U& u, T c, const X& x) {
-    return rstd * u - c * x;
-  }
-};
-
-/// RoPE's rotation of a feature pair (a1, a2) by an angle with cosine c and sine s (the inverse,
-/// the vjp, passes -s): (a1 c - a2 s, a1 s + a2 c).
-struct RopeMath {
-  template <class T>
-  NN_HD static T first(T a1, T a2, T c, T s) {
-    return a1 * c - a2 * s;
-  }
-  template <class T>
-  NN_HD static T second(T a1, T a2, T c, T s) {
-    return a1 * s + a2 * c;
-  }
-};
-
-// The optimizer updates (MLX's arithmetic order). make() forms the scalars on the host, in the
-// parameter's dtype T, as MLX does: 1 - b in double and then rounded (in float32, T(1) - T(0.999)
-// is 1.3e-5 away from T(0.001)); the learning rate rounded to T first (MLX's
-// learning_rate.astype(gradient.dtype)).
-
-/// SGD: g += wd p; no momentum: p -= lr g; else v = mu v + (1 - tau) g (tau = 0: + g),
-/// update = nesterov ? g + mu v : v; p -= lr update.
-template <class T>
-struct SgdMath {
-  T l, mu, d, w;
-  bool has_wd, damp, nesterov;
-  static SgdMath make(double lr, double momentum, double dampening, double wd, bool nesterov) {
-    return {static_cast<T>(lr), static_cast<T>(momentum), static_cast<T>(1 - dampening), static_cast<T>(wd), wd != 0,
-            dampening > 0, nesterov};
-  }
-  /// One element; v is null without momentum.
-  NN_HD void operator()(T& p, T g, T* v) const {
-    const T gi = has_wd ? g + w * p : g;
-    if (!v) {
-      p = p - l * gi;
-      return;
-    }
-    T vi = mu * *v;
-    vi += damp ? d * gi : gi;
-    *v = vi;
-    p = p - l * (nesterov ? gi + mu * vi : vi);
-  }
-};
-
-/// Adam / AdamW: decoupled wd first p *= 1 - lr wd (AdamW); m = b1 m + (1-b1) g;
-/// v = b2 v + (1-b2) g^2; p -= c1 m / (sqrt(v) c2 + eps) with c1 = lr / (1 - b1^t),
-/// c2 = 1 / sqrt(1 - b2^t) under bias correction, else c1 = lr, c2 = 1 (the same bits as
-/// lr m / (sqrt v + eps): x 1 is exact). t = step, already incremented.
-template <class T>
-struct AdamMath {
-  T B1, B2, E, C1, C2, decay, c1, c2;
-  bool decoupled;
-  static AdamMath make(double lr, double step, double b1, double b2, double eps, double decoupled_wd,
-                       bool bias_correction) {
-    AdamMath a;
-    const T l = static_cast<T>(lr), t = static_cast<T>(step);
-    a.B1 = static_cast<T>(b1), a.B2 = static_cast<T>(b2), a.E = static_cast<T>(eps);
-    a.C1 = static_cast<T>(1 - b1), a.C2 = static_cast<T>(1 - b2);
-    a.decay = T(1) - l * static_cast<T>(decoupled_wd);
-    a.c1 = bias_correction ? l / (T(1) - std::pow(a.B1, t)) : l;
-    a.c2 = bias_correction ? T(1) / std::sqrt(T(1) - std::pow(a.B2, t)) : T(1);
-    a.decoupled = decoupled_wd != 0;
-    return a;
-  }
-  NN_HD_GENERIC template <class M, class G>
-  NN_HD auto m(const M& m, const G& g) const {
-    return B1 * m + C1 * g;
-  }
-  NN_HD_GENERIC template <class V, class G>
-  NN_HD auto v(const V& v, const G& g) const {
-    return B2 * v + C2 * (g * g);
-  }
-  /// What p loses this step, from the new m and sqrt of the new v.
-  NN_HD_GENERIC template <class M, class R>
-  NN_HD auto delta(const M& m, const R& root_v) const {
-    return (c1 * m) / (root_v * c2 + E);
-  }
-};
-
-/// Lion: c = b1 m + (1-b1) g; m = b2 m + (1-b2) g; wd > 0: p *= 1 - lr wd; p -= lr sign(c).
-template <class T>
-struct LionMath {
-  T l, B1, B2, C1, C2, decay;
-  bool has_wd;
-  static LionMath make(double lr, double b1, double b2, double wd) {
-    const T l = static_cast<T>(lr);
-    return {l, static_cast<T>(b1), static_cast<T>(b2), static_cast<T>(1 - b1), static_cast<T>(1 - b2),
-            T(1) - l * static_cast<T>(wd), wd > 0};
-  }
-  NN_HD void operator()(T& p, T g, T& m) const {
-    const T c = B1 * m + C1 * g;
-    m = B2 * m + C2 * g;
-    const T pi = has_wd ? decay * p : p;
-    const T sg = c > T(0) ? T(1) : (c < T(0) ? T(-1) : T(0));
-    p = pi - l * sg;
-  }
-};
-
-/// Muon's momentum: g += wd p; v = mu v + (1-mu) g; u = nesterov ? (1-mu) g + mu v : v.
-template <class T>
-struct MuonMomentumMath {
-  T mu, w, c;
-  bool has_wd, nesterov;
-  static MuonMomentumMath make(double momentum, double wd, bool nesterov) {
-    return {static_cast<T>(momentum), static_cast<T>(wd), static_cast<T>(1 - momentum), wd != 0, nesterov};
-  }
-  NN_HD void operator()(T p, T g, T& v, T& u) const {
-    const T gi = has_wd ? g + w * p : g;
-    const T vi = mu * v + c * gi;
-    v = vi;
-    u = nesterov ? gi * c + vi * mu : vi;
-  }
-};
-
-/// y = a x + b y (Muon's Newton-Schulz steps).
-template <class T>
-struct AxpbyMath {
-  T a, b;
-  NN_HD T operator()(T x, T y) const { return a * x + b * y; }
-};
-
-/// p -= (lr factor) x, the rate rounded to T before the factor is applied (MLX's order).
-template <class T>
-struct ApplyUpdateMath {
-  T l;
-  static ApplyUpdateMath make(double lr, double factor) {
-    return {static_cast<T>(static_cast<T>(lr) * static_cast<T>(factor))};
-  }
-  NN_HD T operator()(T p, T x) const { return p - l * x; }
-};
-
-}  // namespace nn::detail
-// ---- end nn/backend/math.hpp ----
 
 namespace nn {
 namespace detail {
@@ -4688,6 +5117,111 @@ struct GluKernels {
 }  // namespace cpu_kernels
 }  // namespace nn
 // ---- end nn/backend/cpu/glu.hpp ----
+// ---- begin nn/backend/cpu/quantized.hpp ----
+// nn::cpu's quantized kernels (ops/quantized.hpp): products with a quantized matrix, whose values
+// are dequantized panel by panel straight into the GEMM's packed layout (the matrix never exists
+// in float), and the row gather of a quantized embedding table.
+
+
+namespace nn {
+
+#if defined(NN_OWN_GEMM)
+namespace gemm {
+
+/// The B packer (DensePackB's contract) of a quantized matrix W read through `rd`: op(B)(k, j) =
+/// W[j0 + j][k] when trans (x @ W^T, a Linear's weight: each panel column is a run of one row of
+/// W), else W[k][j0 + j] (each panel depth is a run of one row). Zero past the edge.
+template <int NR, class T>
+struct QuantPackB {
+  const detail::QuantReader<T>* rd;
+  bool trans;
+  index j_off = 0;  // the first column of op(B) this product sees (a column split's share)
+  void operator()(T* dst, index j0, index nc, index k0, index kc) const {
+    for (index q = 0; q < nc; q += NR, dst += kc * NR) {
+      const index cols = std::min<index>(NR, nc - q), j = j_off + j0 + q;
+      if (trans)
+        for (index l = 0; l < cols; ++l) rd->run(j + l, k0, kc, dst + l, NR);
+      else
+        for (index k = 0; k < kc; ++k) rd->run(k0 + k, j, cols, dst + k * NR, 1);
+      if (cols < NR)
+        for (index k = 0; k < kc; ++k) std::fill(dst + k * NR + cols, dst + (k + 1) * NR, T(0));
+    }
+  }
+};
+
+}  // namespace gemm
+#endif
+
+namespace cpu_kernels {
+
+struct QuantizedKernels {
+  /// y (M, N) (+)= x (M, K) @ op(W): W^T when a.transpose (W (N, K)), else W (K, N); W given
+  /// as codes, scales and biases (undefined for mxfp4) in format a.q. T = y's dtype = x's;
+  /// scales of another float dtype are widened to T.
+  static void quantized_matmul(const Tensor& x, const Tensor& wq, const Tensor& scales, const Tensor& biases,
+                               const QuantMatmulAttrs& a, Tensor& y, bool acc) {
+    detail::dispatch_float(y.dtype(), "quantized_matmul", [&]<class T>() {
+      const std::int64_t K = x.dim(-1), M = x.numel() / std::max<std::int64_t>(K, 1), N = y.dim(-1);
+      const detail::QuantReader<T> rd(wq, scales, biases, a.q);
+      const T* X = x.data<T>();
+      T* Y = y.data<T>();
+      if (M == 0 || N == 0) return;
+#if defined(NN_OWN_GEMM)
+      gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
+        using S = gemm::Shape<T, I>;
+        const auto kern = gemm::micro_kernels<T, I>();
+        const gemm::DensePackA<S::MR, T> pa{gemm::Matrix<T>{X, K, false}};
+        const int threads = gemm::team_threads(M, N, K);
+        if (threads > 1 && M < 24 * threads) {  // few rows: each thread packs its own columns
+          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+            gemm::gemm_blocked<T, S>(kern, M, d1 - d0, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose, d0}, Y + d0,
+                                     N, acc);
+          });
+          return;
+        }
+#if defined(_OPENMP)
+        if (threads > 1)
+          return gemm::gemm_team<T, S>(threads, kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose}, Y, N,
+                                       acc);
+#endif
+        gemm::gemm_blocked<T, S>(kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose}, Y, N, acc);
+      });
+#else
+      // no packing hook on this compiler: blocks of 128 rows of W dequantized into a workspace
+      constexpr std::int64_t R = 128;
+      const std::int64_t wrows = a.transpose ? N : K, wcols = a.transpose ? K : N;
+      T* buf = static_cast<T*>(detail::gemm_workspace(sizeof(T) * static_cast<std::size_t>(R * wcols), 2));
+      for (std::int64_t r0 = 0; r0 < wrows; r0 += R) {
+        const std::int64_t nr = std::min(R, wrows - r0);
+        for (std::int64_t r = 0; r < nr; ++r) rd.run(r0 + r, 0, wcols, buf + r * wcols, 1);
+        if (a.transpose) detail::gemm_serial<T>(false, true, M, nr, K, X, K, buf, K, Y + r0, N, acc);
+        else detail::gemm_serial<T>(false, false, M, N, nr, X + r0, K, buf, N, Y, N, acc || r0 > 0);
+      }
+#endif
+    });
+  }
+
+  /// y (n, D) = rows ids[0..n) of the quantized table W (V, D), dequantized to y's dtype.
+  /// An id outside [0, V) is an nn::Error naming it.
+  static void quantized_gather(const Tensor& ids, const Tensor& wq, const Tensor& scales, const Tensor& biases,
+                               const Quant& q, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "quantized_gather", [&]<class T>() {
+      const detail::QuantReader<T> rd(wq, scales, biases, q);
+      const std::int64_t n = ids.numel(), D = y.dim(-1), V = wq.dim(0);
+      T* Y = y.data<T>();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t id = ids.dtype() == DType::i32 ? ids.data<std::int32_t>()[i] : ids.data<std::int64_t>()[i];
+        if (id < 0 || id >= V)
+          detail::fail("quantized_gather", "id ", id, " at position ", i, " is outside the table's ", V, " rows");
+        rd.run(id, 0, D, Y + i * D, 1);
+      }
+    });
+  }
+};
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/quantized.hpp ----
 // ---- begin nn/backend/cpu/optim.hpp ----
 // nn::cpu's optimizer updates: one fused pass per parameter in MLX's arithmetic order (optim/;
 // the formulas in backend/math.hpp), and the small kernels Muon and clip_grad_norm compose.
@@ -4827,6 +5361,7 @@ struct cpu : cpu_kernels::ElementwiseKernels,
              cpu_kernels::RopeKernels,
              cpu_kernels::AttentionKernels,
              cpu_kernels::GluKernels,
+             cpu_kernels::QuantizedKernels,
              cpu_kernels::OptimKernels {
   static constexpr Device device = Device::cpu;
   static constexpr const char* name = "cpu";
@@ -6624,6 +7159,114 @@ GVar fused_swiglu(GTape<B>& tp, GVar gate, GVar up) {
 
 }  // namespace nn
 // ---- end nn/ops/glu.hpp ----
+// ---- begin nn/ops/quantized.hpp ----
+// Primitives over quantized matrices (quant.hpp): quantized_matmul (x @ dequant(W)^T, or
+// x @ dequant(W); vjp with respect to x only) and quantized_gather (rows of a quantized table: a
+// quantized embedding). The matrix is three constants, codes (u32), scales and biases: it is never
+// trained, and asking for its gradient is an error naming the op.
+
+#include <optional>
+#include <vector>
+
+
+namespace nn {
+
+namespace detail {
+
+/// inputs: 0 x (..., K), 1 codes, 2 scales, 3 biases (affine only). out: (..., N).
+/// y = x @ op(W);  dx = g @ op(W)^T, the same kernel with the transpose flipped.
+template <class B>
+struct QuantizedMatmulPrim {
+  static Tensor rows(const Tensor& t) { return t.reshape(Shape{t.numel() / t.dim(-1), t.dim(-1)}); }
+  static Tensor biases(const GTape<B>& tp, const Node<B>& n) { return n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(); }
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor y = rows(n.value);
+    B::quantized_matmul(rows(tp.in(n, 0)), tp.in(n, 1), tp.in(n, 2), biases(tp, n), attrs_of<QuantMatmulAttrs>(n), y,
+                        false);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    if (!tp.needs_grad(n, 0)) return;
+    GradSlot s = tp.grad_slot(n, 0);
+    QuantMatmulAttrs t = attrs_of<QuantMatmulAttrs>(n);
+    t.transpose = !t.transpose;
+    Tensor gx = rows(s.g);
+    B::quantized_matmul(rows(n.grad), tp.in(n, 1), tp.in(n, 2), biases(tp, n), t, gx, s.acc);
+  }
+  static constexpr OpDef<B> def{Prim::quantized_matmul, &forward, &vjp};
+};
+
+/// inputs: 0 ids (integer, any shape), 1 codes, 2 scales, 3 biases (affine only). out: ids.shape + (D).
+template <class B>
+struct QuantizedGatherPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    Tensor y = n.value.reshape(Shape{tp.in(n, 0).numel(), n.value.dim(-1)});
+    B::quantized_gather(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), QuantizedMatmulPrim<B>::biases(tp, n),
+                        attrs_of<Quant>(n), y);
+  }
+  static void vjp(GTape<B>&, Node<B>&) {}  // nothing to differentiate: integer ids, a constant table
+  static constexpr OpDef<B> def{Prim::quantized_gather, &forward, &vjp};
+};
+
+/// The checks both builders share: the matrix's three tensors form one (rows, cols) matrix in
+/// format q (quant.hpp's check, with the op's name), none asks for a gradient.
+template <class B>
+std::int64_t check_quantized_inputs(const GTape<B>& tp, GVar wq, GVar scales, std::optional<GVar> biases,
+                                    const Quant& q, const char* op) {
+  const char* names[] = {"codes", "scales", "biases"};
+  GVar vs[] = {wq, scales, biases ? *biases : wq};
+  for (int i = 0; i < (biases ? 3 : 2); ++i)
+    if (tp.requires_grad(vs[i]))
+      fail(op, "the quantized weight's ", names[i], " ", tp.shape(vs[i]).str(),
+           " cannot have a gradient: quantized weights are frozen buffers (train a LoRA over them, or dequantize)");
+  auto part = [&](GVar v) { return QuantPart(tp.shape(v), tp.dtype(v)); };
+  return check_quantized(part(wq), part(scales), biases ? part(*biases) : QuantPart(), q, op);
+}
+
+}  // namespace detail
+
+/// x @ dequant(W)^T (transpose, MLX's default: W (N, K), a QuantizedLinear's weight) or
+/// x @ dequant(W) (W (K, N)), for x (..., K) float32/float64; W as codes (u32), scales and
+/// biases (affine; std::nullopt for mxfp4) in format q (mx.quantized_matmul). The scales may be
+/// bfloat16/float16 beside a float32 x (widened). Gradient: x only.
+template <class B>
+GVar quantized_matmul(GTape<B>& tp, GVar x, GVar wq, GVar scales, std::optional<GVar> biases, Quant q,
+                      bool transpose = true) {
+  detail::require_float(tp, x, "quantized_matmul");
+  const std::int64_t cols = detail::check_quantized_inputs(tp, wq, scales, biases, q, "quantized_matmul");
+  const DType sd = tp.dtype(scales);
+  if (q.mode == QuantMode::affine && sd != tp.dtype(x) && sd != DType::bf16 && sd != DType::f16)
+    detail::fail("quantized_matmul", "scales of ", dtype_name(sd), " beside x of ", dtype_name(tp.dtype(x)),
+                 ": they must match, or be bfloat16/float16");
+  const Shape& xs = tp.shape(x);
+  const std::int64_t rows = tp.shape(wq).dim(0), K = transpose ? cols : rows, N = transpose ? rows : cols;
+  if (xs.rank() < 1 || xs.dim(-1) != K)
+    detail::fail("quantized_matmul", "x ", xs.str(), " @ W", transpose ? "^T" : "", " with W (", rows, ", ", cols,
+                 ") dequantized: inner dimensions differ (", xs.rank() ? xs.dim(-1) : 0, " vs ", K, ")");
+  Shape out = xs;
+  out[out.rank() - 1] = N;
+  std::vector<GVar> in{x, wq, scales};
+  if (biases) in.push_back(*biases);
+  return tp.record(detail::QuantizedMatmulPrim<B>::def, in, QuantMatmulAttrs{q, transpose}, out, tp.dtype(x));
+}
+
+/// Rows `ids` (integer, any shape) of the quantized table W (V, D): out ids.shape + (D), in
+/// `dtype` (float32 by default). No gradient flows (the table is frozen; ids are integers).
+template <class B>
+GVar quantized_gather(GTape<B>& tp, GVar ids, GVar wq, GVar scales, std::optional<GVar> biases, Quant q,
+                      DType dtype = DType::f32) {
+  detail::require_ids(tp, ids, "quantized_gather");
+  const std::int64_t D = detail::check_quantized_inputs(tp, wq, scales, biases, q, "quantized_gather");
+  if (dtype != DType::f32 && dtype != DType::f64)
+    detail::fail("quantized_gather", "rows are float32 or float64, not ", dtype_name(dtype));
+  Shape out = tp.shape(ids);
+  out.push_back(D);
+  std::vector<GVar> in{ids, wq, scales};
+  if (biases) in.push_back(*biases);
+  return tp.record(detail::QuantizedGatherPrim<B>::def, in, q, out, dtype);
+}
+
+}  // namespace nn
+// ---- end nn/ops/quantized.hpp ----
 // ---- begin nn/layers/helpers.hpp ----
 // The seed's helpers for writing a model as a list of layer calls: registering the caller's
 // weights (param / constant / input) and constant fills (ones / zeros / full) on a tape.
@@ -9102,7 +9745,7 @@ int tree_set_trainable(X& m, Pred pred, bool trainable) {
 /// "1,234,567"
 inline std::string with_commas(std::int64_t v) {
   std::string s = std::to_string(v);
-  for (int i = static_cast<int>(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(static_cast<std::size_t>(i), ",");
+  for (int i = static_cast<int>(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(s.begin() + i, ',');
   return s;
 }
 
@@ -9283,9 +9926,11 @@ struct ModuleMapper {
                 using R = decltype(f(path, alt));
                 if constexpr (std::is_void_v<R>) {
                   f(path, alt);
-                } else {
+                } else if constexpr (std::is_assignable_v<U&, R>) {
                   x = f(path, alt);  // replaces the alternative; alt is dangling from here on
                   return;
+                } else {
+                  fail("map_modules", "the module at '", path, "' is held in a std::variant that cannot take the replacement");
                 }
               }
               recurse(alt, path);
@@ -9879,35 +10524,246 @@ struct Dropout {
 
 }  // namespace nn
 // ---- end nn/modules/dropout.hpp ----
+// ---- begin nn/modules/quantized.hpp ----
+// QuantizedLinear and QuantizedEmbedding (MLX's nn.QuantizedLinear / nn.QuantizedEmbedding: the
+// same fields, names and layouts), and nn::quantize(model, ...), which converts a model's Linear
+// and Embedding leaves by path as mlx.nn.quantize does.
+
+#include <optional>
+#include <type_traits>
+#include <variant>
+
+
+namespace nn {
+
+namespace detail {
+
+/// The three tensors of a quantized layer bound on a tape as constants.
+template <class B>
+struct BoundQuantized {
+  GVar wq, scales;
+  std::optional<GVar> biases;
+};
+template <class B>
+BoundQuantized<B> bind_quantized(GTape<B>& tp, const Buffer& w, const Buffer& s, const std::optional<Buffer>& b) {
+  return {nn::param(tp, w), nn::param(tp, s), b ? std::optional<GVar>(nn::param(tp, *b)) : std::nullopt};
+}
+
+}  // namespace detail
+
+/// y = x @ dequant(weight)^T + bias for a weight quantized in MLX's format (quant.hpp). Every
+/// tensor is a Buffer: never trained (unfreeze() leaves it so), saved and loaded under MLX's
+/// names: weight (out, in * bits / 32) u32, scales and biases (out, in / group) (no biases for
+/// mxfp4), bias (out) when the Linear had one.
+struct QuantizedLinear {
+  Buffer weight;
+  Buffer scales;
+  std::optional<Buffer> biases;
+  std::optional<Buffer> bias;
+
+  QuantizedLinear() = default;
+  /// MLX's QuantizedLinear.from_linear: affine, groups of 64, 4 bits unless q says otherwise.
+  static QuantizedLinear from_linear(const Linear& l, Quant q = Quant::affine()) {
+    QuantizedLinear out;
+    out.set(quantize(l.weight.value, q));
+    if (l.bias) out.bias = Buffer(l.bias->value.clone());
+    return out;
+  }
+  static QuantizedLinear from_linear_with(const Linear& l, Quant q) { return from_linear(l, q); }
+  /// An already quantized matrix (mx.quantize's output, a GGUF tensor) and an optional bias.
+  static QuantizedLinear from_quantized(QuantizedMatrix m, std::optional<Tensor> bias = std::nullopt) {
+    QuantizedLinear out;
+    out.set(std::move(m));
+    if (bias) out.bias = Buffer(std::move(*bias));
+    return out;
+  }
+
+  Quant quant() const { return Quant{mode_, group_size_, bits_}; }
+  std::int64_t in_features() const { return weight.value.dim(1) * 32 / bits_; }
+  std::int64_t out_features() const { return weight.value.dim(0); }
+  QuantizedMatrix matrix() const { return {weight.value, scales.value, biases ? biases->value : Tensor(), quant()}; }
+  /// The full-precision Linear (the scales' dtype; mxfp4: float32): mx.dequantize of the weight.
+  Linear dequantized() const {
+    Linear l;
+    l.weight = Param(dequantize(matrix()));
+    if (bias) l.bias = Param(bias->value.clone());
+    return l;
+  }
+
+  // x: (..., in) -> (..., out)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    auto w = detail::bind_quantized(tp, weight, scales, biases);
+    GVar y = quantized_matmul(tp, x, w.wq, w.scales, w.biases, quant(), true);
+    return bias ? add(tp, y, nn::param(tp, *bias)) : y;
+  }
+
+  NN_MODULE(QuantizedLinear, weight, scales, biases, bias, NN_STATIC(mode_, group_size_, bits_))
+
+ private:
+  void set(QuantizedMatrix m) {
+    weight = Buffer(std::move(m.weight));
+    scales = Buffer(std::move(m.scales));
+    biases = m.biases.defined() ? std::optional<Buffer>(Buffer(std::move(m.biases))) : std::nullopt;
+    mode_ = m.q.mode;
+    group_size_ = m.q.group;
+    bits_ = m.q.bits;
+  }
+  QuantMode mode_ = QuantMode::affine;
+  int group_size_ = 64;
+  int bits_ = 4;
+};
+
+/// MLX's QuantizedEmbedding: a quantized (num, dims) table; lookups dequantize only the rows
+/// asked for (float32, or float64 for float64 scales), and as_linear is the tied LM head.
+struct QuantizedEmbedding {
+  Buffer weight;
+  Buffer scales;
+  std::optional<Buffer> biases;
+
+  QuantizedEmbedding() = default;
+  static QuantizedEmbedding from_embedding(const Embedding& e, Quant q = Quant::affine()) {
+    QuantizedEmbedding out;
+    QuantizedMatrix m = quantize(e.weight.value, q);
+    out.weight = Buffer(std::move(m.weight));
+    out.scales = Buffer(std::move(m.scales));
+    if (m.biases.defined()) out.biases = Buffer(std::move(m.biases));
+    out.mode_ = q.mode;
+    out.group_size_ = q.group;
+    out.bits_ = q.bits;
+    return out;
+  }
+  static QuantizedEmbedding from_quantized(QuantizedMatrix m) {
+    QuantizedEmbedding out;
+    out.weight = Buffer(std::move(m.weight));
+    out.scales = Buffer(std::move(m.scales));
+    if (m.biases.defined()) out.biases = Buffer(std::move(m.biases));
+    out.mode_ = m.q.mode;
+    out.group_size_ = m.q.group;
+    out.bits_ = m.q.bits;
+    return out;
+  }
+
+  Quant quant() const { return Quant{mode_, group_size_, bits_}; }
+  std::int64_t num_embeddings() const { return weight.value.dim(0); }
+  std::int64_t dims() const { return weight.value.dim(1) * 32 / bits_; }
+  QuantizedMatrix matrix() const { return {weight.value, scales.value, biases ? biases->value : Tensor(), quant()}; }
+  Embedding dequantized() const {
+    Embedding e;
+    e.weight = Param(dequantize(matrix()));
+    return e;
+  }
+
+  // ids: (...) int32/int64 -> (..., dims)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar ids) const {
+    auto w = detail::bind_quantized(tp, weight, scales, biases);
+    const DType out = scales.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    return quantized_gather(tp, ids, w.wq, w.scales, w.biases, quant(), out);
+  }
+  /// The table as an output projection (a tied LM head): x (..., dims) -> logits (..., num).
+  template <class B>
+  GVar as_linear(GTape<B>& tp, GVar x) const {
+    auto w = detail::bind_quantized(tp, weight, scales, biases);
+    return quantized_matmul(tp, x, w.wq, w.scales, w.biases, quant(), true);
+  }
+
+  NN_MODULE(QuantizedEmbedding, weight, scales, biases, NN_STATIC(mode_, group_size_, bits_))
+
+ private:
+  QuantMode mode_ = QuantMode::affine;
+  int group_size_ = 64;
+  int bits_ = 4;
+};
+
+namespace detail {
+
+/// What a quantize predicate said for one layer: skip it, or its format.
+template <class Choose>
+std::optional<Quant> quant_choice(Choose& choose, const std::string& path, const Quant& q) {
+  using R = std::remove_cvref_t<decltype(choose(path))>;
+  if constexpr (std::is_same_v<R, bool>) return choose(path) ? std::optional<Quant>(q) : std::nullopt;
+  else return choose(path);
+}
+
+}  // namespace detail
+
+/// mlx.nn.quantize(model, group_size, bits, mode, class_predicate): every Linear and Embedding
+/// leaf whose path `choose` accepts becomes a QuantizedLinear / QuantizedEmbedding in format q.
+/// `choose(path)` returns a bool, or a std::optional<Quant> (a per-layer format, as mlx-lm's
+/// per-layer overrides; nullopt skips the layer). The leaves must sit in std::variant fields
+/// that can hold the quantized type (std::variant<Linear, QuantizedLinear, ...>). Returns how
+/// many layers were converted.
+template <class M, class Choose>
+  requires detail::ModuleType<M>
+int quantize(M& model, Quant q, Choose choose) {
+  int n = 0;
+  auto keep = [&](const std::string& p) { return detail::quant_choice(choose, p, q).has_value(); };
+  n += model.template map_modules<Linear>(keep, [&](const std::string& p, const Linear& l) {
+    return QuantizedLinear::from_linear(l, *detail::quant_choice(choose, p, q));
+  });
+  n += model.template map_modules<Embedding>(keep, [&](const std::string& p, const Embedding& e) {
+    return QuantizedEmbedding::from_embedding(e, *detail::quant_choice(choose, p, q));
+  });
+  return n;
+}
+
+/// Every Linear and Embedding leaf, affine with `group` and `bits` (MLX's defaults 64 and 4).
+template <class M>
+  requires detail::ModuleType<M>
+int quantize(M& model, int group = 64, int bits = 4, QuantMode mode = QuantMode::affine) {
+  return quantize(model, Quant{mode, group, bits}, [](const std::string&) { return true; });
+}
+
+}  // namespace nn
+// ---- end nn/modules/quantized.hpp ----
 // ---- begin nn/modules/lora.hpp ----
 // LoraLinear: a frozen Linear plus a trainable low-rank update (Hu et al. 2021), laid out as
 // mlx-lm's LoRALinear (linear.weight, lora_a (in, r), lora_b (r, out)).
 
 #include <cmath>
+#include <utility>
+#include <variant>
 
 
 namespace nn {
 
-/// y = linear(x) + scale * (dropout(x) @ lora_a) @ lora_b. from_base(base, r) freezes the base,
-/// draws lora_a ~ U(+-1/sqrt(in)) as mlx-lm does and zeroes lora_b, so the layer starts equal to
-/// its base. `scale` is mlx-lm's multiplier (default 20); `.rslora()` divides it by sqrt(r)
-/// (rank-stabilised LoRA, Kalajdzievski 2023: with scale = alpha this is PEFT's
+/// y = linear(x) + scale * (dropout(x) @ lora_a) @ lora_b over a full-precision Linear (LoRA) or
+/// a QuantizedLinear (QLoRA), as mlx-lm's LoRALinear over either. from_base(base, r) freezes the
+/// base, draws lora_a ~ U(+-1/sqrt(in)) as mlx-lm does and zeroes lora_b, so the layer starts
+/// equal to its base. `scale` is mlx-lm's multiplier (default 20); `.rslora()` divides it by
+/// sqrt(r) (rank-stabilised LoRA, Kalajdzievski 2023: with scale = alpha this is PEFT's
 /// use_rslora scaling alpha / sqrt(r)).
 struct LoraLinear {
-  Linear base;     // reflected as "linear", frozen
-  Param lora_a;    // (in, r)
-  Param lora_b;    // (r, out)
+  std::variant<Linear, QuantizedLinear> base;  // reflected as "linear", frozen
+  Param lora_a;                                // (in, r)
+  Param lora_b;                                // (r, out)
   Dropout drop{0.0};
 
   static LoraLinear from_base(Linear base, std::int64_t rank) {
-    LoraLinear l;
-    init::LoraInit f = init::lora(base.in_features(), base.out_features(), rank);
-    l.base = std::move(base);
-    l.base.freeze();
-    l.lora_a = Param(f.lora_a.to(l.base.weight.dtype()));
-    l.lora_b = Param(f.lora_b.to(l.base.weight.dtype()));
-    return l;
+    const DType dt = base.weight.dtype();
+    base.freeze();
+    return with_adapters(std::move(base), rank, dt);
   }
+  /// QLoRA: adapters in float32 (float64 over float64 scales) beside the quantized base.
+  static LoraLinear from_base(QuantizedLinear base, std::int64_t rank) {
+    const DType dt = base.scales.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    return with_adapters(std::move(base), rank, dt);
+  }
+  /// Whether the base is a QuantizedLinear.
+  bool quantized() const { return std::holds_alternative<QuantizedLinear>(base); }
+  /// The full-precision base (an nn::Error naming the layer's format when it is quantized).
+  const Linear& linear() const {
+    if (quantized()) detail::fail("LoraLinear", "the base is quantized (QuantizedLinear); use quantized_base()");
+    return std::get<Linear>(base);
+  }
+  Linear& linear() { return const_cast<Linear&>(std::as_const(*this).linear()); }
+  const QuantizedLinear& quantized_base() const {
+    if (!quantized()) detail::fail("LoraLinear", "the base is a full-precision Linear; use linear()");
+    return std::get<QuantizedLinear>(base);
+  }
+  std::int64_t in_features() const { return lora_a.value.dim(0); }
+  std::int64_t out_features() const { return lora_b.value.dim(1); }
   LoraLinear& scale(double s) {
     scale_ = s;
     return *this;
@@ -9927,35 +10783,71 @@ struct LoraLinear {
   // x: (..., in) -> (..., out)
   template <class B>
   GVar operator()(GTape<B>& tp, GVar x) const {
-    GVar w = nn::param(tp, base.weight), a = nn::param(tp, lora_a), b = nn::param(tp, lora_b);
-    if (drop.p() == 0.0 || !drop.training()) {
-      if (base.bias) return lora_linear(tp, x, w, nn::param(tp, *base.bias), a, b, effective_scale());
+    GVar a = nn::param(tp, lora_a), b = nn::param(tp, lora_b);
+    const bool no_drop = drop.p() == 0.0 || !drop.training();
+    if (const auto* q = std::get_if<QuantizedLinear>(&base))
+      return add(tp, (*q)(tp, x), detail::lora_branch(tp, no_drop ? x : drop(tp, x), a, b, effective_scale()));
+    const Linear& l = std::get<Linear>(base);
+    GVar w = nn::param(tp, l.weight);
+    if (no_drop) {
+      if (l.bias) return lora_linear(tp, x, w, nn::param(tp, *l.bias), a, b, effective_scale());
       return lora_linear(tp, x, w, a, b, effective_scale());
     }
     detail::check_lora(tp, x, w, a, b, "LoraLinear");
-    return add(tp, base(tp, x), detail::lora_branch(tp, drop(tp, x), a, b, effective_scale()));
+    return add(tp, l(tp, x), detail::lora_branch(tp, drop(tp, x), a, b, effective_scale()));
   }
 
-  /// The merged Linear: W + scale * (a @ b)^T = W + scale * b^T a^T (mlx-lm's fuse), bias kept,
-  /// computed on backend B where the layer lives (`l.fused<nn::cuda>()` for a layer on the GPU).
+  /// The merged Linear, mlx-lm's fuse(dequantize=True): W + (scale * b^T) @ a^T in W's dtype (a
+  /// quantized base dequantized first, mx.dequantize), bias kept; computed on backend B where
+  /// the layer lives (`l.fused<nn::cuda>()` for a layer on the GPU).
   template <class B = cpu>
   Linear fused() const {
-    for (const Tensor* t : {&base.weight.value, &lora_a.value, &lora_b.value})
+    for (const Tensor* t : {&lora_a.value, &lora_b.value})
       if (t->device() != B::device)
         detail::fail("LoraLinear::fused", "the layer lives on ", t->device(), " but the merge runs on backend ",
                      B::name, ": call fused<B>() with the backend of ", t->device());
+    Linear out = quantized() ? std::get<QuantizedLinear>(base).dequantized() : std::get<Linear>(base);
     GTape<B> tp;
-    GVar delta = matmul(tp, tp.constant(lora_b.value), tp.constant(lora_a.value), true, true);  // (out, in)
-    GVar w = add(tp, tp.constant(base.weight.value), nn::scale(tp, delta, effective_scale()));
-    Linear out = base;
-    out.weight = Param(tp.value(w).clone());
+    GVar bt = nn::scale(tp, transpose(tp, tp.constant(lora_b.value)), effective_scale());  // (out, r)
+    GVar delta = matmul(tp, bt, tp.constant(lora_a.value), false, true);                   // (out, in)
+    if (tp.dtype(delta) == out.weight.dtype()) {
+      out.weight = Param(tp.value(add(tp, tp.constant(out.weight.value), delta)).clone());
+    } else {
+      // a bfloat16/float16 weight (dequantized from such scales): delta cast to it, then the sum
+      // rounded to it, as MLX adds two half-precision arrays
+      const Tensor d = tp.value(delta).to(Device::cpu).to(out.weight.dtype());
+      Tensor w = out.weight.value.to(Device::cpu).clone();
+      const DType t = w.dtype();
+      for (std::int64_t i = 0; i < w.numel(); ++i)
+        detail::store_from_double(w.raw(), t, i,
+                                  detail::QuantMath::in(t, detail::load_as_double(w.raw(), t, i) +
+                                                               detail::load_as_double(d.raw(), t, i)));
+      out.weight = Param(w.to(out.weight.value.device()));
+    }
     out.unfreeze();
     return out;
+  }
+  /// mlx-lm's fuse() over a quantized base: the dequantized merge above, quantized again in the
+  /// base's format (mode, group, bits). An nn::Error over a full-precision base.
+  template <class B = cpu>
+  QuantizedLinear fused_quantized() const {
+    const Quant q = quantized_base().quant();
+    Linear l = fused<B>();
+    return QuantizedLinear::from_linear(l, q);
   }
 
   NN_MODULE(LoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, drop, NN_STATIC(scale_, rslora_))
 
  private:
+  template <class Base>
+  static LoraLinear with_adapters(Base base, std::int64_t rank, DType dt) {
+    LoraLinear l;
+    init::LoraInit f = init::lora(base.in_features(), base.out_features(), rank);
+    l.base = std::move(base);
+    l.lora_a = Param(f.lora_a.to(dt));
+    l.lora_b = Param(f.lora_b.to(dt));
+    return l;
+  }
   double scale_ = 20.0;
   bool rslora_ = false;
 };

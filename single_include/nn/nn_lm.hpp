@@ -322,14 +322,27 @@ namespace nn::lm {
 
 /// A projection LoRA may replace in place: model.map_modules<nn::Linear>(pred, f) with f
 /// returning nn::LoraLinear::from_base(l, r) swaps the alternative and keeps the path
-/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them).
-using Projection = std::variant<Linear, LoraLinear>;
+/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them). A
+/// quantized model (a GGUF's blocks kept, nn::quantize(model, ...)) holds QuantizedLinear.
+using Projection = std::variant<Linear, LoraLinear, QuantizedLinear>;
+
+/// The token embedding, full precision or quantized (then also the tied head's matrix).
+using TokenEmbedding = std::variant<Embedding, QuantizedEmbedding>;
 
 namespace detail {
 
 template <class B>
 GVar project(GTape<B>& tp, const Projection& p, GVar x) {
   return std::visit([&](const auto& m) { return m(tp, x); }, p);
+}
+template <class B>
+GVar embed(GTape<B>& tp, const TokenEmbedding& e, GVar ids) {
+  return std::visit([&](const auto& m) { return m(tp, ids); }, e);
+}
+/// The embedding as the tied LM head: (..., C) -> (..., vocab).
+template <class B>
+GVar embed_as_linear(GTape<B>& tp, const TokenEmbedding& e, GVar h) {
+  return std::visit([&](const auto& m) { return m.as_linear(tp, h); }, e);
 }
 
 inline Tensor zeros_or_empty(const Shape& s, DType dt, bool zero) {
@@ -403,7 +416,7 @@ struct DecoderLayer {
 
 /// HF's LlamaModel / Qwen2Model (the "model." prefix of every path): embedding, layers, norm.
 struct Backbone {
-  Embedding embed_tokens;  // (vocab, C)
+  TokenEmbedding embed_tokens;  // (vocab, C)
   std::vector<DecoderLayer> layers;
   RmsNorm norm;
   NN_MODULE(Backbone, embed_tokens, layers, norm)
@@ -431,7 +444,7 @@ struct KVCache {
 /// zero weights of the right shapes.
 struct CausalLM {
   Backbone model;
-  std::optional<Linear> lm_head;  // (vocab, C); empty when tied to model.embed_tokens
+  std::optional<Projection> lm_head;  // (vocab, C); empty when tied to model.embed_tokens
 
   CausalLM() = default;
   /// Every weight of the config's shapes in `dtype` (f32 or f64): zeros, norms ones.
@@ -443,7 +456,9 @@ struct CausalLM {
   /// The dtype the model computes in (float32 when its frozen weights are stored in bfloat16,
   /// set_precision(model, Precision::bf16)).
   DType dtype() const {
-    const DType t = model.embed_tokens.weight.value.dtype();
+    if (const auto* q = std::get_if<QuantizedEmbedding>(&model.embed_tokens))
+      return q->scales.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    const DType t = std::get<Embedding>(model.embed_tokens).weight.value.dtype();
     return t == DType::bf16 ? DType::f32 : t;
   }
 
@@ -465,7 +480,7 @@ struct CausalLM {
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
-    GVar x = model.embed_tokens(tp, ids);  // (B, T, C)
+    GVar x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
     for (const DecoderLayer& l : model.layers) {
       GVar n1 = l.input_layernorm(tp, x);
       GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
@@ -491,7 +506,7 @@ struct CausalLM {
   /// The LM head on hidden states: (..., C) -> (..., vocab).
   template <class B>
   GVar head(GTape<B>& tp, GVar h) const {
-    return lm_head ? (*lm_head)(tp, h) : model.embed_tokens.as_linear(tp, h);
+    return lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
   }
 
   /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.
@@ -560,7 +575,7 @@ struct CausalLM {
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
 
     std::vector<Tensor> new_k(nl), new_v(nl);
-    GVar x = model.embed_tokens(tp, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
+    GVar x = detail::embed(tp, model.embed_tokens, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
     for (std::size_t li = 0; li < nl; ++li) {
       const DecoderLayer& l = model.layers[li];
       GVar n1 = l.input_layernorm(tp, x);
@@ -607,7 +622,9 @@ struct CausalLM {
     if (dt != DType::f32 && dt != DType::f64)
       nn::detail::fail("CausalLM", "the model computes in float32 or float64, not ", dtype_name(dt));
     const std::int64_t C = cfg.hidden_size, I = cfg.intermediate_size;
-    model.embed_tokens.weight = Param(detail::zeros_or_empty(Shape{cfg.vocab_size, C}, dt, zero));
+    Embedding e;
+    e.weight = Param(detail::zeros_or_empty(Shape{cfg.vocab_size, C}, dt, zero));
+    model.embed_tokens = std::move(e);
     model.layers.resize(static_cast<std::size_t>(cfg.num_hidden_layers));
     for (DecoderLayer& l : model.layers) {
       l.self_attn.q_proj = detail::make_linear(C, cfg.q_dim(), cfg.qkv_bias, dt, zero);
@@ -621,7 +638,7 @@ struct CausalLM {
       l.post_attention_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
     }
     model.norm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
-    if (!cfg.tie_word_embeddings) lm_head = detail::make_linear(C, cfg.vocab_size, false, dt, zero);
+    if (!cfg.tie_word_embeddings) lm_head = Projection(detail::make_linear(C, cfg.vocab_size, false, dt, zero));
   }
 
   ModelConfig config_;
@@ -734,15 +751,15 @@ inline const GgmlTypeInfo* ggml_type_info(std::uint32_t t) {
     case 1: { static constexpr GgmlTypeInfo i{"F16", 1, 2, true}; return &i; }
     case 2: { static constexpr GgmlTypeInfo i{"Q4_0", 32, 2 + 16, true}; return &i; }
     case 3: { static constexpr GgmlTypeInfo i{"Q4_1", 32, 2 + 2 + 16, true}; return &i; }
-    case 6: { static constexpr GgmlTypeInfo i{"Q5_0", 32, 2 + 4 + 16, false}; return &i; }
-    case 7: { static constexpr GgmlTypeInfo i{"Q5_1", 32, 2 + 2 + 4 + 16, false}; return &i; }
+    case 6: { static constexpr GgmlTypeInfo i{"Q5_0", 32, 2 + 4 + 16, true}; return &i; }
+    case 7: { static constexpr GgmlTypeInfo i{"Q5_1", 32, 2 + 2 + 4 + 16, true}; return &i; }
     case 8: { static constexpr GgmlTypeInfo i{"Q8_0", 32, 2 + 32, true}; return &i; }
     case 9: { static constexpr GgmlTypeInfo i{"Q8_1", 32, 4 + 4 + 32, false}; return &i; }
-    case 10: { static constexpr GgmlTypeInfo i{"Q2_K", K, 2 + 2 + K / 16 + K / 4, false}; return &i; }
-    case 11: { static constexpr GgmlTypeInfo i{"Q3_K", K, 2 + K / 4 + K / 8 + 12, false}; return &i; }
-    case 12: { static constexpr GgmlTypeInfo i{"Q4_K", K, 2 + 2 + K / 2 + 12, false}; return &i; }
-    case 13: { static constexpr GgmlTypeInfo i{"Q5_K", K, 2 + 2 + K / 2 + K / 8 + 12, false}; return &i; }
-    case 14: { static constexpr GgmlTypeInfo i{"Q6_K", K, 2 + K / 2 + K / 4 + K / 16, false}; return &i; }
+    case 10: { static constexpr GgmlTypeInfo i{"Q2_K", K, 2 + 2 + K / 16 + K / 4, true}; return &i; }
+    case 11: { static constexpr GgmlTypeInfo i{"Q3_K", K, 2 + K / 4 + K / 8 + 12, true}; return &i; }
+    case 12: { static constexpr GgmlTypeInfo i{"Q4_K", K, 2 + 2 + K / 2 + 12, true}; return &i; }
+    case 13: { static constexpr GgmlTypeInfo i{"Q5_K", K, 2 + 2 + K / 2 + K / 8 + 12, true}; return &i; }
+    case 14: { static constexpr GgmlTypeInfo i{"Q6_K", K, 2 + K / 2 + K / 4 + K / 16, true}; return &i; }
     case 15: { static constexpr GgmlTypeInfo i{"Q8_K", K, 4 + K + K / 8, false}; return &i; }
     case 16: { static constexpr GgmlTypeInfo i{"IQ2_XXS", K, 2 + K / 4, false}; return &i; }
     case 17: { static constexpr GgmlTypeInfo i{"IQ2_XS", K, 2 + K / 4 + K / 32, false}; return &i; }
@@ -1204,6 +1221,129 @@ inline std::uint16_t gguf_u16(const std::byte* p) {
   return v;
 }
 
+/// How a quantized GGUF block type maps onto affine groups (quant.hpp): `bits`-bit codes in groups
+/// of `group` elements; `offset` > 0 for the symmetric types (value d * (code - offset), bias
+/// -offset * d), 0 where the block stores the bias (m, or -dmin * min).
+struct GgufAffine {
+  int bits = 0, group = 0, offset = 0;
+};
+inline GgufAffine gguf_affine(std::uint32_t type) {
+  switch (type) {
+    case 2: return {4, 32, 8};     // Q4_0
+    case 3: return {4, 32, 0};     // Q4_1
+    case 6: return {5, 32, 16};    // Q5_0
+    case 7: return {5, 32, 0};     // Q5_1
+    case 8: return {8, 32, 128};   // Q8_0
+    case 10: return {2, 16, 0};    // Q2_K
+    case 11: return {3, 16, 4};    // Q3_K
+    case 12: return {4, 32, 0};    // Q4_K
+    case 13: return {5, 32, 0};    // Q5_K
+    case 14: return {6, 16, 32};   // Q6_K
+    default: return {};
+  }
+}
+
+/// One block of a quantized GGUF type (ggml's block_* layouts) as affine groups, losslessly:
+/// code[e] for its elements and, per group g, float32 scale[g] and bias[g], value = scale * code
+/// + bias. Each scale is a float16 d times a small integer (a K-quant's sub-block scale), which is
+/// exact in float32, and so is scale * code (at most 24 significant bits): the one rounding left
+/// is the sum's, as in ggml's d * q + m -- the values are ggml's (and gguf-py's), bit for bit.
+inline void gguf_decode_block(std::uint32_t type, const std::byte* blk, std::uint8_t* code, float* scale, float* bias) {
+  auto u8 = [&](std::size_t i) { return static_cast<unsigned>(blk[i]); };
+  auto f16 = [&](std::size_t i) { return half::f16_to_f32(gguf_u16(blk + i)); };
+  auto c8 = [](unsigned v) { return static_cast<std::uint8_t>(v); };
+  // 32-element blocks keep element j < 16 in the low nibble of qs[j], j >= 16 in the high nibble of qs[j - 16].
+  auto nib32 = [&](std::size_t qs, int j) { return j < 16 ? u8(qs + j) & 15u : u8(qs + j - 16) >> 4; };
+  // Q4_K / Q5_K: 12 bytes at 4 hold 8 six-bit scales and mins; groups 4..7 split theirs in two.
+  auto k_scale_min = [&](int g, unsigned& sc, unsigned& mn) {
+    if (g < 4) {
+      sc = u8(4 + g) & 63u;
+      mn = u8(8 + g) & 63u;
+    } else {
+      sc = (u8(12 + g - 4) & 15u) | (u8(4 + g - 4) >> 6) << 4;
+      mn = (u8(12 + g - 4) >> 4) | (u8(8 + g - 4) >> 6) << 4;
+    }
+  };
+  switch (type) {
+    case 2:    // Q4_0: d, qs[16]
+    case 3: {  // Q4_1: d, m, qs[16]
+      scale[0] = f16(0);
+      bias[0] = type == 2 ? -8.0f * scale[0] : f16(2);
+      for (int j = 0; j < 32; ++j) code[j] = c8(nib32(type == 2 ? 2 : 4, j));
+      return;
+    }
+    case 6:    // Q5_0: d, qh (u32), qs[16]; bit 4 of element j is bit j of qh
+    case 7: {  // Q5_1: d, m, qh, qs[16]
+      const std::size_t qh = type == 6 ? 2 : 4;
+      scale[0] = f16(0);
+      bias[0] = type == 6 ? -16.0f * scale[0] : f16(2);
+      const std::uint32_t h = u8(qh) | u8(qh + 1) << 8 | u8(qh + 2) << 16 | u8(qh + 3) << 24;
+      for (int j = 0; j < 32; ++j) code[j] = c8(nib32(qh + 4, j) | ((h >> j) & 1u) << 4);
+      return;
+    }
+    case 8: {  // Q8_0: d, int8 qs[32]; code q + 128
+      scale[0] = f16(0);
+      bias[0] = -128.0f * scale[0];
+      for (int j = 0; j < 32; ++j) code[j] = c8(u8(2 + j) ^ 0x80u);
+      return;
+    }
+    case 10: {  // Q2_K: scales[16] (4-bit scale | 4-bit min << 4), qs[64] at 16, d at 80, dmin at 82
+      const float d = f16(80), dmin = f16(82);
+      for (int g = 0; g < 16; ++g) {
+        scale[g] = d * static_cast<float>(u8(g) & 15u);
+        bias[g] = -(dmin * static_cast<float>(u8(g) >> 4));
+      }
+      // Element e = 128h + 32k + l: bits 2k of qs[32h + l].
+      for (int e = 0; e < 256; ++e) code[e] = c8((u8(16 + (e / 128) * 32 + e % 32) >> (2 * ((e % 128) / 32))) & 3u);
+      return;
+    }
+    case 11: {  // Q3_K: hmask[32], qs[64] at 32, scales[12] at 96 (6-bit, minus 32), d at 108
+      const float d = f16(108);
+      for (int g = 0; g < 16; ++g) {
+        const unsigned lo = g < 8 ? u8(96 + g) & 15u : u8(96 + g - 8) >> 4, hi = (u8(104 + g % 4) >> (2 * (g / 4))) & 3u;
+        scale[g] = d * static_cast<float>(static_cast<int>(lo | hi << 4) - 32);
+        bias[g] = -4.0f * scale[g];
+      }
+      // Low two bits as Q2_K's; the third is bit e/32 of hmask[e % 32] (set: no -4 offset).
+      for (int e = 0; e < 256; ++e)
+        code[e] = c8(((u8(32 + (e / 128) * 32 + e % 32) >> (2 * ((e % 128) / 32))) & 3u) | ((u8(e % 32) >> (e / 32)) & 1u) << 2);
+      return;
+    }
+    case 12:    // Q4_K: d, dmin, scales[12], qs[128] at 16
+    case 13: {  // Q5_K: d, dmin, scales[12], qh[32] at 16, qs[128] at 48
+      const float d = f16(0), dmin = f16(2);
+      for (int g = 0; g < 8; ++g) {
+        unsigned sc = 0, mn = 0;
+        k_scale_min(g, sc, mn);
+        scale[g] = d * static_cast<float>(sc);
+        bias[g] = -(dmin * static_cast<float>(mn));
+      }
+      const std::size_t qs = type == 12 ? 16 : 48;
+      for (int e = 0; e < 256; ++e) {  // group g = e / 32 in nibble g % 2 of qs[32 (g / 2) + e % 32]
+        const int g = e / 32;
+        unsigned c = (u8(qs + static_cast<std::size_t>(g / 2) * 32 + e % 32) >> (4 * (g % 2))) & 15u;
+        if (type == 13) c |= ((u8(16 + e % 32) >> g) & 1u) << 4;
+        code[e] = c8(c);
+      }
+      return;
+    }
+    case 14: {  // Q6_K: ql[128], qh[64] at 128, int8 scales[16] at 192, d at 208; code q + 32
+      const float d = f16(208);
+      for (int g = 0; g < 16; ++g) {
+        scale[g] = d * static_cast<float>(static_cast<std::int8_t>(u8(192 + g)));
+        bias[g] = -32.0f * scale[g];
+      }
+      for (int e = 0; e < 256; ++e) {  // e = 128h + r: nibble r / 64 of ql[64h + r % 64], bits 2 (r / 32) of qh[32h + r % 32]
+        const int h = e / 128, r = e % 128;
+        code[e] = c8(((u8(static_cast<std::size_t>(h) * 64 + r % 64) >> (4 * (r / 64))) & 15u) |
+                     ((u8(128 + static_cast<std::size_t>(h) * 32 + r % 32) >> (2 * (r / 32))) & 3u) << 4);
+      }
+      return;
+    }
+    default: nn::detail::fail("gguf", "block type ", type, " has no affine decoding");
+  }
+}
+
 /// Dequantises n elements of type `type` from `src` into out[0..n), as T (float or double).
 template <class T>
 void gguf_dequantize_into(const std::byte* src, std::uint32_t type, std::int64_t n, T* out) {
@@ -1231,38 +1371,24 @@ void gguf_dequantize_into(const std::byte* src, std::uint32_t type, std::int64_t
     case 30:  // BF16
       for (std::size_t i = 0; i < N; ++i) out[i] = static_cast<T>(half::bf16_to_f32(gguf_u16(src + 2 * i)));
       break;
-    case 8:  // Q8_0: d, 32 x int8
-      for (std::size_t b = 0; b < N / 32; ++b) {
-        const std::byte* blk = src + 34 * b;
-        const float d = half::f16_to_f32(gguf_u16(blk));
-        for (std::size_t j = 0; j < 32; ++j)
-          out[32 * b + j] = static_cast<T>(d * static_cast<float>(static_cast<std::int8_t>(blk[2 + j])));
-      }
-      break;
-    case 2:  // Q4_0: d, 16 bytes of nibbles; low nibbles are elements 0..15, high ones 16..31
-      for (std::size_t b = 0; b < N / 32; ++b) {
-        const std::byte* blk = src + 18 * b;
-        const float d = half::f16_to_f32(gguf_u16(blk));
-        for (std::size_t j = 0; j < 16; ++j) {
-          const auto q = static_cast<unsigned>(blk[2 + j]);
-          out[32 * b + j] = static_cast<T>(static_cast<float>(static_cast<int>(q & 0xF) - 8) * d);
-          out[32 * b + j + 16] = static_cast<T>(static_cast<float>(static_cast<int>(q >> 4) - 8) * d);
+    default: {  // the quantized block types: one decoder (gguf_decode_block) for these and quantized()
+      const GgufAffine a = gguf_affine(type);
+      const std::uint32_t block = ggml_type_info(type)->block, bytes = ggml_type_info(type)->bytes;
+      std::uint8_t code[256];
+      float scale[16], bias[16];
+      for (std::size_t b = 0; b < N / block; ++b) {
+        gguf_decode_block(type, src + bytes * b, code, scale, bias);
+        T* o = out + block * b;
+        for (std::uint32_t e = 0; e < block; ++e) {
+          const std::uint32_t g = e / static_cast<std::uint32_t>(a.group);
+          // The symmetric types as ggml writes them, scale * (code - offset): a zero comes out
+          // as d * 0 (-0 for a negative d), as in gguf-py, where scale * code + bias gives +0.
+          o[e] = static_cast<T>(a.offset ? scale[g] * static_cast<float>(static_cast<int>(code[e]) - a.offset)
+                                         : scale[g] * static_cast<float>(code[e]) + bias[g]);
         }
       }
       break;
-    case 3:  // Q4_1: d, m, 16 bytes of nibbles
-      for (std::size_t b = 0; b < N / 32; ++b) {
-        const std::byte* blk = src + 20 * b;
-        const float d = half::f16_to_f32(gguf_u16(blk)), m = half::f16_to_f32(gguf_u16(blk + 2));
-        for (std::size_t j = 0; j < 16; ++j) {
-          const auto q = static_cast<unsigned>(blk[4 + j]);
-          // q * d is exact in float32, so the sum rounds once (with or without an FMA).
-          out[32 * b + j] = static_cast<T>(static_cast<float>(q & 0xF) * d + m);
-          out[32 * b + j + 16] = static_cast<T>(static_cast<float>(q >> 4) * d + m);
-        }
-      }
-      break;
-    default: break;
+    }
   }
 }
 
@@ -1326,7 +1452,8 @@ class GgufFile {
   }
 
   /// Tensor `name` dequantised to a host tensor of `dtype` (f32 or f64), row-major shape
-  /// (ne reversed). F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 are read; other types raise naming it.
+  /// (ne reversed). F32 F16 BF16 F64 and the block types Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K
+  /// Q5_K Q6_K are read (bit for bit gguf-py's values); other types raise naming it.
   Tensor tensor(std::string_view name, DType dtype = DType::f32) const { return tensor(tensor_info(name), dtype); }
   Tensor tensor(const GgufTensorInfo& t, DType dtype = DType::f32) const {
     if (dtype != DType::f32 && dtype != DType::f64)
@@ -1334,12 +1461,50 @@ class GgufFile {
     const GgmlTypeInfo* info = ggml_type_info(t.type);
     if (!info->dequantises)
       nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" has type ", info->name,
-                       ", which this reader does not dequantise (F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 are)");
+                       ", which this reader does not dequantise (F32 F16 BF16 F64 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K are)");
     Tensor out = Tensor::empty(Shape(t.shape()), dtype);
     const std::byte* src = tensor_bytes(t).data();
     if (dtype == DType::f32) detail::gguf_dequantize_into(src, t.type, t.numel(), out.data<float>());
     else detail::gguf_dequantize_into(src, t.type, t.numel(), out.data<double>());
     return out;
+  }
+
+  /// Whether tensors of a GGML type load as quantized matrices, no float copy: Q4_0 Q4_1 Q5_0
+  /// Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K.
+  static bool keeps_quantized(std::uint32_t type) { return detail::gguf_affine(type).bits != 0; }
+
+  /// A quantized matrix's blocks as an affine quantized matrix (quant.hpp), losslessly
+  /// (detail::gguf_decode_block): Q4_0/Q4_1 4-bit, Q5_0/Q5_1 5-bit, Q8_0 8-bit codes in groups of
+  /// 32 (a block); the K-quants in their sub-blocks: Q2_K 2-bit, Q3_K 3-bit and Q6_K 6-bit in
+  /// groups of 16, Q4_K 4-bit and Q5_K 5-bit in groups of 32. Scales and biases float32 (d * sc and
+  /// -dmin * m are exact). The codes are repacked into MLX's LSB-first bit stream. Dequantized,
+  /// the values equal gguf-py's (a zero of a symmetric type comes out +0 where gguf-py has -0).
+  QuantizedMatrix quantized(const GgufTensorInfo& t) const {
+    if (!keeps_quantized(t.type) || t.ne.size() != 2)
+      nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" (", t.type_name(), ", ", t.ne.size(),
+                       "-D) is not a matrix of a quantized block type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K)");
+    const detail::GgufAffine a = detail::gguf_affine(t.type);
+    const GgmlTypeInfo* info = ggml_type_info(t.type);
+    const std::int64_t rows = t.ne[1], cols = t.ne[0], groups = cols / a.group, block = info->block;
+    const std::int64_t blocks = cols / block, per_block = block / a.group, row_bytes = cols * a.bits / 8;
+    QuantizedMatrix m;
+    m.q = Quant::affine(a.group, a.bits);
+    m.weight = Tensor::zeros(Shape{rows, cols * a.bits / 32}, DType::u32);  // put_code ORs into zeros
+    m.scales = Tensor::empty(Shape{rows, groups}, DType::f32);
+    m.biases = Tensor::empty(Shape{rows, groups}, DType::f32);
+    const std::byte* src = tensor_bytes(t).data();
+    auto* codes = static_cast<std::uint8_t*>(m.weight.raw());
+    float* sc = m.scales.data<float>();
+    float* bi = m.biases.data<float>();
+    std::uint8_t code[256];
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const std::int64_t g0 = r * groups + b * per_block;
+        detail::gguf_decode_block(t.type, src + info->bytes * static_cast<std::size_t>(r * blocks + b), code, sc + g0, bi + g0);
+        for (std::int64_t e = 0; e < block; ++e)
+          nn::detail::QuantMath::put_code(codes + r * row_bytes, b * block + e, a.bits, code[e]);
+      }
+    return m;
   }
 
   /// tokenizer.ggml.* and tokenizer.chat_template, raw.
@@ -1652,34 +1817,69 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   return c;
 }
 
-/// Builds a CausalLM from an open GGUF file, dequantising every tensor to `dtype` (f32, or f64
-/// for oracle tests), renaming llama.cpp's tensors to HF's and, for the llama architecture,
-/// undoing the converter's q/k row permutation (qwen2 files are stored unpermuted, as llama.cpp
-/// runs qwen2 with NEOX RoPE). Strict, as load_hf.
-inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32) {
+/// Builds a CausalLM from an open GGUF file, renaming llama.cpp's tensors to HF's and, for the
+/// llama architecture, undoing the converter's q/k row permutation (qwen2 files are stored
+/// unpermuted, as llama.cpp runs qwen2 with NEOX RoPE). Strict, as load_hf.
+/// With keep_quantized, the Q4_0 / Q4_1 / Q8_0 matrices of the projections, the embedding and the
+/// head stay quantized (QuantizedLinear / QuantizedEmbedding, GgufFile::quantized: affine groups
+/// of 32, no float copy of the matrix is ever made); every other tensor is dequantised to
+/// `dtype` (f32, or f64 for oracle tests), as without it.
+inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep_quantized = false) {
   const ModelConfig cfg = gguf_config(f);
   CausalLM m = CausalLM::uninitialised(cfg, dtype);
   nn::detail::NamedTensorList named;
   named.reserve(f.tensors().size());
+  std::map<std::string, QuantizedMatrix> quantized;  // module path -> matrix
+  auto unpermute = [&](const std::string& hf, Tensor w, const std::string& gname) {
+    if (cfg.arch == Arch::llama) {
+      if (hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias"))
+        return detail::unpermute_rows(w, cfg.num_attention_heads, gname);
+      if (hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias"))
+        return detail::unpermute_rows(w, cfg.num_key_value_heads, gname);
+    }
+    return w;
+  };
   for (const GgufTensorInfo& t : f.tensors()) {
     if (t.name == "rope_freqs.weight") continue;  // read into the config
     std::string hf = detail::gguf_to_hf_name(t.name);
-    Tensor w = f.tensor(t, dtype);
-    if (cfg.arch == Arch::llama) {
-      if (hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias"))
-        w = detail::unpermute_rows(w, cfg.num_attention_heads, t.name);
-      else if (hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias"))
-        w = detail::unpermute_rows(w, cfg.num_key_value_heads, t.name);
+    const bool matrix = hf.ends_with("_proj.weight") || hf == "model.embed_tokens.weight" || hf == "lm_head.weight";
+    if (keep_quantized && matrix && GgufFile::keeps_quantized(t.type) && t.ne.size() == 2) {
+      QuantizedMatrix q = f.quantized(t);
+      q.weight = unpermute(hf, q.weight, t.name);  // a row of codes, scales and biases moves whole
+      q.scales = unpermute(hf, q.scales, t.name);
+      q.biases = unpermute(hf, q.biases, t.name);
+      if (dtype == DType::f64) {  // an f64 oracle model: its scales in f64 (exact)
+        q.scales = q.scales.to(DType::f64);
+        q.biases = q.biases.to(DType::f64);
+      }
+      const std::string mod = hf.substr(0, hf.size() - 7);  // without ".weight"
+      named.emplace_back(mod + ".weight", q.weight);
+      named.emplace_back(mod + ".scales", q.scales);
+      named.emplace_back(mod + ".biases", q.biases);
+      quantized.emplace(mod, std::move(q));
+      continue;
     }
-    named.emplace_back(std::move(hf), std::move(w));
+    named.emplace_back(hf, unpermute(hf, f.tensor(t, dtype), t.name));
   }
+  // Quantized matrices replace their layers before the strict load, which then checks every name
+  // (a bias of a quantized projection lands in its QuantizedLinear) and hands over the storage.
+  auto has = [&](const std::string& p) { return quantized.count(p) > 0; };
+  m.map_modules<Linear>(has, [&](const std::string& p, const Linear& l) {
+    const QuantizedMatrix& q = quantized.at(p);
+    std::optional<Tensor> bias;
+    if (l.bias) bias = Tensor::empty(l.bias->shape(), l.bias->dtype());
+    return QuantizedLinear::from_quantized(q, bias);
+  });
+  m.map_modules<Embedding>(has, [&](const std::string& p, const Embedding&) {
+    return QuantizedEmbedding::from_quantized(quantized.at(p));
+  });
   detail::load_named(m, named, f.path());
   return m;
 }
 
 /// Opens, validates and loads a GGUF file (see load_gguf(const GgufFile&, DType)).
-inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType::f32) {
-  return load_gguf(GgufFile(path), dtype);
+inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType::f32, bool keep_quantized = false) {
+  return load_gguf(GgufFile(path), dtype, keep_quantized);
 }
 
 }  // namespace nn::lm
@@ -5430,30 +5630,33 @@ inline nlohmann::json read_json(const std::filesystem::path& path) {
 }  // namespace detail
 
 /// Replaces every Linear at "model.layers.N.<key>" (key in cfg.keys, N among the last
-/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers). The fields must be
-/// std::variant<Linear, LoraLinear>. Returns how many layers were converted; raises when a key
+/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers), and every
+/// QuantizedLinear there by a LoraLinear over it (QLoRA). The fields must be
+/// std::variant<Linear, LoraLinear, ...>. Returns how many layers were converted; raises when a key
 /// matches nothing (a typo would otherwise train nothing).
 template <class M>
 int apply_lora(M& model, const LoraConfig& cfg) {
   const int n = detail::count_layers(model);
   const int first = cfg.num_layers < 0 ? 0 : std::max(0, n - cfg.num_layers);
   std::set<std::string> seen;
-  int converted = model.template map_modules<Linear>(
-      [&](const std::string& path) {
-        auto lp = detail::layer_path(path);
-        if (!lp || lp->first < first) return false;
-        for (const auto& k : cfg.keys)
-          if (lp->second == k) {
-            seen.insert(k);
-            return true;
-          }
-        return false;
-      },
-      [&](const std::string&, const Linear& base) {
-        return LoraLinear::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
-      });
+  auto pick = [&](const std::string& path) {
+    auto lp = detail::layer_path(path);
+    if (!lp || lp->first < first) return false;
+    for (const auto& k : cfg.keys)
+      if (lp->second == k) {
+        seen.insert(k);
+        return true;
+      }
+    return false;
+  };
+  auto lora = [&](const std::string&, const auto& base) {
+    return LoraLinear::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
+  };
+  // full-precision bases (LoRA), then quantized ones (QLoRA)
+  int converted = model.template map_modules<Linear>(pick, lora);
+  converted += model.template map_modules<QuantizedLinear>(pick, lora);
   for (const auto& k : cfg.keys)
-    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear in model.layers.N");
+    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear or QuantizedLinear in model.layers.N");
   return converted;
 }
 
@@ -5659,8 +5862,10 @@ inline Tokenizer gguf_tokenizer(const GgufFile& f) {
 }
 
 /// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)
-/// or a .gguf file. Weights are converted to `dtype`.
-inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32) {
+/// or a .gguf file. Weights are converted to `dtype`; with keep_quantized a GGUF's Q4_0 / Q4_1 /
+/// Q8_0 matrices stay quantized (load_gguf).
+inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32,
+                                  bool keep_quantized = false) {
   if (!std::filesystem::exists(path)) nn::detail::fail("load_pretrained", path.string(), ": no such file or folder");
   if (std::filesystem::is_directory(path)) {
     const auto tok = path / "tokenizer.json";
@@ -5668,11 +5873,26 @@ inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype
     return {load_hf(path, dtype), Tokenizer::from_file(tok.string())};
   }
   GgufFile f(path);
-  return {load_gguf(f, dtype), gguf_tokenizer(f)};
+  return {load_gguf(f, dtype, keep_quantized), gguf_tokenizer(f)};
 }
 
 /// Writes `model` as a Hugging Face folder: config.json and model.safetensors (its dtype), so
-/// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused).
+/// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused),
+/// and a quantized one dequantized (dequantize_layers).
+/// Replaces every QuantizedLinear / QuantizedEmbedding of `model` by its full-precision layer
+/// (mx.dequantize of the weight). Returns how many were replaced.
+template <class M>
+int dequantize_layers(M& model) {
+  auto all = [](const std::string&) { return true; };
+  int n = model.template map_modules<QuantizedLinear>(all, [](const std::string&, const QuantizedLinear& q) {
+    return q.dequantized();
+  });
+  n += model.template map_modules<QuantizedEmbedding>(all, [](const std::string&, const QuantizedEmbedding& q) {
+    return q.dequantized();
+  });
+  return n;
+}
+
 inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) {
   const ModelConfig& c = model.config();
   std::filesystem::create_directories(folder);

@@ -59,7 +59,7 @@ std::vector<std::vector<double>> snapshot(const M& m) {
 template <class M>
 std::int64_t in_width(const M& m) {
   if constexpr (std::is_same_v<M, Net>) return m.l1.in_features();
-  else return m.q.base.in_features();
+  else return m.q.in_features();
 }
 
 template <class M>
@@ -189,7 +189,7 @@ TEST_CASE("the frozen set and the frozen base's content are verified") {
   {  // another base: same names and shapes, other values
     Adapted b = make_adapted();
     random::seed(77);
-    b.q.base.weight.value = random::normal({8, 8});
+    b.q.linear().weight.value = random::normal({8, 8});
     Adam o(1e-2);
     refused(tmp("lora.safetensors"), b, o, {"frozen 'q.linear.weight': the file's is float32 (8, 8) "});
   }

@@ -206,10 +206,12 @@ TEST_CASE("gguf: Q4_0, Q4_1, Q8_0, F16, BF16 blocks dequantise as ggml lays them
 
 TEST_CASE("gguf: types it sizes but does not dequantise are refused by name") {
   FileSpec s;
-  s.tensors = {{"k", {256}, 12, Bytes(144, std::byte{0}), {}}};  // one Q4_K super-block
+  s.tensors = {{"k", {256}, 23, Bytes(136, std::byte{0}), {}}};  // one IQ4_XS super-block
   GgufFile f = GgufFile::from_bytes(build(s), "k.gguf");
-  CHECK(f.tensor_info("k").nbytes == 144);
-  test::check_error([&] { f.tensor("k"); }, {"[gguf]", "k.gguf", "\"k\"", "Q4_K", "does not dequantise"});
+  CHECK(f.tensor_info("k").nbytes == 136);
+  test::check_error([&] { f.tensor("k"); }, {"[gguf]", "k.gguf", "\"k\"", "IQ4_XS", "does not dequantise"});
+  CHECK_FALSE(GgufFile::keeps_quantized(23));
+  test::check_error([&] { (void)f.quantized(f.tensor_info("k")); }, {"[gguf]", "\"k\"", "IQ4_XS", "not a matrix"});
 }
 
 // ---- malformed files -------------------------------------------------------------------------
@@ -461,6 +463,59 @@ TEST_CASE("GATE: GGUF-loaded logits equal transformers' on the dequantised weigh
   const double err = test::rel_err(run_logits(q), expected().tensor("gguf_qwen2_F16.logits"));
   MESSAGE("gguf qwen2 F16: float64 logits error " << err);
   CHECK(err <= 1e-10);
+}
+
+TEST_CASE("gguf: Q4_0, Q4_1, Q8_0 matrices stay quantized (affine groups of 32), equal to gguf-py's values") {
+  for (const char* type : {"Q8_0", "Q4_0", "Q4_1"}) {
+    GgufFile f(kGguf + "/llama-" + type + ".gguf");
+    // the blocks as an affine matrix, dequantized: gguf-py's dequantize, bit for bit
+    for (const char* name : {"blk.0.attn_k.weight", "blk.1.ffn_down.weight"}) {
+      const QuantizedMatrix q = f.quantized(f.tensor_info(name));
+      CHECK(q.q == Quant::affine(32, std::string(type) == "Q8_0" ? 8 : 4));
+      const Tensor want = expected().tensor(std::string("gguf_") + type + "." + name);
+      CHECK(test::rel_err(dequantize(q), want) == 0.0);
+      CHECK(test::rel_err(dequantize(q, DType::f64), want) == 0.0);
+    }
+    // the whole model kept quantized: every projection and the embedding, the same logits
+    for (const DType dt : {DType::f64, DType::f32}) {
+      lm::CausalLM m = lm::load_gguf(kGguf + "/llama-" + type + ".gguf", dt, true);
+      int quantized = 0;
+      auto count = [&](const std::string&, const auto&) { ++quantized; };
+      m.map_modules<QuantizedLinear>([](const std::string&) { return true; }, count);
+      m.map_modules<QuantizedEmbedding>([](const std::string&) { return true; }, count);
+      CHECK(quantized == 7 * m.config().num_hidden_layers + 1 + (m.lm_head ? 1 : 0));
+      const double err = test::rel_err(run_logits(m), expected().tensor(std::string("gguf_") + type + ".logits"));
+      MESSAGE("gguf " << type << " kept quantized, " << dtype_name(dt) << " logits error " << err);
+      CHECK(err <= (dt == DType::f64 ? 1e-10 : 1e-5));
+    }
+  }
+  GgufFile f(kGguf + "/llama-F16.gguf");
+  test::check_error([&] { f.quantized(f.tensor_info("blk.0.attn_k.weight")); }, {"gguf", "blk.0.attn_k.weight", "not a matrix of a quantized block type"});
+}
+
+TEST_CASE("gguf: every block type kept quantized (Q4_0..Q8_0, Q2_K..Q6_K) decodes to gguf-py's values") {
+  // Random raw blocks of each type and gguf-py's dequantization of them (tests/oracle/gen_gguf_quants.py).
+  GgufFile f(std::string(NN_FIXTURES_DIR) + "/lm/gguf_quants.gguf");
+  const std::pair<const char*, Quant> types[] = {
+      {"Q4_0", Quant::affine(32, 4)}, {"Q4_1", Quant::affine(32, 4)}, {"Q5_0", Quant::affine(32, 5)},
+      {"Q5_1", Quant::affine(32, 5)}, {"Q8_0", Quant::affine(32, 8)}, {"Q2_K", Quant::affine(16, 2)},
+      {"Q3_K", Quant::affine(16, 3)}, {"Q4_K", Quant::affine(32, 4)}, {"Q5_K", Quant::affine(32, 5)},
+      {"Q6_K", Quant::affine(16, 6)}};
+  for (const auto& [name, quant] : types) {
+    CAPTURE(name);
+    const Tensor want = f.tensor(std::string("ref.") + name);  // (3, 512) float32
+    REQUIRE(want.shape() == Shape{3, 512});
+    // As floats: bit for bit, signed zeros included.
+    CHECK(test::f32_bits(f.tensor(name)) == test::f32_bits(want));
+    CHECK(f.tensor(name, DType::f64).to_doubles() == want.to_doubles());
+    // As affine groups: the same values (a symmetric type's zero is +0 here, -0 in gguf-py).
+    CHECK(GgufFile::keeps_quantized(f.tensor_info(name).type));
+    const QuantizedMatrix q = f.quantized(f.tensor_info(name));
+    CHECK(q.q == quant);
+    CHECK(q.weight.shape() == Shape{3, 512 * quant.bits / 32});
+    CHECK(dequantize(q).to_doubles() == want.to_doubles());
+    CHECK(dequantize(q, DType::f64).to_doubles() == want.to_doubles());
+  }
 }
 
 TEST_CASE("gguf: the loaded model matches the HF one weight for weight (F32), q/k un-permuted") {

@@ -435,7 +435,7 @@ TEST_CASE("LoRA: map_modules swaps q/v projections in place; logits unchanged; a
   double norm = 0;
   for (double x : g.lora_b.value.to_doubles()) norm += x * x;
   CHECK(norm > 0);
-  CHECK_FALSE(std::get<LoraLinear>(grads.model.layers[0].self_attn.q_proj).base.weight.value.defined());  // frozen
+  CHECK_FALSE(std::get<LoraLinear>(grads.model.layers[0].self_attn.q_proj).linear().weight.value.defined());  // frozen
 
   // And the adapted model still decodes through its cache.
   lm::KVCache cache;

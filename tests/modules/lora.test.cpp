@@ -9,7 +9,7 @@ TEST_CASE("LoraLinear::from_base draws mlx-lm's lora_a and zero lora_b, and free
   random::seed(f["seed"].get<std::uint64_t>());
   Linear base(16, 8);
   LoraLinear l = LoraLinear::from_base(base, 4);
-  CHECK(test::f32_bits(l.base.weight.value) == f["base_weight"].get<std::vector<std::uint32_t>>());
+  CHECK(test::f32_bits(l.linear().weight.value) == f["base_weight"].get<std::vector<std::uint32_t>>());
   CHECK(test::f32_bits(l.lora_a.value) == f["lora_a"].get<std::vector<std::uint32_t>>());
   CHECK(l.lora_a.shape() == Shape{16, 4});
   CHECK(l.lora_b.shape() == Shape{4, 8});
@@ -35,7 +35,7 @@ TEST_CASE("LoraLinear computes base + scale (x a) b; fused() merges it; rslora d
   {
     GTape<cpu> tp;
     GVar x = tp.constant(X);
-    GVar base = l.base(tp, x);
+    GVar base = l.linear()(tp, x);
     GVar branch = matmul(tp, matmul(tp, x, tp.constant(l.lora_a.value)), tp.constant(l.lora_b.value));
     expect = tp.value(add(tp, base, nn::scale(tp, branch, 2.0))).clone();
   }
@@ -55,7 +55,7 @@ TEST_CASE("LoraLinear gradients reach only the adapters") {
     GVar y = m(tp, tp.constant(X));
     return sum(tp, mul(tp, y, y));
   });
-  CHECK_FALSE(g.base.weight.value.defined());
+  CHECK_FALSE(g.linear().weight.value.defined());
   CHECK(g.lora_a.value.defined());
   CHECK(g.lora_b.value.shape() == Shape{2, 3});
   // lora_b starts at zero, so d/d lora_a = 0 and d/d lora_b != 0

@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -50,6 +51,24 @@ inline Tensor tensor_from_json(const nlohmann::json& j, DType dt = DType::f64) {
   std::vector<std::int64_t> shape = j.at("shape").get<std::vector<std::int64_t>>();
   std::vector<double> data = j.at("data").get<std::vector<double>>();
   return Tensor::from_doubles(Shape(shape), data, dt);
+}
+
+/// A fixture tensor {"dtype", "shape", "hex"} (the raw little-endian bytes, exactly), as the MLX
+/// generators write bit-exact data; dtype names as NumPy spells them.
+inline Tensor tensor_from_hex(const nlohmann::json& j) {
+  static const std::pair<const char*, DType> names[] = {{"float32", DType::f32},  {"float64", DType::f64},
+                                                        {"bfloat16", DType::bf16}, {"float16", DType::f16},
+                                                        {"uint32", DType::u32},   {"uint8", DType::u8},
+                                                        {"int32", DType::i32},    {"int64", DType::i64}};
+  const std::string dn = j.at("dtype").get<std::string>();
+  const auto* it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return dn == n.first; });
+  REQUIRE_MESSAGE(it != std::end(names), "unknown fixture dtype " << dn);
+  Tensor t = Tensor::empty(Shape(j.at("shape").get<std::vector<std::int64_t>>()), it->second);
+  const std::string h = j.at("hex").get<std::string>();
+  REQUIRE(h.size() == 2 * t.nbytes());
+  auto* p = static_cast<unsigned char*>(t.raw());
+  for (std::size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<unsigned char>(std::stoul(h.substr(2 * i, 2), nullptr, 16));
+  return t;
 }
 
 /// Deterministic random tensor, uniform in [lo, hi).

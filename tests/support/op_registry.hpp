@@ -11,6 +11,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,14 @@ std::vector<GVar> bind_inputs(GTape<B>& tp, const OpCase<B>& c, const std::vecto
   return vs;
 }
 
+/// Whether any input of a case gets a gradient (quantized_gather's ids and constant table: none).
+template <class B>
+bool any_differentiable(const OpCase<B>& c) {
+  for (const Input& in : c.inputs)
+    if (in.differentiable()) return true;
+  return false;
+}
+
 /// A case's output and the gradients of sum(out * w) (none when w is empty), host copies.
 struct Run {
   Tensor out;
@@ -115,7 +124,7 @@ Run run(const OpCase<B>& c, const Build<B>& build, const std::vector<Tensor>& ho
   std::vector<GVar> vs = bind_inputs(tp, c, ts);
   GVar out = build(tp, vs);
   Run r{tp.value(out).to(Device::cpu), {}};
-  if (!w.defined()) return r;
+  if (!w.defined() || !any_differentiable(c)) return r;
   tp.backward(sum(tp, mul(tp, out, tp.constant(on(w)))));
   for (std::size_t k = 0; k < ts.size(); ++k)
     r.grads.push_back(c.inputs[k].differentiable() ? tp.grad(vs[k]).to(Device::cpu) : Tensor());
@@ -233,6 +242,39 @@ std::vector<OpCase<B>> cases() {
   add({Prim::swiglu, "swiglu", {real({3, 8}, -3, 3), real({3, 8})},
        [](T tp, V v) { return fused_swiglu(tp, v[0], v[1]); }, true, "",
        [](T tp, V v) { return reference::swiglu(tp, v[0], v[1]); }});
+
+  // ---- quantized matrices: against matmul / gather_rows of the dequantized matrix ---------------
+  // W (48, 64) drawn once, quantized in x's dtype (affine 32/4, or mxfp4), on B's device.
+  struct QW {
+    GVar wq, s;
+    std::optional<GVar> b;
+    Tensor w;  // dequantized, x's dtype, on B's device
+  };
+  auto qw = [](T tp, DType dt, Quant q) {
+    const QuantizedMatrix m = quantize(random_tensor(Shape{48, 64}, dt, 77, -2, 2), q);
+    QW r{tp.constant(m.weight.to(B::device)), tp.constant(m.scales.to(B::device)), std::nullopt,
+         dequantize(m, dt).to(B::device)};
+    if (m.biases.defined()) r.b = tp.constant(m.biases.to(B::device));
+    return r;
+  };
+  for (const Quant q : {Quant::affine(32, 4), Quant::mxfp4()}) {
+    const std::string tag = q == Quant::mxfp4() ? "mxfp4" : "affine32x4";
+    for (const bool tr : {true, false})
+      add({Prim::quantized_matmul, "quantized_matmul/" + tag + (tr ? "/x_Wt" : "/x_W"), {real({2, 3, tr ? 64 : 48})},
+           [=](T tp, V v) {
+             QW w = qw(tp, tp.dtype(v[0]), q);
+             return quantized_matmul(tp, v[0], w.wq, w.s, w.b, q, tr);
+           },
+           true, "",
+           [=](T tp, V v) { return matmul(tp, v[0], tp.constant(qw(tp, tp.dtype(v[0]), q).w), false, tr); }});
+  }
+  add({Prim::quantized_gather, "quantized_gather", {ids({2, 5}, 48)},
+       [=](T tp, V v) {
+         QW w = qw(tp, tp.float_dtype(), Quant::affine(32, 4));
+         return quantized_gather(tp, v[0], w.wq, w.s, w.b, Quant::affine(32, 4), tp.float_dtype());
+       },
+       false, "",
+       [=](T tp, V v) { return gather_rows(tp, tp.constant(qw(tp, tp.float_dtype(), Quant::affine(32, 4)).w), v[0]); }});
   return c;
 }
 

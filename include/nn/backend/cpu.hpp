@@ -26,6 +26,7 @@
 #include "cpu/rope.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/glu.hpp"
+#include "cpu/quantized.hpp"
 #include "cpu/optim.hpp"
 
 namespace nn {
@@ -43,6 +44,7 @@ struct cpu : cpu_kernels::ElementwiseKernels,
              cpu_kernels::RopeKernels,
              cpu_kernels::AttentionKernels,
              cpu_kernels::GluKernels,
+             cpu_kernels::QuantizedKernels,
              cpu_kernels::OptimKernels {
   static constexpr Device device = Device::cpu;
   static constexpr const char* name = "cpu";

@@ -436,8 +436,8 @@ struct cuda {
     if (n * D == 0) return;
     const bool i32 = ids.dtype() == DType::i32;
     cu::by_size(dtype_size(table.dtype()), [&]<class E>() {
-      cu::k_gather_rows<E><<<cu::grid_for(n * D), cu::kBlock, 0, stream()>>>(cu::ptr<E>(table), ids.raw(), i32, cu::ptr<E>(y),
-                                                                             n, D, N, cu::ctx().index_errors);
+      cu::k_gather_rows<E><<<cu::grid_for(n * D), cu::kBlock, 0, stream()>>>(
+          cu::DenseRows<E>{cu::ptr<E>(table), D}, ids.raw(), i32, cu::ptr<E>(y), n, D, N, cu::ctx().index_errors);
     });
     cu::check_launch("gather_rows");
     if (cu::ctx().capturing) return;
@@ -712,6 +712,52 @@ struct cuda {
                       (acc_k || later) ? T(1) : T(0), L.ks());
       });
     });
+  }
+
+  // ---- quantized matrices (quant.hpp, ops/quantized.hpp) --------------------------------------
+  // A plain kernel, one thread per output, reading codes through backend/math.hpp's QuantMath as
+  // the CPU does. Scales must have x's dtype (affine) or be E8M0 bytes (mxfp4).
+
+  static void check_quant_scales(const Tensor& scales, const Quant& q, DType t, const char* op) {
+    if (q.mode == QuantMode::affine && scales.dtype() != t)
+      detail::fail(op, "on CUDA the scales must be ", dtype_name(t), " like x, got ", dtype_name(scales.dtype()),
+                   " (convert the layer with to(dtype))");
+  }
+
+  template <class T>
+  static detail::cu::QuantRows<T> quant_rows(const Tensor& wq, const Tensor& scales, const Tensor& biases, const Quant& q) {
+    return {static_cast<const std::uint8_t*>(wq.raw()), wq.dim(1) * 4, scales.raw(),
+            biases.defined() ? detail::cu::ptr<T>(biases) : nullptr, scales.dim(1), q};
+  }
+
+  static void quantized_matmul(const Tensor& x, const Tensor& wq, const Tensor& scales, const Tensor& biases,
+                               const QuantMatmulAttrs& a, Tensor& y, bool acc) {
+    namespace cu = detail::cu;
+    const std::int64_t K = x.dim(-1), N = y.dim(-1), M = y.numel() / std::max<std::int64_t>(N, 1);
+    if (M * N == 0) return;
+    detail::dispatch_float(y.dtype(), "quantized_matmul", [&]<class T>() {
+      check_quant_scales(scales, a.q, y.dtype(), "quantized_matmul");
+      cu::k_quantized_matmul<T><<<cu::grid_for(M * N), cu::kBlock, 0, stream()>>>(
+          cu::ptr<T>(x), quant_rows<T>(wq, scales, biases, a.q), a.transpose, cu::ptr<T>(y), M, N, K, acc);
+    });
+    cu::check_launch("quantized_matmul");
+  }
+
+  static void quantized_gather(const Tensor& ids, const Tensor& wq, const Tensor& scales, const Tensor& biases,
+                               const Quant& q, Tensor& y) {
+    namespace cu = detail::cu;
+    const std::int64_t D = y.dim(-1), n = ids.numel(), V = wq.dim(0);
+    if (n * D == 0) return;
+    detail::dispatch_float(y.dtype(), "quantized_gather", [&]<class T>() {
+      check_quant_scales(scales, q, y.dtype(), "quantized_gather");
+      cu::k_gather_rows<T><<<cu::grid_for(n * D), cu::kBlock, 0, stream()>>>(
+          quant_rows<T>(wq, scales, biases, q), ids.raw(), ids.dtype() == DType::i32, cu::ptr<T>(y), n, D, V,
+          cu::ctx().index_errors);
+    });
+    cu::check_launch("quantized_gather");
+    if (cu::ctx().capturing) return;
+    if (auto e = cu::take_index_error(cu::kGatherRows))
+      detail::fail("quantized_gather", "id ", e->id, " at position ", e->pos, " is outside the table's ", V, " rows");
   }
 
   static void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numbers>
 #include <type_traits>
 
@@ -331,6 +333,115 @@ struct ApplyUpdateMath {
     return {static_cast<T>(static_cast<T>(lr) * static_cast<T>(factor))};
   }
   NN_HD T operator()(T p, T x) const { return p - l * x; }
+};
+
+// ---- quantized formats (quant.hpp) ------------------------------------------------------------
+
+/// MLX's quantization, per value: the code reader of every quantized kernel, mxfp4's E2M1 and
+/// E8M0 tables, and the per-group arithmetic of nn::quantize, which follows MLX 0.32.4's CPU
+/// kernel operation by operation (so its codes, scales and biases are MLX's bit for bit).
+struct QuantMath {
+  /// Code c of a row's LSB-first bit stream of row_bytes bytes: bits [c*bits, (c+1)*bits).
+  NN_HD static std::uint32_t code(const std::uint8_t* row, std::int64_t c, int bits, std::int64_t row_bytes) {
+    const std::int64_t bit = c * bits, byte = bit >> 3;
+    std::uint32_t v = row[byte];
+    if (byte + 1 < row_bytes) v |= static_cast<std::uint32_t>(row[byte + 1]) << 8;
+    return (v >> (bit & 7)) & ((1u << bits) - 1u);
+  }
+  /// The inverse of code(): ORs code v (< 2^bits) into a zeroed row's bit stream at index c.
+  static void put_code(std::uint8_t* row, std::int64_t c, int bits, std::uint32_t v) {
+    const std::int64_t bit = c * bits;
+    std::uint8_t* p = row + bit / 8;
+    const std::uint32_t sh = static_cast<std::uint32_t>(bit % 8), wide = v << sh;
+    p[0] = static_cast<std::uint8_t>(p[0] | (wide & 0xffu));
+    if (sh + static_cast<std::uint32_t>(bits) > 8) p[1] = static_cast<std::uint8_t>(p[1] | (wide >> 8));
+  }
+  /// E2M1 code (sign in bit 3) -> {0, .5, 1, 1.5, 2, 3, 4, 6}, negated; code 8 is -0.
+  NN_HD static float e2m1(std::uint32_t c) {
+    const float lut[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = lut[c & 7u];
+    return (c & 8u) ? -v : v;
+  }
+  /// E8M0 scale byte -> 2^(e - 127) (255 gives infinity in float, as MLX's bf16 scale does).
+  template <class T>
+  NN_HD static T e8m0(std::uint8_t e) {
+    return ::ldexp(static_cast<T>(1), static_cast<int>(e) - 127);
+  }
+
+  /// One affine group's scale and bias (F = float as MLX; double for float64 weights).
+  template <class F>
+  struct Affine {
+    F scale, bias;
+  };
+  template <class F>
+  static Affine<F> affine_params(const double* g, std::int64_t n, int bits) {
+    const F n_bins = static_cast<F>((1 << bits) - 1), eps = static_cast<F>(1e-7);
+    F w_min = std::numeric_limits<F>::infinity(), w_max = -w_min;
+    for (std::int64_t j = 0; j < n; ++j) {
+      w_max = std::max(w_max, static_cast<F>(g[j]));
+      w_min = std::min(w_min, static_cast<F>(g[j]));
+    }
+    const bool mask = std::abs(w_min) > std::abs(w_max);
+    F scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    const F edge = mask ? w_min : w_max;
+    const F q0 = std::rint(edge / scale);
+    F bias = 0;
+    if (q0 != 0) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    return {scale, bias};
+  }
+  template <class F>
+  static std::uint32_t affine_code(F w, const Affine<F>& p, int bits) {
+    const F n_bins = static_cast<F>((1 << bits) - 1);
+    F q = std::rint((w - p.bias) / p.scale);
+    q = std::min(std::max(q, F(0)), n_bins);
+    return static_cast<std::uint32_t>(static_cast<std::uint64_t>(q));
+  }
+
+  /// v rounded to dtype t's precision (float32 arithmetic on bf16/f16 values, as MLX computes
+  /// half-precision ops: in float, rounded back), kept in double.
+  static double in(DType t, double v) {
+    if (t == DType::f64) return v;
+    const float f = static_cast<float>(v);
+    if (t == DType::bf16) return half::bf16_round(f);
+    if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(f));
+    return f;
+  }
+  /// mxfp4's scale exponent of a group of n values of dtype t, as MLX 0.32.4 computes it: s =
+  /// amax / 6 rounded to t, e = the smallest integer with 2^e >= s (rounding the scale up, so no
+  /// value saturates), 0 for a zero group. The stored byte is e + 127 (mod 256).
+  static std::int32_t mxfp4_exponent(const double* g, std::int64_t n, DType t) {
+    double amax = 0;
+    for (std::int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(g[j]));
+    const double s = t == DType::f64 ? amax / 6.0 : in(t, static_cast<float>(amax) / 6.0f);
+    if (s == 0) return 0;
+    if (!std::isfinite(s)) return 128;  // 2^128: float's infinity, as MLX stores it
+    int k = 0;
+    const double m = std::frexp(s, &k);  // s = m 2^k, m in [0.5, 1)
+    return m == 0.5 ? k - 1 : k;
+  }
+  static std::uint8_t mxfp4_byte(std::int32_t e) {
+    return static_cast<std::uint8_t>(static_cast<std::uint32_t>(e) + 127u);  // int32 -> uint8 wraps
+  }
+  /// The E2M1 code of w in a group of exponent e: the nearest table value to w / 2^e, computed
+  /// in t; the first index wins a tie (MLX's argmin).
+  static std::uint32_t mxfp4_code(double w, std::int32_t e, DType t) {
+    const double p = t == DType::f64 ? std::ldexp(1.0, e) : in(t, std::ldexp(1.0f, e));
+    const double v = t == DType::f64 ? w / p : in(t, static_cast<float>(w) / static_cast<float>(p));
+    std::uint32_t best = 0;
+    double best_d = 0;
+    for (std::uint32_t i = 0; i < 16; ++i) {
+      const double d = t == DType::f64 ? std::abs(v - e2m1(i)) : in(t, std::abs(static_cast<float>(v) - e2m1(i)));
+      if (i == 0 || d < best_d) {
+        best = i;
+        best_d = d;
+      }
+    }
+    return best;
+  }
 };
 
 }  // namespace nn::detail

@@ -74,7 +74,7 @@ constexpr const char* binary_name(Binary b) {
 #define NN_PRIMITIVES(X)                                                                                  \
   X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
   X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
-  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu)
+  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)
 
 enum class Prim : std::uint8_t {
 #define NN_PRIM_ENUMERATOR(p) p,
@@ -130,6 +130,29 @@ struct RopeArgs {
   bool inverse = false;
 };
 
+/// A quantized matrix's format (quant.hpp): MLX's affine (w = scale * q + bias per group of
+/// `group` values along a row, `bits`-bit codes) or mxfp4 (E2M1 codes, an E8M0 scale per 32).
+enum class QuantMode : std::uint8_t { affine, mxfp4 };
+
+constexpr const char* quant_mode_name(QuantMode m) { return m == QuantMode::affine ? "affine" : "mxfp4"; }
+
+struct Quant {
+  QuantMode mode = QuantMode::affine;
+  int group = 64;
+  int bits = 4;
+  /// MLX's default: affine, groups of 64, 4 bits.
+  static constexpr Quant affine(int group = 64, int bits = 4) { return {QuantMode::affine, group, bits}; }
+  static constexpr Quant mxfp4() { return {QuantMode::mxfp4, 32, 4}; }
+  friend constexpr bool operator==(const Quant&, const Quant&) = default;
+};
+
+/// quantized_matmul's options: y = x @ W^T when transpose (W (N, K), a Linear's weight), else
+/// x @ W (W (K, N)); W quantized along its rows in format q.
+struct QuantMatmulAttrs {
+  Quant q;
+  bool transpose = true;
+};
+
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
 /// and whether it adds into what is there. The tape hands these out (GTape::grad_outs) with
 /// aliasing resolved: when two inputs are one tensor, their slots name one buffer, already
@@ -147,7 +170,7 @@ template <class B>
 concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DType dt, double v, bool acc,
                                  int axis, std::int64_t i64, const std::array<int, kMaxRank>& perm,
                                  const AttentionAttrs& att, const CrossEntropyAttrs& ce, GradOut go,
-                                 RopeArgs ra) {
+                                 RopeArgs ra, const QuantMatmulAttrs& qa, const Quant& q) {
   { B::device } -> std::convertible_to<Device>;
   { B::name } -> std::convertible_to<const char*>;
   { B::alloc(s, dt) } -> std::same_as<Tensor>;
@@ -188,6 +211,9 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
   // ops/attention.hpp; a backend without them runs attention above for every gqa_attention)
   B::swiglu(x, x, y);                            // (gate, up, y)
   B::swiglu_vjp(x, x, x, go, go);                // (gate, up, g, ggate, gup)
+  // quantized weights (quant.hpp, ops/quantized.hpp): W given as (codes, scales, biases)
+  B::quantized_matmul(x, x, x, x, qa, y, acc);   // (x, wq, scales, biases, attrs, y, acc): y (+)= x @ op(W)
+  B::quantized_gather(x, x, x, x, q, y);         // (ids, wq, scales, biases, format, y): y[i] = W[ids[i]]
   // optimizer updates (optim/): p, g and slots of one parameter; lr/step 0-D tensors
   B::sgd_update(y, x, y, x, v, v, v, acc);
   B::adam_update(y, x, y, y, x, x, v, v, v, v, acc);

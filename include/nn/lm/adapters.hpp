@@ -86,30 +86,33 @@ inline nlohmann::json read_json(const std::filesystem::path& path) {
 }  // namespace detail
 
 /// Replaces every Linear at "model.layers.N.<key>" (key in cfg.keys, N among the last
-/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers). The fields must be
-/// std::variant<Linear, LoraLinear>. Returns how many layers were converted; raises when a key
+/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers), and every
+/// QuantizedLinear there by a LoraLinear over it (QLoRA). The fields must be
+/// std::variant<Linear, LoraLinear, ...>. Returns how many layers were converted; raises when a key
 /// matches nothing (a typo would otherwise train nothing).
 template <class M>
 int apply_lora(M& model, const LoraConfig& cfg) {
   const int n = detail::count_layers(model);
   const int first = cfg.num_layers < 0 ? 0 : std::max(0, n - cfg.num_layers);
   std::set<std::string> seen;
-  int converted = model.template map_modules<Linear>(
-      [&](const std::string& path) {
-        auto lp = detail::layer_path(path);
-        if (!lp || lp->first < first) return false;
-        for (const auto& k : cfg.keys)
-          if (lp->second == k) {
-            seen.insert(k);
-            return true;
-          }
-        return false;
-      },
-      [&](const std::string&, const Linear& base) {
-        return LoraLinear::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
-      });
+  auto pick = [&](const std::string& path) {
+    auto lp = detail::layer_path(path);
+    if (!lp || lp->first < first) return false;
+    for (const auto& k : cfg.keys)
+      if (lp->second == k) {
+        seen.insert(k);
+        return true;
+      }
+    return false;
+  };
+  auto lora = [&](const std::string&, const auto& base) {
+    return LoraLinear::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
+  };
+  // full-precision bases (LoRA), then quantized ones (QLoRA)
+  int converted = model.template map_modules<Linear>(pick, lora);
+  converted += model.template map_modules<QuantizedLinear>(pick, lora);
   for (const auto& k : cfg.keys)
-    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear in model.layers.N");
+    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear or QuantizedLinear in model.layers.N");
   return converted;
 }
 

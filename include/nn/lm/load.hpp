@@ -276,34 +276,69 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   return c;
 }
 
-/// Builds a CausalLM from an open GGUF file, dequantising every tensor to `dtype` (f32, or f64
-/// for oracle tests), renaming llama.cpp's tensors to HF's and, for the llama architecture,
-/// undoing the converter's q/k row permutation (qwen2 files are stored unpermuted, as llama.cpp
-/// runs qwen2 with NEOX RoPE). Strict, as load_hf.
-inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32) {
+/// Builds a CausalLM from an open GGUF file, renaming llama.cpp's tensors to HF's and, for the
+/// llama architecture, undoing the converter's q/k row permutation (qwen2 files are stored
+/// unpermuted, as llama.cpp runs qwen2 with NEOX RoPE). Strict, as load_hf.
+/// With keep_quantized, the Q4_0 / Q4_1 / Q8_0 matrices of the projections, the embedding and the
+/// head stay quantized (QuantizedLinear / QuantizedEmbedding, GgufFile::quantized: affine groups
+/// of 32, no float copy of the matrix is ever made); every other tensor is dequantised to
+/// `dtype` (f32, or f64 for oracle tests), as without it.
+inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep_quantized = false) {
   const ModelConfig cfg = gguf_config(f);
   CausalLM m = CausalLM::uninitialised(cfg, dtype);
   nn::detail::NamedTensorList named;
   named.reserve(f.tensors().size());
+  std::map<std::string, QuantizedMatrix> quantized;  // module path -> matrix
+  auto unpermute = [&](const std::string& hf, Tensor w, const std::string& gname) {
+    if (cfg.arch == Arch::llama) {
+      if (hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias"))
+        return detail::unpermute_rows(w, cfg.num_attention_heads, gname);
+      if (hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias"))
+        return detail::unpermute_rows(w, cfg.num_key_value_heads, gname);
+    }
+    return w;
+  };
   for (const GgufTensorInfo& t : f.tensors()) {
     if (t.name == "rope_freqs.weight") continue;  // read into the config
     std::string hf = detail::gguf_to_hf_name(t.name);
-    Tensor w = f.tensor(t, dtype);
-    if (cfg.arch == Arch::llama) {
-      if (hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias"))
-        w = detail::unpermute_rows(w, cfg.num_attention_heads, t.name);
-      else if (hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias"))
-        w = detail::unpermute_rows(w, cfg.num_key_value_heads, t.name);
+    const bool matrix = hf.ends_with("_proj.weight") || hf == "model.embed_tokens.weight" || hf == "lm_head.weight";
+    if (keep_quantized && matrix && GgufFile::keeps_quantized(t.type) && t.ne.size() == 2) {
+      QuantizedMatrix q = f.quantized(t);
+      q.weight = unpermute(hf, q.weight, t.name);  // a row of codes, scales and biases moves whole
+      q.scales = unpermute(hf, q.scales, t.name);
+      q.biases = unpermute(hf, q.biases, t.name);
+      if (dtype == DType::f64) {  // an f64 oracle model: its scales in f64 (exact)
+        q.scales = q.scales.to(DType::f64);
+        q.biases = q.biases.to(DType::f64);
+      }
+      const std::string mod = hf.substr(0, hf.size() - 7);  // without ".weight"
+      named.emplace_back(mod + ".weight", q.weight);
+      named.emplace_back(mod + ".scales", q.scales);
+      named.emplace_back(mod + ".biases", q.biases);
+      quantized.emplace(mod, std::move(q));
+      continue;
     }
-    named.emplace_back(std::move(hf), std::move(w));
+    named.emplace_back(hf, unpermute(hf, f.tensor(t, dtype), t.name));
   }
+  // Quantized matrices replace their layers before the strict load, which then checks every name
+  // (a bias of a quantized projection lands in its QuantizedLinear) and hands over the storage.
+  auto has = [&](const std::string& p) { return quantized.count(p) > 0; };
+  m.map_modules<Linear>(has, [&](const std::string& p, const Linear& l) {
+    const QuantizedMatrix& q = quantized.at(p);
+    std::optional<Tensor> bias;
+    if (l.bias) bias = Tensor::empty(l.bias->shape(), l.bias->dtype());
+    return QuantizedLinear::from_quantized(q, bias);
+  });
+  m.map_modules<Embedding>(has, [&](const std::string& p, const Embedding&) {
+    return QuantizedEmbedding::from_quantized(quantized.at(p));
+  });
   detail::load_named(m, named, f.path());
   return m;
 }
 
 /// Opens, validates and loads a GGUF file (see load_gguf(const GgufFile&, DType)).
-inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType::f32) {
-  return load_gguf(GgufFile(path), dtype);
+inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType::f32, bool keep_quantized = false) {
+  return load_gguf(GgufFile(path), dtype, keep_quantized);
 }
 
 }  // namespace nn::lm

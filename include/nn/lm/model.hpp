@@ -28,14 +28,27 @@ namespace nn::lm {
 
 /// A projection LoRA may replace in place: model.map_modules<nn::Linear>(pred, f) with f
 /// returning nn::LoraLinear::from_base(l, r) swaps the alternative and keeps the path
-/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them).
-using Projection = std::variant<Linear, LoraLinear>;
+/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them). A
+/// quantized model (a GGUF's blocks kept, nn::quantize(model, ...)) holds QuantizedLinear.
+using Projection = std::variant<Linear, LoraLinear, QuantizedLinear>;
+
+/// The token embedding, full precision or quantized (then also the tied head's matrix).
+using TokenEmbedding = std::variant<Embedding, QuantizedEmbedding>;
 
 namespace detail {
 
 template <class B>
 GVar project(GTape<B>& tp, const Projection& p, GVar x) {
   return std::visit([&](const auto& m) { return m(tp, x); }, p);
+}
+template <class B>
+GVar embed(GTape<B>& tp, const TokenEmbedding& e, GVar ids) {
+  return std::visit([&](const auto& m) { return m(tp, ids); }, e);
+}
+/// The embedding as the tied LM head: (..., C) -> (..., vocab).
+template <class B>
+GVar embed_as_linear(GTape<B>& tp, const TokenEmbedding& e, GVar h) {
+  return std::visit([&](const auto& m) { return m.as_linear(tp, h); }, e);
 }
 
 inline Tensor zeros_or_empty(const Shape& s, DType dt, bool zero) {
@@ -109,7 +122,7 @@ struct DecoderLayer {
 
 /// HF's LlamaModel / Qwen2Model (the "model." prefix of every path): embedding, layers, norm.
 struct Backbone {
-  Embedding embed_tokens;  // (vocab, C)
+  TokenEmbedding embed_tokens;  // (vocab, C)
   std::vector<DecoderLayer> layers;
   RmsNorm norm;
   NN_MODULE(Backbone, embed_tokens, layers, norm)
@@ -137,7 +150,7 @@ struct KVCache {
 /// zero weights of the right shapes.
 struct CausalLM {
   Backbone model;
-  std::optional<Linear> lm_head;  // (vocab, C); empty when tied to model.embed_tokens
+  std::optional<Projection> lm_head;  // (vocab, C); empty when tied to model.embed_tokens
 
   CausalLM() = default;
   /// Every weight of the config's shapes in `dtype` (f32 or f64): zeros, norms ones.
@@ -149,7 +162,9 @@ struct CausalLM {
   /// The dtype the model computes in (float32 when its frozen weights are stored in bfloat16,
   /// set_precision(model, Precision::bf16)).
   DType dtype() const {
-    const DType t = model.embed_tokens.weight.value.dtype();
+    if (const auto* q = std::get_if<QuantizedEmbedding>(&model.embed_tokens))
+      return q->scales.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    const DType t = std::get<Embedding>(model.embed_tokens).weight.value.dtype();
     return t == DType::bf16 ? DType::f32 : t;
   }
 
@@ -171,7 +186,7 @@ struct CausalLM {
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
-    GVar x = model.embed_tokens(tp, ids);  // (B, T, C)
+    GVar x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
     for (const DecoderLayer& l : model.layers) {
       GVar n1 = l.input_layernorm(tp, x);
       GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
@@ -197,7 +212,7 @@ struct CausalLM {
   /// The LM head on hidden states: (..., C) -> (..., vocab).
   template <class B>
   GVar head(GTape<B>& tp, GVar h) const {
-    return lm_head ? (*lm_head)(tp, h) : model.embed_tokens.as_linear(tp, h);
+    return lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
   }
 
   /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.
@@ -266,7 +281,7 @@ struct CausalLM {
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
 
     std::vector<Tensor> new_k(nl), new_v(nl);
-    GVar x = model.embed_tokens(tp, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
+    GVar x = detail::embed(tp, model.embed_tokens, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
     for (std::size_t li = 0; li < nl; ++li) {
       const DecoderLayer& l = model.layers[li];
       GVar n1 = l.input_layernorm(tp, x);
@@ -313,7 +328,9 @@ struct CausalLM {
     if (dt != DType::f32 && dt != DType::f64)
       nn::detail::fail("CausalLM", "the model computes in float32 or float64, not ", dtype_name(dt));
     const std::int64_t C = cfg.hidden_size, I = cfg.intermediate_size;
-    model.embed_tokens.weight = Param(detail::zeros_or_empty(Shape{cfg.vocab_size, C}, dt, zero));
+    Embedding e;
+    e.weight = Param(detail::zeros_or_empty(Shape{cfg.vocab_size, C}, dt, zero));
+    model.embed_tokens = std::move(e);
     model.layers.resize(static_cast<std::size_t>(cfg.num_hidden_layers));
     for (DecoderLayer& l : model.layers) {
       l.self_attn.q_proj = detail::make_linear(C, cfg.q_dim(), cfg.qkv_bias, dt, zero);
@@ -327,7 +344,7 @@ struct CausalLM {
       l.post_attention_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
     }
     model.norm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
-    if (!cfg.tie_word_embeddings) lm_head = detail::make_linear(C, cfg.vocab_size, false, dt, zero);
+    if (!cfg.tie_word_embeddings) lm_head = Projection(detail::make_linear(C, cfg.vocab_size, false, dt, zero));
   }
 
   ModelConfig config_;

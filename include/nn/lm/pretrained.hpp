@@ -42,8 +42,10 @@ inline Tokenizer gguf_tokenizer(const GgufFile& f) {
 }
 
 /// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)
-/// or a .gguf file. Weights are converted to `dtype`.
-inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32) {
+/// or a .gguf file. Weights are converted to `dtype`; with keep_quantized a GGUF's Q4_0 / Q4_1 /
+/// Q8_0 matrices stay quantized (load_gguf).
+inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32,
+                                  bool keep_quantized = false) {
   if (!std::filesystem::exists(path)) nn::detail::fail("load_pretrained", path.string(), ": no such file or folder");
   if (std::filesystem::is_directory(path)) {
     const auto tok = path / "tokenizer.json";
@@ -51,11 +53,26 @@ inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype
     return {load_hf(path, dtype), Tokenizer::from_file(tok.string())};
   }
   GgufFile f(path);
-  return {load_gguf(f, dtype), gguf_tokenizer(f)};
+  return {load_gguf(f, dtype, keep_quantized), gguf_tokenizer(f)};
 }
 
 /// Writes `model` as a Hugging Face folder: config.json and model.safetensors (its dtype), so
-/// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused).
+/// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused),
+/// and a quantized one dequantized (dequantize_layers).
+/// Replaces every QuantizedLinear / QuantizedEmbedding of `model` by its full-precision layer
+/// (mx.dequantize of the weight). Returns how many were replaced.
+template <class M>
+int dequantize_layers(M& model) {
+  auto all = [](const std::string&) { return true; };
+  int n = model.template map_modules<QuantizedLinear>(all, [](const std::string&, const QuantizedLinear& q) {
+    return q.dequantized();
+  });
+  n += model.template map_modules<QuantizedEmbedding>(all, [](const std::string&, const QuantizedEmbedding& q) {
+    return q.dequantized();
+  });
+  return n;
+}
+
 inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) {
   const ModelConfig& c = model.config();
   std::filesystem::create_directories(folder);

@@ -398,9 +398,17 @@ __global__ void k_slice_scatter_acc(const T* x, T* y, i64 outer, i64 F, i64 S, i
   }
 }
 
+/// A dense table's element (r, c), for k_gather_rows.
 template <class E>
-__global__ void k_gather_rows(const E* table, const void* ids, bool i32, E* y, i64 n, i64 D, i64 N,
-                              unsigned long long* errs) {
+struct DenseRows {
+  const E* table;
+  i64 D;
+  __device__ E operator()(i64 r, i64 c) const { return table[r * D + c]; }
+};
+/// y[i, j] = rows(ids[i], j) for a table of N rows (DenseRows, or QuantRows below). An id out of
+/// range writes a zero row and records the error once (its j == 0 thread).
+template <class E, class Rows>
+__global__ void k_gather_rows(Rows rows, const void* ids, bool i32, E* y, i64 n, i64 D, i64 N, unsigned long long* errs) {
   NN_CU_FOR(e, n * D) {
     const i64 i = e / D, j = e - i * D;
     const i64 id = load_index(ids, i32, i);
@@ -408,7 +416,7 @@ __global__ void k_gather_rows(const E* table, const void* ids, bool i32, E* y, i
       if (j == 0) index_error(errs, kGatherRows, i, id);
       y[e] = E(0);
     } else {
-      y[e] = table[id * D + j];
+      y[e] = rows(id, j);
     }
   }
 }
@@ -772,6 +780,36 @@ template <class T>
 __global__ void k_divide_by(T* x, i64 n, const T* d) {
   const T dv = *d;
   NN_CU_FOR(i, n) x[i] = x[i] / dv;
+}
+
+// ---- quantized matrices (quant.hpp): QuantMath's reader, one thread per output element ------
+/// A quantized matrix's element W[r, c] in T (quant.hpp's formats): codes, row_bytes per row,
+/// scales (T, or u8 E8M0 for mxfp4) and biases (T, affine) of `groups` groups per row.
+template <class T>
+struct QuantRows {
+  const std::uint8_t* codes;
+  i64 row_bytes;
+  const void* scales;
+  const T* biases;
+  i64 groups;
+  Quant q;
+  __device__ T operator()(i64 r, i64 c) const {
+    const std::uint32_t code = QuantMath::code(codes + r * row_bytes, c, q.bits, row_bytes);
+    const i64 si = r * groups + c / q.group;
+    if (q.mode == QuantMode::mxfp4)
+      return QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]) * static_cast<T>(QuantMath::e2m1(code));
+    return static_cast<const T*>(scales)[si] * static_cast<T>(code) + biases[si];
+  }
+};
+/// y[m, n] (+)= sum_k x[m, k] op(W)[k, n]; op(W)[k, n] = W[n, k] (transpose) or W[k, n].
+template <class T>
+__global__ void k_quantized_matmul(const T* x, QuantRows<T> w, bool transpose, T* y, i64 M, i64 N, i64 K, bool acc) {
+  NN_CU_FOR(e, M * N) {
+    const i64 m = e / N, n = e - m * N;
+    T s = 0;
+    for (i64 k = 0; k < K; ++k) s += x[m * K + k] * (transpose ? w(n, k) : w(k, n));
+    put(y, e, s, acc);
+  }
 }
 
 #undef NN_CU_FOR

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Quantized matrices in MLX's formats, bit for bit: nn::quantize / nn::dequantize, and the code
+// reader every quantized kernel (ops/quantized.hpp's CPU and CUDA kernels) decodes with.
+//
+// A quantized (rows, cols) matrix is three tensors, as mx.quantize returns them and
+// mlx.nn.QuantizedLinear stores them:
+//   weight (rows, cols * bits / 32) u32  the codes, an LSB-first bit stream per row: code j sits
+//                                        at bits [j*bits, (j+1)*bits) of the row's little-endian
+//                                        bytes (8 x 4-bit or 4 x 8-bit per word; 3/5/6-bit codes
+//                                        straddle bytes, as MLX packs them)
+//   scales (rows, cols / group)          the weight's float dtype (affine), or u8 E8M0 (mxfp4)
+//   biases (rows, cols / group)          affine only
+// affine:  w = scale * q + bias,  q in [0, 2^bits - 1]               (groups 32/64/128, bits 2-8)
+// mxfp4:   w = 2^(e - 127) * E2M1[q], E2M1 = {0, .5, 1, 1.5, 2, 3, 4, 6} with the sign in bit 3
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "backend/math.hpp"
+
+namespace nn {
+
+/// A quantized matrix: packed codes, scales, biases (undefined for mxfp4) and the format.
+struct QuantizedMatrix {
+  Tensor weight, scales, biases;
+  Quant q;
+  std::int64_t rows() const { return weight.dim(0); }
+  std::int64_t cols() const { return weight.dim(-1) * 32 / q.bits; }
+  /// The float dtype the matrix dequantizes to: the scales' (affine), float32 (mxfp4).
+  DType dtype() const { return q.mode == QuantMode::affine ? scales.dtype() : DType::f32; }
+  /// Bytes held: codes, scales and biases.
+  std::size_t nbytes() const { return weight.nbytes() + scales.nbytes() + (biases.defined() ? biases.nbytes() : 0); }
+};
+
+namespace detail {
+
+/// Refuses a format MLX does not define: affine groups 32/64/128 with bits 2/3/4/5/6/8 (and the
+/// GGUF-style groups 16 and 256), mxfp4 with group 32 and 4 bits.
+inline void check_quant(const Quant& q, const char* op) {
+  if (q.mode == QuantMode::mxfp4) {
+    if (q.group != 32 || q.bits != 4)
+      fail(op, "mxfp4 needs group size 32 and 4 bits, got group ", q.group, " and ", q.bits, " bits");
+    return;
+  }
+  if (q.bits < 2 || q.bits > 8 || q.bits == 7)
+    fail(op, "affine quantization supports 2, 3, 4, 5, 6 and 8 bits, got ", q.bits);
+  if (q.group != 16 && q.group != 32 && q.group != 64 && q.group != 128 && q.group != 256)
+    fail(op, "affine quantization supports group sizes 32, 64 and 128 (and GGUF's 16 and 256), got ", q.group);
+}
+
+/// What the checks read of a tensor: shape and dtype (or absent), so a tape's builder checks
+/// without touching data.
+struct QuantPart {
+  bool defined = false;
+  Shape shape;
+  DType dtype = DType::f32;
+  QuantPart() = default;
+  QuantPart(const Shape& s, DType t) : defined(true), shape(s), dtype(t) {}
+  QuantPart(const Tensor& t) : defined(t.defined()), shape(t.defined() ? t.shape() : Shape{}), dtype(t.dtype()) {}  // NOLINT
+  std::string str() const { return defined ? std::string(dtype_name(dtype)) + " " + shape.str() : std::string("none"); }
+};
+
+/// Checks that codes, scales and biases form a (rows, cols) matrix in format q; returns cols.
+inline std::int64_t check_quantized(const QuantPart& wq, const QuantPart& scales, const QuantPart& biases,
+                                    const Quant& q, const char* op) {
+  check_quant(q, op);
+  if (!wq.defined || wq.dtype != DType::u32 || wq.shape.rank() != 2)
+    fail(op, "the quantized weight must be a (rows, cols * bits / 32) uint32 matrix, got ", wq.str());
+  const std::int64_t cols = wq.shape[1] * 32 / q.bits;
+  if (wq.shape[1] * 32 % q.bits != 0 || cols % q.group != 0)
+    fail(op, "a weight of ", wq.shape.str(), " words holds ", wq.shape[1] * 32, " bits per row, not a whole number of ",
+         q.group, "-column groups of ", q.bits, "-bit codes");
+  const Shape s{wq.shape[0], cols / q.group};
+  if (!scales.defined || scales.shape != s)
+    fail(op, "scales must be ", s.str(), " for a weight of ", wq.shape.str(), " (", quant_mode_name(q.mode), ", group ",
+         q.group, ", ", q.bits, " bits), got ", scales.str());
+  if (q.mode == QuantMode::mxfp4) {
+    if (scales.dtype != DType::u8) fail(op, "mxfp4 scales must be uint8 (E8M0), got ", scales.str());
+    if (biases.defined) fail(op, "mxfp4 has no biases, got ", biases.str());
+  } else {
+    const DType t = scales.dtype;
+    if (t != DType::f32 && t != DType::f64 && t != DType::bf16 && t != DType::f16)
+      fail(op, "affine scales must be float32, float64, bfloat16 or float16, got ", scales.str());
+    if (!biases.defined || biases.shape != s || biases.dtype != t)
+      fail(op, "affine biases must be ", dtype_name(t), " ", s.str(), " like the scales, got ", biases.str());
+  }
+  return cols;
+}
+
+/// The same for tensors, which must also be on the host.
+inline std::int64_t check_quantized(const Tensor& wq, const Tensor& scales, const Tensor& biases, const Quant& q,
+                                    const char* op) {
+  const std::int64_t cols = check_quantized(QuantPart(wq), QuantPart(scales), QuantPart(biases), q, op);
+  for (const Tensor* t : {&wq, &scales, &biases})
+    if (t->defined() && t->device() != Device::cpu) fail(op, "quantized tensors must be on the host here, got ", t->device());
+  return cols;
+}
+
+/// A scale or bias element widened to T (f32/f64/bf16/f16 storage).
+template <class T>
+inline T widen_scale(const void* p, DType t, std::int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<T>(static_cast<const float*>(p)[i]);
+    case DType::f64: return static_cast<T>(static_cast<const double*>(p)[i]);
+    case DType::bf16: return static_cast<T>(half::bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]));
+    default: return static_cast<T>(half::f16_to_f32(static_cast<const std::uint16_t*>(p)[i]));
+  }
+}
+
+/// Reads a quantized matrix's values in T: the decoding every CPU quantized kernel shares.
+/// Values are scale * q + bias (affine) or 2^(e-127) * E2M1[q] (mxfp4), in T's arithmetic.
+template <class T>
+struct QuantReader {
+  const std::uint8_t* codes;  // row r's bit stream at codes + r * row_bytes
+  std::int64_t row_bytes, groups_per_row;
+  const void* scales;
+  const void* biases;
+  DType sdt;
+  Quant q;
+
+  QuantReader(const Tensor& wq, const Tensor& s, const Tensor& b, const Quant& quant)
+      : codes(static_cast<const std::uint8_t*>(wq.raw())),
+        row_bytes(wq.dim(1) * 4),
+        groups_per_row(s.dim(1)),
+        scales(s.raw()),
+        biases(b.defined() ? b.raw() : nullptr),
+        sdt(s.dtype()),
+        q(quant) {}
+
+  /// out[i * stride] = W[r, c0 + i] for i < n.
+  void run(std::int64_t r, std::int64_t c0, std::int64_t n, T* out, std::int64_t stride) const {
+    const std::uint8_t* row = codes + r * row_bytes;
+    const std::int64_t end = c0 + n;
+    for (std::int64_t c = c0; c < end;) {
+      const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
+      const std::int64_t si = r * groups_per_row + g;
+      if (q.mode == QuantMode::mxfp4) {
+        const T s = QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]);
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
+        continue;
+      }
+      const T s = widen_scale<T>(scales, sdt, si), b = widen_scale<T>(biases, sdt, si);
+      if (q.bits == 4) {  // the common case: two codes a byte
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>((row[c >> 1] >> ((c & 1) * 4)) & 15u) + b;
+      } else if (q.bits == 8) {
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(row[c]) + b;
+      } else {
+        for (; c < gend; ++c, out += stride)
+          *out = s * static_cast<T>(QuantMath::code(row, c, q.bits, row_bytes)) + b;
+      }
+    }
+  }
+};
+
+/// The value stored as T's storage type: f32 as is, bf16/f16 rounded to nearest even.
+inline float round_to(DType t, float v) {
+  if (t == DType::bf16) return half::bf16_round(v);
+  if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(v));
+  return v;
+}
+
+/// Keeps the compiler from fusing a product into the next addition (an FMA rounds once; MLX's
+/// dequantize rounds the product, then the sum).
+template <class T>
+inline T rounded(T v) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+}  // namespace detail
+
+/// mx.quantize(w, group_size, bits, mode), bit for bit (MLX 0.32.4's CPU kernel): w (rows, cols)
+/// float32, bfloat16, float16 (or float64, quantized in double), cols a multiple of the group.
+/// Affine, per group of `group` values along a row, in float32:
+///   scale = max((max - min) / (2^bits - 1), 1e-7), negated unless |min| > |max|;
+///   edge = min or max (whichever is larger in magnitude); q0 = rint(edge / scale);
+///   if q0 != 0: scale = edge / q0, bias = edge (so the edge value is exact), else bias = 0;
+///   q = clamp(rint((w - bias) / scale), 0, 2^bits - 1); scales and biases stored in w's dtype.
+/// mxfp4: e = rint(log2(amax / 6)) (0 for a zero group), codes the nearest E2M1 value of w / 2^e
+/// (the first in {+0, .5, ..., 6, -0, -.5, ..., -6} on a tie), scale byte e + 127.
+inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
+  detail::check_quant(q, "quantize");
+  if (!w.defined() || w.rank() != 2)
+    detail::fail("quantize", "needs a (rows, cols) matrix, got ", w.defined() ? w.shape().str() : std::string("none"));
+  const DType dt = w.dtype();
+  if (dt != DType::f32 && dt != DType::f64 && dt != DType::bf16 && dt != DType::f16)
+    detail::fail("quantize", "only float matrices can be quantized, got ", dtype_name(dt), " ", w.shape().str());
+  if (w.device() != Device::cpu) detail::fail("quantize", "runs on the host; the matrix is on ", w.device());
+  const std::int64_t rows = w.dim(0), cols = w.dim(1);
+  if (cols % q.group != 0)
+    detail::fail("quantize", "the last dimension of ", w.shape().str(), " is not a multiple of the group size ",
+                 q.group);
+  if (cols * q.bits % 32 != 0)
+    detail::fail("quantize", "a row of ", cols, " ", q.bits, "-bit codes does not fill whole 32-bit words");
+  QuantizedMatrix out;
+  out.q = q;
+  out.weight = Tensor::zeros(Shape{rows, cols * q.bits / 32}, DType::u32);
+  const std::int64_t groups = cols / q.group;
+  out.scales = Tensor::empty(Shape{rows, groups}, q.mode == QuantMode::mxfp4 ? DType::u8 : dt);
+  if (q.mode == QuantMode::affine) out.biases = Tensor::empty(Shape{rows, groups}, dt);
+  auto* codes = static_cast<std::uint8_t*>(out.weight.raw());
+  const std::int64_t row_bytes = cols * q.bits / 8;
+  auto put_code = [&](std::int64_t r, std::int64_t c, std::uint32_t v) {
+    detail::QuantMath::put_code(codes + r * row_bytes, c, q.bits, v);
+  };
+  auto store = [&](Tensor& t, std::int64_t i, double v) { detail::store_from_double(t.raw(), t.dtype(), i, v); };
+  std::vector<double> g(static_cast<std::size_t>(q.group));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t gi = 0; gi < groups; ++gi) {
+      for (std::int64_t j = 0; j < q.group; ++j) g[static_cast<std::size_t>(j)] = detail::load_as_double(w.raw(), dt, r * cols + gi * q.group + j);
+      const std::int64_t si = r * groups + gi;
+      if (q.mode == QuantMode::mxfp4) {
+        const std::int32_t e = detail::QuantMath::mxfp4_exponent(g.data(), q.group, dt);
+        static_cast<std::uint8_t*>(out.scales.raw())[si] = detail::QuantMath::mxfp4_byte(e);
+        for (std::int64_t j = 0; j < q.group; ++j)
+          put_code(r, gi * q.group + j, detail::QuantMath::mxfp4_code(g[static_cast<std::size_t>(j)], e, dt));
+        continue;
+      }
+      if (dt == DType::f64) {
+        const auto p = detail::QuantMath::affine_params<double>(g.data(), q.group, q.bits);
+        for (std::int64_t j = 0; j < q.group; ++j)
+          put_code(r, gi * q.group + j, detail::QuantMath::affine_code<double>(g[static_cast<std::size_t>(j)], p, q.bits));
+        store(out.scales, si, p.scale);
+        store(out.biases, si, p.bias);
+      } else {
+        // float32 arithmetic on the (exactly widened) values, as MLX's kernel
+        const auto p = detail::QuantMath::affine_params<float>(g.data(), q.group, q.bits);
+        for (std::int64_t j = 0; j < q.group; ++j)
+          put_code(r, gi * q.group + j,
+                   detail::QuantMath::affine_code<float>(static_cast<float>(g[static_cast<std::size_t>(j)]), p, q.bits));
+        store(out.scales, si, p.scale);  // a float widened to double: store rounds it to dt once
+        store(out.biases, si, p.bias);
+      }
+    }
+  return out;
+}
+
+/// quantize(w, Quant{mode, group, bits}).
+inline QuantizedMatrix quantize(const Tensor& w, int group, int bits, QuantMode mode = QuantMode::affine) {
+  return quantize(w, Quant{mode, group, bits});
+}
+
+/// mx.dequantize, bit for bit: affine gives the scales' dtype, computed as MLX does in it
+/// (scale * q rounded to that dtype, then + bias rounded); mxfp4 gives `out` (float32 by default)
+/// = E2M1[q] * 2^(e - 127). float64 scales dequantize in double.
+inline Tensor dequantize(const Tensor& wq, const Tensor& scales, const Tensor& biases, Quant q,
+                         DType out = DType::f32) {
+  const std::int64_t cols = detail::check_quantized(wq, scales, biases, q, "dequantize");
+  const std::int64_t rows = wq.dim(0);
+  if (q.mode == QuantMode::affine) out = scales.dtype();
+  else if (out != DType::f32 && out != DType::f64 && out != DType::bf16 && out != DType::f16)
+    detail::fail("dequantize", "mxfp4 dequantizes to a float dtype, not ", dtype_name(out));
+  Tensor y = Tensor::empty(Shape{rows, cols}, out);
+  if (out == DType::f64) {
+    detail::QuantReader<double> rd(wq, scales, biases, q);
+    for (std::int64_t r = 0; r < rows; ++r) rd.run(r, 0, cols, y.data<double>() + r * cols, 1);
+    return y;
+  }
+  const auto* codes = static_cast<const std::uint8_t*>(wq.raw());
+  const std::int64_t row_bytes = wq.dim(1) * 4, groups = cols / q.group;
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const std::uint32_t code = detail::QuantMath::code(codes + r * row_bytes, c, q.bits, row_bytes);
+      const std::int64_t si = r * groups + c / q.group;
+      float v;
+      if (q.mode == QuantMode::mxfp4) {
+        const float s = detail::round_to(out, detail::QuantMath::e8m0<float>(scales.data<std::uint8_t>()[si]));
+        v = detail::round_to(out, detail::rounded(detail::QuantMath::e2m1(code) * s));
+      } else {
+        const float s = detail::widen_scale<float>(scales.raw(), out, si), b = detail::widen_scale<float>(biases.raw(), out, si);
+        const float p = detail::round_to(out, detail::rounded(static_cast<float>(code) * s));
+        v = detail::round_to(out, p + b);
+      }
+      if (out == DType::bf16 && std::isnan(v))  // MLX's float -> bfloat16 makes every NaN 0x7fc0
+        static_cast<std::uint16_t*>(y.raw())[r * cols + c] = 0x7fc0;
+      else detail::store_from_double(y.raw(), out, r * cols + c, v);
+    }
+  return y;
+}
+
+inline Tensor dequantize(const QuantizedMatrix& m, DType out = DType::f32) {
+  return dequantize(m.weight, m.scales, m.biases, m.q, out);
+}
+
+}  // namespace nn

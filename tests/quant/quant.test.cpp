@@ -1,0 +1,206 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Quantized matrices against MLX 0.32.4 (tests/fixtures/quant/mlx.json, written by
+// tests/oracle/gen_quant_mlx.py): nn::quantize's codes, scales and biases and nn::dequantize's
+// values bit for bit, quantized_matmul against mx.quantized_matmul, and in float64 against
+// dequantize-then-matmul; its gradient; the refusals.
+#include <cstring>
+
+#include "support/check.hpp"
+
+using namespace nn;
+using nn::test::check_error;
+using nn::test::rel_err;
+
+namespace {
+
+Tensor from_hex(const nlohmann::json& j) { return nn::test::tensor_from_hex(j); }
+
+/// Index of the first differing byte, or -1.
+std::int64_t first_diff(const Tensor& a, const Tensor& b) {
+  if (a.nbytes() != b.nbytes()) return 0;
+  const auto *p = static_cast<const unsigned char*>(a.raw()), *q = static_cast<const unsigned char*>(b.raw());
+  for (std::size_t i = 0; i < a.nbytes(); ++i)
+    if (p[i] != q[i]) return static_cast<std::int64_t>(i);
+  return -1;
+}
+
+#define CHECK_SAME_BYTES(a, b, what)                                                                        \
+  do {                                                                                                      \
+    const Tensor& ta_ = (a);                                                                                \
+    const Tensor& tb_ = (b);                                                                                \
+    CHECK_MESSAGE(ta_.shape() == tb_.shape(), name << " " << what << ": " << ta_.shape().str() << " vs "     \
+                                                   << tb_.shape().str());                                   \
+    CHECK_MESSAGE(ta_.dtype() == tb_.dtype(), name << " " << what << " dtype");                             \
+    const std::int64_t d_ = first_diff(ta_, tb_);                                                           \
+    CHECK_MESSAGE(d_ < 0, name << " " << what << ": first differing byte " << d_ << " (element "            \
+                               << d_ / static_cast<std::int64_t>(dtype_size(ta_.dtype())) << ")");          \
+  } while (0)
+
+Quant quant_of(const nlohmann::json& c) {
+  const std::string mode = c.at("mode").get<std::string>();
+  return Quant{mode == "mxfp4" ? QuantMode::mxfp4 : QuantMode::affine, c.at("group_size").get<int>(),
+               c.at("bits").get<int>()};
+}
+bool supported(const nlohmann::json& c) {
+  const std::string mode = c.at("mode").get<std::string>();
+  return mode == "affine" || mode == "mxfp4";  // mxfp8 / nvfp4: recorded, not implemented
+}
+
+}  // namespace
+
+TEST_CASE("quantize and dequantize equal MLX's bit for bit (affine 2-8 bits, groups 32/64/128, mxfp4)") {
+  const auto fx = nn::test::fixture("quant/mlx.json");
+  REQUIRE(fx.at("mlx_version").get<std::string>() == "0.32.4");
+  int checked = 0;
+  for (const auto& c : fx.at("quantize")) {
+    if (!supported(c)) continue;
+    const std::string name = c.at("name").get<std::string>();
+    const Quant q = quant_of(c);
+    const Tensor w = from_hex(c.at("w"));
+    const QuantizedMatrix m = quantize(w, q);
+    CHECK_SAME_BYTES(m.weight, from_hex(c.at("wq")), "codes");
+    CHECK_SAME_BYTES(m.scales, from_hex(c.at("scales")), "scales");
+    if (q.mode == QuantMode::affine) CHECK_SAME_BYTES(m.biases, from_hex(c.at("biases")), "biases");
+    else CHECK(c.at("biases").is_null());
+    // dequantize from MLX's own tensors (independent of quantize above); MLX's fp modes give bf16
+    const Tensor expect = from_hex(c.at("dequantized"));
+    const Tensor mb = c.at("biases").is_null() ? Tensor() : from_hex(c.at("biases"));
+    const Tensor d = dequantize(from_hex(c.at("wq")), from_hex(c.at("scales")), mb, q, expect.dtype());
+    CHECK_SAME_BYTES(d, expect, "dequantized");
+    ++checked;
+  }
+  CHECK(checked == 76);  // 54 random + 16 adversarial affine, 6 mxfp4
+}
+
+TEST_CASE("quantized_matmul equals mx.quantized_matmul (float32, x @ W^T and x @ W, batched x)") {
+  const auto fx = nn::test::fixture("quant/mlx.json");
+  int checked = 0;
+  for (const auto& c : fx.at("quantized_matmul")) {
+    const std::string name = c.at("name").get<std::string>();
+    const Quant q = quant_of(c);
+    const Tensor x = from_hex(c.at("x")), wq = from_hex(c.at("wq")), s = from_hex(c.at("scales"));
+    const Tensor expect = from_hex(c.at("out"));
+    GTape<cpu> tp;
+    std::optional<GVar> b;
+    if (!c.at("biases").is_null()) b = tp.constant(from_hex(c.at("biases")));
+    GVar y = quantized_matmul(tp, tp.input(x), tp.constant(wq), tp.constant(s), b, q, c.at("transpose").get<bool>());
+    CHECK_MESSAGE(rel_err(tp.value(y), expect) < 1e-6, name << ": " << rel_err(tp.value(y), expect));
+    ++checked;
+  }
+  CHECK(checked == 18);
+}
+
+namespace {
+
+/// A float64 (rows, cols) matrix quantized in format q with float64 scales, its dequantized
+/// float64 values, and an x of (2, 3, K) for it.
+struct Sample {
+  QuantizedMatrix m;
+  Tensor w;  // dequantized, float64
+};
+Sample sample(std::int64_t rows, std::int64_t cols, Quant q, std::uint64_t seed) {
+  const Tensor raw = nn::test::random_tensor(Shape{rows, cols}, q.mode == QuantMode::affine ? DType::f64 : DType::f32,
+                                             seed, -2, 2);
+  Sample s{quantize(raw, q), {}};
+  s.w = dequantize(s.m, DType::f64);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("quantized_matmul in float64 equals dequantize-then-matmul, values and x's gradient") {
+  for (const Quant q : {Quant::affine(32, 2), Quant::affine(64, 3), Quant::affine(), Quant::affine(128, 5),
+                        Quant::affine(32, 6), Quant::affine(64, 8), Quant::mxfp4()}) {
+    for (const bool transpose : {true, false}) {
+      CAPTURE(quant_mode_name(q.mode));
+      CAPTURE(q.bits);
+      CAPTURE(transpose);
+      // W (rows, cols): x @ W^T needs K = cols; x @ W needs K = rows. Shapes past one GEMM block
+      // (K 768 > KC, N 600 > NB), with ragged edges, so the packer's panels and edges all run.
+      const std::int64_t rows = transpose ? 600 : 384, cols = transpose ? 768 : 256;
+      const Sample s = sample(rows, cols, q, 7 + static_cast<std::uint64_t>(q.bits));
+      const std::int64_t K = transpose ? cols : rows;
+      const Tensor x = nn::test::random_tensor(Shape{2, 13, K}, DType::f64, 3);
+      const Tensor g = nn::test::random_tensor(Shape{2, 13, transpose ? rows : cols}, DType::f64, 4);
+      GTape<cpu> tp;
+      GVar xv = tp.param(x);
+      std::optional<GVar> b;
+      if (s.m.biases.defined()) b = tp.constant(s.m.biases);
+      GVar y = quantized_matmul(tp, xv, tp.constant(s.m.weight), tp.constant(s.m.scales), b, q, transpose);
+      GVar yr = matmul(tp, xv, tp.constant(s.w), false, transpose);
+      CHECK(rel_err(tp.value(y), tp.value(yr)) < 1e-13);
+      tp.backward(sum(tp, mul(tp, y, tp.constant(g))));
+      const Tensor gq = tp.grad(xv).clone();
+      GTape<cpu> tr;
+      GVar xr = tr.param(x);
+      tr.backward(sum(tr, mul(tr, matmul(tr, xr, tr.constant(s.w), false, transpose), tr.constant(g))));
+      CHECK(rel_err(gq, tr.grad(xr)) < 1e-13);
+    }
+  }
+}
+
+TEST_CASE("quantized_matmul: one row (decode), float32 against float64, bf16 scales beside f32 x") {
+  const Sample s = sample(96, 128, Quant::affine(64, 4), 11);
+  const Tensor x = nn::test::random_tensor(Shape{1, 128}, DType::f64, 5);
+  auto run = [&](const Tensor& xs, const QuantizedMatrix& m) {
+    GTape<cpu> tp;
+    GVar y = quantized_matmul(tp, tp.input(xs), tp.constant(m.weight), tp.constant(m.scales),
+                              std::optional<GVar>(tp.constant(m.biases)), m.q);
+    return tp.value(y).clone();
+  };
+  const Tensor y64 = run(x, s.m);
+  QuantizedMatrix m32 = s.m;
+  m32.scales = s.m.scales.to(DType::f32);
+  m32.biases = s.m.biases.to(DType::f32);
+  CHECK(rel_err(run(x.to(DType::f32), m32), y64) < 1e-6);
+  QuantizedMatrix mb = s.m;
+  mb.scales = s.m.scales.to(DType::bf16);
+  mb.biases = s.m.biases.to(DType::bf16);
+  GTape<cpu> tp;  // the reference: bf16 scales widened, dequantized in float64
+  GVar yr = matmul(tp, tp.input(x), tp.constant(dequantize(mb.weight, mb.scales.to(DType::f64), mb.biases.to(DType::f64),
+                                                           mb.q)),
+                   false, true);
+  CHECK(rel_err(run(x.to(DType::f32), mb), tp.value(yr)) < 1e-6);
+}
+
+TEST_CASE("quantized_gather returns the dequantized rows; bad ids and bad matrices are refused") {
+  const Sample s = sample(10, 64, Quant::affine(32, 4), 21);
+  GTape<cpu> tp;
+  const Tensor ids = Tensor::from<std::int64_t>(Shape{2, 2}, {3, 0, 9, 3});
+  GVar y = quantized_gather(tp, tp.input(ids), tp.constant(s.m.weight), tp.constant(s.m.scales),
+                            std::optional<GVar>(tp.constant(s.m.biases)), s.m.q, DType::f64);
+  REQUIRE(tp.shape(y) == Shape{2, 2, 64});
+  const std::int64_t rows[] = {3, 0, 9, 3};
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 64; ++j) CHECK(tp.value(y).item(i * 64 + j) == s.w.item(rows[i] * 64 + j));
+  check_error(
+      [&] {
+        GTape<cpu> t2;
+        quantized_gather(t2, t2.input(Tensor::from<std::int64_t>(Shape{1}, {10})), t2.constant(s.m.weight),
+                         t2.constant(s.m.scales), std::optional<GVar>(t2.constant(s.m.biases)), s.m.q);
+      },
+      {"quantized_gather", "id 10", "10 rows"});
+}
+
+TEST_CASE("quantized weights never get a gradient; shapes and formats are checked") {
+  const Sample s = sample(8, 64, Quant::affine(32, 4), 1);
+  GTape<cpu> tp;
+  const Tensor xt = nn::test::random_tensor(Shape{2, 64}, DType::f64, 2);
+  GVar x = tp.param(xt);
+  GVar w = tp.constant(s.m.weight), b = tp.constant(s.m.biases);
+  check_error([&] { quantized_matmul(tp, x, w, tp.param(s.m.scales), b, s.m.q); },
+              {"quantized_matmul", "scales", "cannot have a gradient"});
+  check_error([&] { quantized_matmul(tp, x, w, tp.constant(s.m.scales), b, Quant::affine(32, 8)); },
+              {"quantized_matmul", "scales must be (8, 1)", "8 bits"});
+  check_error([&] { quantized_matmul(tp, x, w, tp.constant(s.m.scales), b, Quant::affine(48, 4)); },
+              {"quantized_matmul", "group sizes 32, 64 and 128", "48"});
+  check_error([&] { quantized_matmul(tp, x, w, tp.constant(s.m.scales), std::nullopt, s.m.q); },
+              {"quantized_matmul", "affine biases"});
+  check_error([&] { quantized_matmul(tp, x, w, tp.constant(s.m.scales), b, s.m.q, false); },
+              {"quantized_matmul", "inner dimensions differ", "(2, 64)"});
+  check_error([&] { quantize(nn::test::random_tensor(Shape{4, 40}, DType::f32, 1), Quant::affine(32, 4)); },
+              {"quantize", "(4, 40)", "group size 32"});
+  check_error([&] { quantize(Tensor::zeros(Shape{4, 64}, DType::i32)); }, {"quantize", "int32"});
+  check_error([&] { quantize(nn::test::random_tensor(Shape{4, 64}, DType::f32, 1), Quant{QuantMode::mxfp4, 64, 4}); },
+              {"quantize", "mxfp4 needs group size 32"});
+}
