@@ -7,6 +7,11 @@
 //
 //   bench_finetune --model PATH [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
 //                  [--rank 8] [--scale 20] [--keys q_proj,v_proj] [--precision f32|bf16]
+//                  [--base dequantized|quantized]
+//
+// --base quantized keeps a quantized GGUF's matrices quantized (QLoRA over affine blocks, as the
+// finetune example does by default); dequantized (the default, what PyTorch + PEFT run) widens
+// them to float32 on load.
 //
 // Prints one `RESULT key=value ...` line (tokens/s from the median step), and the cost of the
 // compiled step's per-call structure check beside the step.
@@ -24,7 +29,7 @@
 
 int main(int argc, char** argv) try {
   bench::print_cpu_info();
-  std::string model_path, keys = "q_proj,v_proj", precision = "f32";
+  std::string model_path, keys = "q_proj,v_proj", precision = "f32", base = "dequantized";
   int threads = 1, steps = 10, warmup = 2;
   std::int64_t B = 4, T = 64;
   nn::lm::LoraConfig lora;
@@ -40,11 +45,13 @@ int main(int argc, char** argv) try {
     else if (k == "--scale") lora.scale = std::stod(v);
     else if (k == "--keys") keys = v;
     else if (k == "--precision") precision = v;
+    else if (k == "--base") base = v;
     else nn::detail::fail("bench_finetune", "unknown option ", k);
   }
   if (model_path.empty() || argc % 2 == 0) nn::detail::fail("bench_finetune", "usage: bench_finetune --model PATH [--threads N] ...");
   if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) nn::detail::fail("bench_finetune", "sizes must be positive");
   if (precision != "f32" && precision != "bf16") nn::detail::fail("bench_finetune", "--precision is f32 or bf16");
+  if (base != "dequantized" && base != "quantized") nn::detail::fail("bench_finetune", "--base is dequantized or quantized");
   lora.keys.clear();
   std::istringstream ks(keys);
   for (std::string k; std::getline(ks, k, ',');)
@@ -53,7 +60,7 @@ int main(int argc, char** argv) try {
 
   const long rss_start_kb = bench::proc_status_kb("VmRSS");
   nn::random::seed(0);
-  nn::lm::CausalLM model = nn::lm::load_pretrained(model_path).model;
+  nn::lm::CausalLM model = nn::lm::load_pretrained(model_path, nn::DType::f32, base == "quantized").model;
   model.freeze();
   nn::lm::apply_lora(model, lora);
   if (precision == "bf16") nn::set_precision(model, nn::Precision::bf16);  // the frozen base in bfloat16
@@ -98,12 +105,12 @@ int main(int argc, char** argv) try {
               100.0 * check_us / (median_ms * 1e3), static_cast<unsigned long long>(sink));
   std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
               "rss_start_mb=%.1f rss_now_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld "
-              "precision=%s\n",
+              "precision=%s base=%s\n",
               threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, ms[0], cpu_ms,
               static_cast<double>(bench::proc_status_kb("VmHWM")) / 1024.0, static_cast<double>(rss_start_kb) / 1024.0,
               static_cast<double>(bench::proc_status_kb("VmRSS")) / 1024.0, first_loss, last_loss,
               static_cast<long long>(model.num_params()), static_cast<long long>(model.num_trainable()),
-              precision.c_str());
+              precision.c_str(), base.c_str());
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());

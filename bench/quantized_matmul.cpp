@@ -1,0 +1,61 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// quantized_matmul beside the float32 GEMM of the same dequantized matrix, on the finetune's real
+// product shapes (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49152), x @ W^T and x @ W (the
+// forward and x's gradient), at batches of 1, 8, 64 and 256 tokens, affine 64/4, both through the
+// tape's kernels (B::quantized_matmul, B::matmul) on the same threads. Prints the ratio
+// f32 time / quantized time (> 1: the quantized product is faster).
+//
+//   bench_quantized_matmul [threads=1] [repeats=5]
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include <nn/nn.hpp>
+
+#include "common.hpp"
+
+namespace {
+
+template <class F>
+double best_seconds(int repeats, F&& f) {
+  f();  // warm-up: packing space, pages
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 1;
+  const int repeats = argc > 2 ? std::atoi(argv[2]) : 5;
+  bench::set_threads(threads);
+  bench::print_cpu_info();
+  std::printf("# threads %d, best of %d, affine group 64 bits 4, float32 x\n", threads, repeats);
+  std::printf("| W (out, in) | product | tokens | f32 GEMM ms | quantized ms | f32 / quantized |\n|---|---|---|---|---|---|\n");
+  const std::int64_t shapes[][2] = {{576, 576}, {1536, 576}, {49152, 576}};
+  for (const auto& s : shapes) {
+    const std::int64_t out = s[0], in = s[1];
+    const nn::Tensor w = nn::random::normal({out, in}, nn::DType::f32, 0.0, 0.05);
+    const nn::QuantizedMatrix q = nn::quantize(w, nn::Quant::affine(64, 4));
+    const nn::Tensor wd = nn::dequantize(q);
+    for (const bool transpose : {true, false}) {
+      for (const std::int64_t M : {1, 8, 64, 256}) {
+        const std::int64_t K = transpose ? in : out, N = transpose ? out : in;
+        const nn::Tensor x = nn::random::normal({M, K});
+        nn::Tensor y = nn::Tensor::zeros({M, N});
+        const double tf = best_seconds(repeats, [&] { nn::cpu::matmul(x, false, wd, transpose, y, false); });
+        const double tq = best_seconds(repeats, [&] {
+          nn::cpu::quantized_matmul(x, q.weight, q.scales, q.biases, nn::QuantMatmulAttrs{q.q, transpose}, y, false);
+        });
+        std::printf("| (%lld, %lld) | %s | %lld | %.3f | %.3f | %.2fx |\n", static_cast<long long>(out),
+                    static_cast<long long>(in), transpose ? "x @ W^T" : "x @ W", static_cast<long long>(M), tf * 1e3,
+                    tq * 1e3, tf / tq);
+      }
+    }
+  }
+}
