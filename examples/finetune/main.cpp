@@ -3,6 +3,7 @@
 // JSONL data (mlx-lm's formats) and writes adapters that mlx-lm and PEFT load.
 #include <nn/nn.hpp>
 #include <nn/lm/pretrained.hpp>
+#include <nn/lm/gguf_export.hpp>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -11,6 +12,8 @@
 extern "C" void openblas_set_num_threads(int);
 #endif
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -27,7 +30,8 @@ using namespace nn::lm;
 namespace {
 
 struct Args {
-  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse, logits_out, precision = "f32";
+  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse, logits_out, precision = "f32",
+      outtype = "f16", export_adapter;
   LoraConfig lora;
   double lr = 1e-4;
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
@@ -47,7 +51,11 @@ const char* kUsage =
     "  --val-every 25 --val-batches 4 --save-every 50 --resume --adapter-path adapters --no-peft\n"
     "  --resume              continue from ADAPTER_PATH/checkpoint.safetensors; the schedule and optimizer flags\n"
     "                        must be the run's (checked) unless --resume-new-hyperparameters\n"
-    "  --threads N --seed 0 --prompt TEXT --max-tokens 40 --fuse OUT_FOLDER\n"
+    "  --threads N --seed 0 --prompt TEXT --max-tokens 40\n"
+    "  --fuse OUT            the merged model (base + LoRA, in float32): a Hugging Face folder, or OUT.gguf for\n"
+    "                        llama.cpp (needs a .gguf --model: its metadata and tokenizer carry over)\n"
+    "  --outtype f16         the GGUF's types: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m (llama-quantize's mixtures), same\n"
+    "  --export-adapter OUT.gguf  the LoRA as a llama.cpp GGUF adapter (llama-cli --lora OUT.gguf)\n"
     "  --dequantize          a quantized GGUF base (Q4_0..Q8_0, Q2_K..Q6_K) in float32 (by default it stays quantized: QLoRA)\n"
     "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
     "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
@@ -92,6 +100,8 @@ Args parse(int argc, char** argv) {
   str("fuse", a.fuse);
   str("logits-out", a.logits_out);
   str("precision", a.precision);
+  str("outtype", a.outtype);
+  str("export-adapter", a.export_adapter);
   num("rank", a.lora.rank);
   num("scale", a.lora.scale);
   num("dropout", a.lora.dropout);
@@ -118,6 +128,15 @@ Args parse(int argc, char** argv) {
   if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
   if (a.model.empty() || a.data.empty()) nn::detail::fail("finetune", "--model and --data are required\n", kUsage);
   if (!a.logits_out.empty() && a.prompt.empty()) nn::detail::fail("finetune", "--logits-out needs --prompt");
+  // The GGUF outputs are checked before training, not after it.
+  const bool gguf_model = a.model.ends_with(".gguf");
+  if (a.fuse.ends_with(".gguf") && !gguf_model)
+    nn::detail::fail("finetune", "--fuse ", a.fuse, ": a GGUF output takes its metadata and tokenizer from a .gguf --model; "
+                     "from a Hugging Face folder, --fuse a folder and convert it with llama.cpp's convert_hf_to_gguf.py");
+  if (std::find(gguf_outtypes().begin(), gguf_outtypes().end(), a.outtype) == gguf_outtypes().end())
+    nn::detail::fail("finetune", "--outtype is one of f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m same, got '", a.outtype, "'");
+  if (!a.export_adapter.empty() && !a.export_adapter.ends_with(".gguf"))
+    nn::detail::fail("finetune", "--export-adapter writes a .gguf file, got '", a.export_adapter, "'");
   if (a.schedule != "cosine" && a.schedule != "constant") nn::detail::fail("finetune", "--schedule is cosine or constant");
   if (a.precision != "f32" && a.precision != "bf16")
     nn::detail::fail("finetune", "--precision is f32 or bf16, got '", a.precision, "'");
@@ -132,10 +151,11 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-/// Greedy decoding with the KV cache: the prompt is prefilled once, then one token per step.
-std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string& text, int max_tokens) {
-  if (max_tokens <= 0 || text.empty()) return "";
-  std::vector<std::int32_t> ids = tok.encode(text);
+/// Greedy decoding with the KV cache: the prompt is prefilled once, then one token per step, up to
+/// max_tokens or EOS. Returns the new tokens.
+std::vector<std::int32_t> generate_ids(const CausalLM& m, const Tokenizer& tok, const std::vector<std::int32_t>& ids,
+                                       int max_tokens) {
+  if (max_tokens <= 0 || ids.empty()) return {};
   KVCache cache;
   Tensor logits = m.decode(Tensor::from<std::int32_t>({1, static_cast<std::int64_t>(ids.size())}, ids), cache);
   std::vector<std::int32_t> out;
@@ -151,7 +171,12 @@ std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string&
     out.push_back(best);
     logits = m.decode(Tensor::from<std::int32_t>({1, 1}, {best}), cache);
   }
-  return tok.decode(out, true);
+  return out;
+}
+
+std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string& text, int max_tokens) {
+  if (text.empty()) return "";
+  return tok.decode(generate_ids(m, tok, tok.encode(text), max_tokens), true);
 }
 
 /// Mean next-token loss over up to `batches` validation batches (token-weighted).
@@ -313,20 +338,38 @@ int run(const Args& a) {
   }
   if (!a.logits_out.empty()) {
     // ids: (1, T) the prompt's tokens (chat-formatted when the data is); logits: (1, T, V) of the
-    // trained model in eval mode, for tests/interop/ to compare against PEFT and mlx-lm.
+    // trained model in eval mode, for tests/interop/ to compare against PEFT, mlx-lm and llama.cpp;
+    // greedy: (1, n) its greedy continuation (up to --max-tokens, EOS excluded).
     model.train(false);
     const std::vector<std::int32_t> ids = tok.encode(prompt);
     Tensor id_t = Tensor::from<std::int32_t>({1, static_cast<std::int64_t>(ids.size())}, ids);
     GTape<cpu> tp;
     GVar logits = model.logits(tp, tp.constant(id_t));
-    save_safetensors(a.logits_out, NamedTensors{{"ids", id_t}, {"logits", tp.value(logits)}});
+    const std::vector<std::int32_t> greedy = generate_ids(model, tok, ids, a.max_tokens);
+    Tensor greedy_t = Tensor::from<std::int32_t>({1, static_cast<std::int64_t>(greedy.size())}, greedy);
+    save_safetensors(a.logits_out, NamedTensors{{"ids", id_t}, {"logits", tp.value(logits)}, {"greedy", greedy_t}});
     std::printf("logits of the prompt written to %s\n", a.logits_out.c_str());
   }
+  if (!a.export_adapter.empty()) {
+    save_gguf_adapter(a.export_adapter, model, a.lora, c);
+    std::printf("GGUF LoRA adapter written to %s (%.1f MB)\n", a.export_adapter.c_str(),
+                static_cast<double>(fs::file_size(a.export_adapter)) / 1e6);
+  }
   if (!a.fuse.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
     set_precision(model, Precision::f32);  // the fused weights: the (bf16-rounded) base + the adapters, in f32
     dequantize_layers(model);              // a quantized base: merged in float32 (LoraLinear::fused), the rest dequantized
     model.map_modules<LoraLinear>([](const std::string&) { return true; },
                                   [](const std::string&, const LoraLinear& l) { return l.fused(); });
+    if (a.fuse.ends_with(".gguf")) {
+      const GgufExportReport r = save_gguf(a.fuse, model, GgufFile(a.model), a.outtype);
+      std::string types;
+      for (const auto& [t, n] : r.types) types += (types.empty() ? "" : ", ") + std::to_string(n) + " " + t;
+      std::printf("fused model written to %s (%s: %s; %.1f MB, %.1f s)\n", a.fuse.c_str(), a.outtype.c_str(), types.c_str(),
+                  static_cast<double>(fs::file_size(a.fuse)) / 1e6,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      return 0;
+    }
     save_hf(a.fuse, model);
     if (fs::is_directory(a.model))
       for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})

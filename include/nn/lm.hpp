@@ -13,3 +13,6 @@
 #include "lm/data.hpp"
 #include "lm/adapters.hpp"
 #include "lm/pretrained.hpp"
+#include "lm/gguf_write.hpp"
+#include "lm/gguf_quantize.hpp"
+#include "lm/gguf_export.hpp"

@@ -7,7 +7,8 @@
 //
 // Inlined, in order: nn/lm.hpp, nn/lm/config.hpp, nn/lm/model.hpp, nn/lm/gguf.hpp, nn/lm/load.hpp,
 // nn/lm/tokenizer.hpp, nn/lm/regex.hpp, nn/lm/unicode.hpp, nn/lm/unicode_data.hpp, nn/lm/data.hpp,
-// nn/lm/adapters.hpp, nn/lm/pretrained.hpp
+// nn/lm/adapters.hpp, nn/lm/pretrained.hpp, nn/lm/gguf_write.hpp, nn/lm/gguf_quantize.hpp,
+// nn/lm/gguf_export.hpp
 #pragma once
 
 #include "nn.hpp"
@@ -1553,9 +1554,12 @@ class GgufFile {
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -1681,42 +1685,64 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
 
 namespace detail {
 
-/// llama.cpp's tensor name -> Hugging Face's (llama.cpp src/llama-arch.cpp, gguf-py
-/// tensor_mapping.py). A name with no mapping is returned unchanged, so the strict load reports
-/// it as unknown.
-inline std::string gguf_to_hf_name(const std::string& g) {
-  if (g == "token_embd.weight") return "model.embed_tokens.weight";
-  if (g == "output_norm.weight") return "model.norm.weight";
-  if (g == "output.weight") return "lm_head.weight";
-  static const std::pair<std::string_view, std::string_view> parts[] = {
+/// The names llama.cpp and Hugging Face give the same tensors (llama.cpp src/llama-arch.cpp,
+/// gguf-py tensor_mapping.py): whole names, then the parts of "blk.N.<part>.<leaf>" <->
+/// "model.layers.N.<part>.<leaf>". The one table both directions read.
+struct GgufNames {
+  static constexpr std::pair<std::string_view, std::string_view> whole[] = {
+      {"token_embd.weight", "model.embed_tokens.weight"},
+      {"output_norm.weight", "model.norm.weight"},
+      {"output.weight", "lm_head.weight"}};
+  static constexpr std::pair<std::string_view, std::string_view> parts[] = {
       {"attn_norm", "input_layernorm"}, {"ffn_norm", "post_attention_layernorm"},
       {"attn_q", "self_attn.q_proj"},   {"attn_k", "self_attn.k_proj"},
       {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
       {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"}};
-  if (g.rfind("blk.", 0) != 0) return g;
-  const std::size_t dot1 = g.find('.', 4);
-  if (dot1 == std::string::npos || dot1 == 4) return g;
-  const std::string layer = g.substr(4, dot1 - 4);
-  if (layer.find_first_not_of("0123456789") != std::string::npos) return g;
-  const std::size_t dot2 = g.rfind('.');
-  if (dot2 <= dot1) return g;
-  const std::string part = g.substr(dot1 + 1, dot2 - dot1 - 1), leaf = g.substr(dot2 + 1);
-  if (leaf != "weight" && leaf != "bias") return g;
-  for (const auto& [from, to] : parts)
-    if (part == from) return "model.layers." + layer + "." + std::string(to) + "." + leaf;
-  return g;
+
+  /// Maps `name` from one side to the other (to_hf: llama.cpp -> HF). A name with no mapping
+  /// comes back nullopt.
+  static std::optional<std::string> map(const std::string& name, bool to_hf) {
+    for (const auto& [g, h] : whole)
+      if (name == (to_hf ? g : h)) return std::string(to_hf ? h : g);
+    const std::string_view prefix = to_hf ? "blk." : "model.layers.";
+    if (name.rfind(prefix, 0) != 0) return std::nullopt;
+    const std::size_t dot1 = name.find('.', prefix.size());
+    if (dot1 == std::string::npos || dot1 == prefix.size()) return std::nullopt;
+    const std::string layer = name.substr(prefix.size(), dot1 - prefix.size());
+    if (layer.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+    const std::size_t dot2 = name.rfind('.');
+    if (dot2 <= dot1) return std::nullopt;
+    const std::string part = name.substr(dot1 + 1, dot2 - dot1 - 1), leaf = name.substr(dot2 + 1);
+    if (leaf != "weight" && leaf != "bias") return std::nullopt;
+    for (const auto& [g, h] : parts)
+      if (part == (to_hf ? g : h))
+        return (to_hf ? "model.layers." : "blk.") + layer + "." + std::string(to_hf ? h : g) + "." + leaf;
+    return std::nullopt;
+  }
+};
+
+/// llama.cpp's tensor name -> Hugging Face's. A name with no mapping is returned unchanged, so the
+/// strict load reports it as unknown.
+inline std::string gguf_to_hf_name(const std::string& g) { return GgufNames::map(g, true).value_or(g); }
+
+/// Hugging Face's tensor name -> llama.cpp's; raises naming the file being written (`label`) and
+/// the tensor when llama.cpp has no name for it.
+inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label) {
+  if (auto g = GgufNames::map(hf, false)) return *g;
+  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 decoder's tensors have)");
 }
 
-/// Undoes convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or
-/// bias (out). The converter regroups each head's rows from HF's half-split RoPE pairs
+/// convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or bias (out),
+/// and its inverse. The converter regroups each head's rows from HF's half-split RoPE pairs
 /// (x[i], x[i + hd/2]) to llama.cpp's interleaved ones (x[2i], x[2i + 1]):
 ///   stored row h*hd + 2i + s  <-  HF row h*hd + s*hd/2 + i      (s in {0, 1}, i < hd/2)
-/// n_head is the tensor's own head count (n_kv_heads for k).
-inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::string& name) {
+/// to_gguf false undoes it (loading), true applies it (export). n_head is the tensor's own head
+/// count (n_kv_heads for k).
+inline Tensor permute_rows(const Tensor& t, std::int64_t n_head, const std::string& name, bool to_gguf) {
   const std::int64_t rows = t.dim(0), cols = rows ? t.numel() / rows : 0;
   if (n_head <= 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0)
-    nn::detail::fail("load_gguf", "tensor \"", name, "\" ", t.shape().str(), " does not split into ", n_head,
+    nn::detail::fail("gguf", "tensor \"", name, "\" ", t.shape().str(), " does not split into ", n_head,
                      " heads of even size");
   const std::int64_t hd = rows / n_head, half = hd / 2;
   Tensor out = Tensor::empty(t.shape(), t.dtype());
@@ -1725,10 +1751,14 @@ inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::st
   auto* dst = static_cast<std::byte*>(out.raw());
   for (std::int64_t h = 0; h < n_head; ++h)
     for (std::int64_t s = 0; s < 2; ++s)
-      for (std::int64_t i = 0; i < half; ++i)
-        std::memcpy(dst + static_cast<std::size_t>(h * hd + s * half + i) * row_bytes,
-                    src + static_cast<std::size_t>(h * hd + 2 * i + s) * row_bytes, row_bytes);
+      for (std::int64_t i = 0; i < half; ++i) {
+        const auto hf = static_cast<std::size_t>(h * hd + s * half + i), gg = static_cast<std::size_t>(h * hd + 2 * i + s);
+        std::memcpy(dst + (to_gguf ? gg : hf) * row_bytes, src + (to_gguf ? hf : gg) * row_bytes, row_bytes);
+      }
   return out;
+}
+inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::string& name) {
+  return permute_rows(t, n_head, name, false);
 }
 
 /// Typed metadata reads whose errors name the file and the key.
@@ -5951,4 +5981,874 @@ struct TokenizerText {
 
 }  // namespace nn::lm
 // ---- end nn/lm/pretrained.hpp ----
+// ---- begin nn/lm/gguf_write.hpp ----
+// GGUF writer: builds a GGUF v3 file (the layout gguf.hpp reads; ggml docs/gguf.md) from metadata
+// of every value type (scalars, strings, arrays of them, nested arrays) and tensors already in
+// their ggml type's bytes (gguf_quantize.hpp makes them), and writes it atomically
+// (io/atomic_file.hpp: a temporary sibling, fsync, rename; nothing is left behind on failure).
+//
+// Layout written, all little-endian:
+//   "GGUF" · u32 3 · u64 tensor_count · u64 kv_count · kvs (insertion order) · tensor infos
+//   · zero padding to general.alignment (32 unless set) · each tensor's bytes at its offset, each
+//   padded to the alignment (as gguf-py's GGUFWriter pads them).
+// Every check (sizes against the type's blocks, names, alignment) runs before a byte is written.
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace nn::lm {
+
+class GgufWriter {
+ public:
+  // ---- metadata: set() replaces a key in place, or appends it -------------------------------
+  /// A scalar: uint8..int64 map to GGUF's integer types of the same width and sign, float to
+  /// float32, double to float64, bool to bool; strings (std::string, string_view, const char*).
+  template <class T>
+  void set(std::string key, T v) {
+    Bytes b;
+    if constexpr (std::is_convertible_v<T, std::string_view> && !std::is_same_v<T, bool>) {
+      put_str(b, std::string_view(v));
+      put_kv(std::move(key), GgufType::string, std::move(b));
+    } else {
+      put_scalar(b, v);
+      put_kv(std::move(key), scalar_type<T>(), std::move(b));
+    }
+  }
+  /// An array of scalars (as set()) or of strings.
+  template <class T>
+  void set_array(std::string key, const std::vector<T>& v) {
+    Bytes b;
+    if constexpr (std::is_same_v<T, std::string>) {
+      put_le(b, static_cast<std::uint32_t>(GgufType::string));
+      put_le(b, static_cast<std::uint64_t>(v.size()));
+      for (const std::string& s : v) put_str(b, s);
+    } else {
+      put_le(b, static_cast<std::uint32_t>(scalar_type<T>()));
+      put_le(b, static_cast<std::uint64_t>(v.size()));
+      for (const T& x : v) put_scalar(b, x);
+    }
+    put_kv(std::move(key), GgufType::array, std::move(b));
+  }
+  /// A value read from another file, type for type (so carried metadata keeps its exact types).
+  void copy(std::string key, const GgufValue& v) {
+    Bytes b;
+    put_value(b, v);
+    put_kv(std::move(key), v.type(), std::move(b));
+  }
+  void remove(std::string_view key) {
+    for (std::size_t i = 0; i < kv_.size(); ++i)
+      if (kv_[i].key == key) {
+        kv_.erase(kv_.begin() + static_cast<std::ptrdiff_t>(i));
+        return;
+      }
+  }
+  bool contains(std::string_view key) const {
+    for (const Kv& kv : kv_)
+      if (kv.key == key) return true;
+    return false;
+  }
+  std::size_t metadata_count() const { return kv_.size(); }
+
+  // ---- tensors --------------------------------------------------------------------------------
+  /// A tensor of row-major `shape` (written as ne = shape reversed) whose bytes are already in
+  /// ggml type `type`. Raises when the bytes do not match the shape and type, when the rows do not
+  /// split into the type's blocks, or when the name repeats or is too long for ggml (63 bytes).
+  void add_tensor(std::string name, const std::vector<std::int64_t>& shape, std::uint32_t type,
+                  std::vector<std::byte> data) {
+    const GgmlTypeInfo* info = ggml_type_info(type);
+    if (!info) nn::detail::fail("gguf_write", "tensor \"", name, "\": unknown ggml type ", type);
+    if (name.empty() || name.size() >= 64)
+      nn::detail::fail("gguf_write", "tensor \"", name, "\": a ggml tensor name has 1 to 63 bytes, this one ", name.size());
+    for (const Tensor_& t : tensors_)
+      if (t.name == name) nn::detail::fail("gguf_write", "tensor \"", name, "\" is added twice");
+    if (shape.empty() || shape.size() > 4)
+      nn::detail::fail("gguf_write", "tensor \"", name, "\": ", shape.size(), " dimensions (ggml holds 1 to 4)");
+    std::int64_t numel = 1;
+    for (std::int64_t d : shape) {
+      if (d <= 0) nn::detail::fail("gguf_write", "tensor \"", name, "\": dimension ", d, " is not positive");
+      numel *= d;
+    }
+    const std::int64_t row = shape.back();
+    if (row % info->block != 0)
+      nn::detail::fail("gguf_write", "tensor \"", name, "\": rows of ", row, " do not split into ", info->name,
+                       " blocks of ", info->block);
+    const auto nbytes = static_cast<std::uint64_t>(numel / info->block) * info->bytes;
+    if (data.size() != nbytes)
+      nn::detail::fail("gguf_write", "tensor \"", name, "\": ", data.size(), " bytes given, ", info->name, " ",
+                       shape_str(shape), " takes ", nbytes);
+    tensors_.push_back({std::move(name), {shape.rbegin(), shape.rend()}, type, std::move(data)});
+  }
+  std::size_t tensor_count() const { return tensors_.size(); }
+
+  // ---- output ---------------------------------------------------------------------------------
+  /// The whole file image.
+  std::vector<std::byte> bytes() const {
+    std::vector<std::byte> out;
+    emit([&](const std::byte* p, std::size_t k) { out.insert(out.end(), p, p + k); });
+    return out;
+  }
+  /// Writes the file atomically; on error nn::Error names the path and the reason, and neither
+  /// the target nor a temporary file is left changed.
+  void write(const std::filesystem::path& path) const {
+    alignment();  // checked before the file is touched
+    nn::detail::write_atomically(path, "gguf_write", [&](const nn::detail::ByteSink& sink) { emit(sink); });
+  }
+
+ private:
+  using Bytes = std::vector<std::byte>;
+  struct Kv {
+    std::string key;
+    GgufType type;
+    Bytes value;  // the encoded value after the type field
+  };
+  struct Tensor_ {
+    std::string name;
+    std::vector<std::int64_t> ne;
+    std::uint32_t type;
+    Bytes data;
+  };
+
+  static std::string shape_str(const std::vector<std::int64_t>& s) {
+    std::string r = "(";
+    for (std::size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+    return r + ")";
+  }
+  template <class T>
+  static constexpr GgufType scalar_type() {
+    if constexpr (std::is_same_v<T, bool>) return GgufType::boolean;
+    else if constexpr (std::is_same_v<T, float>) return GgufType::f32;
+    else if constexpr (std::is_same_v<T, double>) return GgufType::f64;
+    else if constexpr (std::is_integral_v<T> && sizeof(T) == 1) return std::is_signed_v<T> ? GgufType::i8 : GgufType::u8;
+    else if constexpr (std::is_integral_v<T> && sizeof(T) == 2) return std::is_signed_v<T> ? GgufType::i16 : GgufType::u16;
+    else if constexpr (std::is_integral_v<T> && sizeof(T) == 4) return std::is_signed_v<T> ? GgufType::i32 : GgufType::u32;
+    else if constexpr (std::is_integral_v<T> && sizeof(T) == 8) return std::is_signed_v<T> ? GgufType::i64 : GgufType::u64;
+    else static_assert(sizeof(T) == 0, "GGUF metadata holds integers, float, double, bool and strings");
+  }
+  template <class T>
+  static void put_le(Bytes& b, T v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    if constexpr (std::endian::native == std::endian::big && sizeof(T) > 1) v = detail::gguf_bswap(v);
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    b.insert(b.end(), p, p + sizeof(T));
+  }
+  template <class T>
+  static void put_scalar(Bytes& b, T v) {
+    if constexpr (std::is_same_v<T, bool>) put_le(b, static_cast<std::uint8_t>(v ? 1 : 0));
+    else if constexpr (std::is_same_v<T, float>) put_le(b, std::bit_cast<std::uint32_t>(v));
+    else if constexpr (std::is_same_v<T, double>) put_le(b, std::bit_cast<std::uint64_t>(v));
+    else put_le(b, v);
+  }
+  static void put_str(Bytes& b, std::string_view s) {
+    put_le(b, static_cast<std::uint64_t>(s.size()));
+    const auto* p = reinterpret_cast<const std::byte*>(s.data());
+    b.insert(b.end(), p, p + s.size());
+  }
+  /// One element of type t from a reader's value (integers through as_int / as_uint by width).
+  static void put_typed(Bytes& b, GgufType t, std::int64_t i, double f) {
+    switch (t) {
+      case GgufType::u8: put_le(b, static_cast<std::uint8_t>(i)); break;
+      case GgufType::i8: put_le(b, static_cast<std::int8_t>(i)); break;
+      case GgufType::u16: put_le(b, static_cast<std::uint16_t>(i)); break;
+      case GgufType::i16: put_le(b, static_cast<std::int16_t>(i)); break;
+      case GgufType::u32: put_le(b, static_cast<std::uint32_t>(i)); break;
+      case GgufType::i32: put_le(b, static_cast<std::int32_t>(i)); break;
+      case GgufType::u64: put_le(b, static_cast<std::uint64_t>(i)); break;  // bit-cast back
+      case GgufType::i64: put_le(b, i); break;
+      case GgufType::boolean: put_le(b, static_cast<std::uint8_t>(i != 0)); break;
+      case GgufType::f32: put_le(b, std::bit_cast<std::uint32_t>(static_cast<float>(f))); break;  // exact: read from f32
+      case GgufType::f64: put_le(b, std::bit_cast<std::uint64_t>(f)); break;
+      default: nn::detail::fail("gguf_write", "not a scalar type: ", gguf_type_name(t));
+    }
+  }
+  static void put_value(Bytes& b, const GgufValue& v) {
+    switch (v.type()) {
+      case GgufType::string: put_str(b, v.as_string()); return;
+      case GgufType::array: {
+        const GgufType et = v.array_type();
+        put_le(b, static_cast<std::uint32_t>(et));
+        put_le(b, static_cast<std::uint64_t>(v.size()));
+        if (et == GgufType::string) {
+          for (const std::string& s : v.strings()) put_str(b, s);
+        } else if (et == GgufType::array) {
+          for (const GgufValue& a : v.arrays()) put_value(b, a);
+        } else if (et == GgufType::f32 || et == GgufType::f64) {
+          for (double x : v.floats()) put_typed(b, et, 0, x);
+        } else {
+          // ints() refuses uint64 elements above 2^63 - 1; their bits go through unchanged here.
+          const std::vector<std::int64_t> xs = et == GgufType::u64 ? u64_bits(v) : v.ints();
+          for (std::int64_t x : xs) put_typed(b, et, x, 0);
+        }
+        return;
+      }
+      case GgufType::f32: case GgufType::f64: put_typed(b, v.type(), 0, v.as_float()); return;
+      case GgufType::u64: put_le(b, v.as_uint()); return;
+      case GgufType::boolean: put_typed(b, v.type(), v.as_bool(), 0); return;
+      default: put_typed(b, v.type(), v.as_int(), 0); return;
+    }
+  }
+  static std::vector<std::int64_t> u64_bits(const GgufValue& v) {
+    try {
+      return v.ints();
+    } catch (const nn::Error&) {
+      nn::detail::fail("gguf_write", "key \"", v.key(), "\": uint64 array elements above 2^63 - 1 are not carried");
+    }
+  }
+  void put_kv(std::string key, GgufType t, Bytes b) {
+    for (Kv& kv : kv_)
+      if (kv.key == key) {
+        kv.type = t;
+        kv.value = std::move(b);
+        return;
+      }
+    kv_.push_back({std::move(key), t, std::move(b)});
+  }
+  std::uint64_t alignment() const {
+    for (const Kv& kv : kv_)
+      if (kv.key == "general.alignment") {
+        std::uint32_t a = 0;
+        if (kv.type != GgufType::u32) nn::detail::fail("gguf_write", "general.alignment must be a uint32");
+        std::memcpy(&a, kv.value.data(), 4);
+        if (a == 0 || (a & (a - 1)) != 0) nn::detail::fail("gguf_write", "general.alignment ", a, " is not a power of two");
+        return a;
+      }
+    return 32;
+  }
+  template <class Sink>
+  void emit(Sink&& sink) const {
+    const std::uint64_t al = alignment();
+    auto pad = [&](std::uint64_t n) { return (n + al - 1) / al * al; };
+    Bytes h;
+    h.insert(h.end(), {std::byte{'G'}, std::byte{'G'}, std::byte{'U'}, std::byte{'F'}});
+    put_le(h, std::uint32_t{3});
+    put_le(h, static_cast<std::uint64_t>(tensors_.size()));
+    put_le(h, static_cast<std::uint64_t>(kv_.size()));
+    for (const Kv& kv : kv_) {
+      put_str(h, kv.key);
+      put_le(h, static_cast<std::uint32_t>(kv.type));
+      h.insert(h.end(), kv.value.begin(), kv.value.end());
+    }
+    std::uint64_t offset = 0;
+    for (const Tensor_& t : tensors_) {
+      put_str(h, t.name);
+      put_le(h, static_cast<std::uint32_t>(t.ne.size()));
+      for (std::int64_t d : t.ne) put_le(h, static_cast<std::uint64_t>(d));
+      put_le(h, t.type);
+      put_le(h, offset);
+      offset += pad(t.data.size());
+    }
+    h.resize(static_cast<std::size_t>(pad(h.size())), std::byte{0});
+    sink(h.data(), h.size());
+    static const Bytes zeros(4096, std::byte{0});
+    for (const Tensor_& t : tensors_) {
+      sink(t.data.data(), t.data.size());
+      std::size_t fill = static_cast<std::size_t>(pad(t.data.size()) - t.data.size());
+      for (; fill > 0;) {
+        const std::size_t k = std::min(fill, zeros.size());
+        sink(zeros.data(), k);
+        fill -= k;
+      }
+    }
+  }
+
+  std::vector<Kv> kv_;
+  std::vector<Tensor_> tensors_;
+};
+
+}  // namespace nn::lm
+// ---- end nn/lm/gguf_write.hpp ----
+// ---- begin nn/lm/gguf_quantize.hpp ----
+// GGUF quantizers: float32 rows into ggml's tensor types, the inverse of gguf.hpp's
+// detail::gguf_decode_block. Written here after ggml's reference algorithms (ggml-quants.c's
+// quantize_row_*_ref, which llama-quantize runs when no importance matrix is given), step for step
+// and in the same float32 operation order, so:
+//   F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1  give gguf-py's quantize() bytes exactly;
+//   Q4_K Q5_K Q6_K                          give ggml's reference bytes (gguf-py has no quantizer
+//                                           for them), checked against ggml's own quantize-fns
+//                                           error thresholds and against gguf-py's dequantize.
+// (The equality needs the compiler not to contract a * b + c into an FMA, which is GCC's and
+// Clang's default unless -march enables FMA with -ffp-contract=fast.)
+//
+// Block layouts (ggml-common.h), QK = 32 elements, QK_K = 256:
+//   Q8_0  f16 d · int8 q[32]                               x ≈ d·q,          d = amax / 127
+//   Q4_0  f16 d · u8 qs[16]                                x ≈ d·(q − 8),    d = max / −8
+//   Q4_1  f16 d · f16 m · u8 qs[16]                        x ≈ d·q + m,      d = (max − min) / 15
+//   Q5_0  f16 d · u32 qh · u8 qs[16]                       x ≈ d·(q − 16),   d = max / −16
+//   Q5_1  f16 d · f16 m · u32 qh · u8 qs[16]               x ≈ d·q + m,      d = (max − min) / 31
+//   Q4_K  f16 d · f16 dmin · u8 scales[12] · u8 qs[128]     8 groups of 32: x ≈ d·sc·q − dmin·m
+//   Q5_K  f16 d · f16 dmin · u8 scales[12] · qh[32] · qs[128]  the same with 5-bit q
+//   Q6_K  u8 ql[128] · u8 qh[64] · int8 scales[16] · f16 d   16 groups of 16: x ≈ d·sc·(q − 32)
+// (max is the element of largest magnitude, with its sign.)
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+
+namespace nn::lm {
+
+/// Whether gguf_quantize writes ggml type `type`: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K.
+inline bool gguf_can_quantize(std::uint32_t type) {
+  switch (type) {
+    case 0: case 1: case 30: case 8: case 2: case 3: case 6: case 7: case 12: case 13: case 14: return true;
+    default: return false;
+  }
+}
+
+namespace detail {
+
+inline void gguf_put_u16(std::byte* p, std::uint16_t v) {
+  p[0] = static_cast<std::byte>(v & 0xff);
+  p[1] = static_cast<std::byte>(v >> 8);
+}
+inline void gguf_put_f16(std::byte* p, float v) { gguf_put_u16(p, half::f32_to_f16(v)); }
+inline float gguf_f16_round(float v) { return half::f16_to_f32(half::f32_to_f16(v)); }
+
+/// ggml's nearest_int: round to nearest, ties to even, through the float32 mantissa (|x| < 2^22).
+inline int gguf_nearest_int(float fval) {
+  const float val = fval + 12582912.f;
+  int i;
+  std::memcpy(&i, &val, sizeof(int));
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+/// Q4_0 / Q5_0 (symmetric, nbits 4 or 5) and Q4_1 / Q5_1 (with a minimum): one block of 32.
+inline void gguf_quantize_block32(std::uint32_t type, const float* x, std::byte* y) {
+  const bool with_min = type == 3 || type == 7;
+  const int nbits = type == 2 || type == 3 ? 4 : 5;
+  const int top = (1 << nbits) - 1;
+  std::uint8_t q[32];
+  float d, m = 0;
+  if (!with_min) {
+    float amax = 0, max = 0;  // the element of largest magnitude, first of equals, with its sign
+    for (int j = 0; j < 32; ++j)
+      if (amax < std::fabs(x[j])) {
+        amax = std::fabs(x[j]);
+        max = x[j];
+      }
+    d = max / static_cast<float>(-(1 << (nbits - 1)));
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    const float off = static_cast<float>(1 << (nbits - 1)) + 0.5f;
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<std::uint8_t>(std::min(top, static_cast<int>(static_cast<std::int8_t>(x[j] * id + off))));
+  } else {
+    float mn = x[0], mx = x[0];
+    for (int j = 1; j < 32; ++j) {
+      mn = std::min(mn, x[j]);
+      mx = std::max(mx, x[j]);
+    }
+    d = (mx - mn) / static_cast<float>(top);
+    m = mn;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<std::uint8_t>(std::min(top, static_cast<int>(static_cast<std::int8_t>((x[j] - mn) * id + 0.5f))));
+  }
+  std::size_t at = 0;
+  gguf_put_f16(y, d);
+  at = 2;
+  if (with_min) {
+    gguf_put_f16(y + 2, m);
+    at = 4;
+  }
+  if (nbits == 5) {  // bit 4 of element j is bit j of the little-endian u32 qh
+    std::uint32_t qh = 0;
+    for (int j = 0; j < 32; ++j) qh |= static_cast<std::uint32_t>((q[j] >> 4) & 1u) << j;
+    for (int b = 0; b < 4; ++b) y[at + b] = static_cast<std::byte>((qh >> (8 * b)) & 0xffu);
+    at += 4;
+  }
+  for (int j = 0; j < 16; ++j) y[at + j] = static_cast<std::byte>((q[j] & 15u) | (q[j + 16] & 15u) << 4);
+}
+
+inline void gguf_quantize_q8_0(const float* x, std::byte* y) {
+  float amax = 0;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0 ? 1.0f / d : 0.0f;
+  gguf_put_f16(y, d);
+  for (int j = 0; j < 32; ++j) y[2 + j] = static_cast<std::byte>(static_cast<std::int8_t>(std::round(x[j] * id)));
+}
+
+/// ggml's make_qkx2_quants: codes L in [0, nmax] and a scale and minimum for n weighted values,
+/// the minimum searched over nstep + 1 trial scales (weighted least squares per trial).
+inline float gguf_make_qkx2(int n, int nmax, const float* x, const float* w, std::uint8_t* L, float* the_min,
+                            std::uint8_t* Laux, float rmin, float rdelta, int nstep) {
+  float min = x[0], max = x[0], sum_w = w[0], sum_x = sum_w * x[0];
+  for (int i = 1; i < n; ++i) {
+    if (x[i] < min) min = x[i];
+    if (x[i] > max) max = x[i];
+    sum_w += w[i];
+    sum_x += w[i] * x[i];
+  }
+  if (min > 0) min = 0;
+  if (max == min) {
+    for (int i = 0; i < n; ++i) L[i] = 0;
+    *the_min = -min;
+    return 0.f;
+  }
+  float iscale = static_cast<float>(nmax) / (max - min);
+  float scale = 1 / iscale;
+  float best_error = 0;
+  for (int i = 0; i < n; ++i) {
+    const int l = gguf_nearest_int(iscale * (x[i] - min));
+    L[i] = static_cast<std::uint8_t>(std::max(0, std::min(nmax, l)));
+    float diff = scale * L[i] + min - x[i];
+    diff = diff * diff;
+    best_error += w[i] * diff;
+  }
+  for (int is = 0; is <= nstep; ++is) {
+    iscale = (rmin + rdelta * static_cast<float>(is) + static_cast<float>(nmax)) / (max - min);
+    float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+    for (int i = 0; i < n; ++i) {
+      int l = gguf_nearest_int(iscale * (x[i] - min));
+      l = std::max(0, std::min(nmax, l));
+      Laux[i] = static_cast<std::uint8_t>(l);
+      sum_l += w[i] * static_cast<float>(l);
+      sum_l2 += w[i] * static_cast<float>(l) * static_cast<float>(l);
+      sum_xl += w[i] * static_cast<float>(l) * x[i];
+    }
+    const float D = sum_w * sum_l2 - sum_l * sum_l;
+    if (D > 0) {
+      float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
+      float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+      if (this_min > 0) {
+        this_min = 0;
+        this_scale = sum_xl / sum_l2;
+      }
+      float cur_error = 0;
+      for (int i = 0; i < n; ++i) {
+        float diff = this_scale * Laux[i] + this_min - x[i];
+        diff = diff * diff;
+        cur_error += w[i] * diff;
+      }
+      if (cur_error < best_error) {
+        for (int i = 0; i < n; ++i) L[i] = Laux[i];
+        best_error = cur_error;
+        scale = this_scale;
+        min = this_min;
+      }
+    }
+  }
+  *the_min = -min;
+  return scale;
+}
+
+/// Q4_K (nbits 4) and Q5_K (nbits 5): one super-block of 256 as quantize_row_q{4,5}_K_ref.
+inline void gguf_quantize_qk(int nbits, const float* x, std::byte* y) {
+  const int nmax = (1 << nbits) - 1;
+  std::uint8_t L[256], Laux[32], sc6[12] = {};
+  float w[32], mins[8], scales[8];
+  float max_scale = 0, max_min = 0;
+  for (int j = 0; j < 8; ++j) {
+    float sum_x2 = 0;
+    for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
+    const float av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) w[l] = av_x + std::fabs(x[32 * j + l]);
+    scales[j] = nbits == 4 ? gguf_make_qkx2(32, nmax, x + 32 * j, w, L + 32 * j, &mins[j], Laux, -1.f, 0.1f, 20)
+                           : gguf_make_qkx2(32, nmax, x + 32 * j, w, L + 32 * j, &mins[j], Laux, -0.5f, 0.1f, 15);
+    max_scale = std::max(max_scale, scales[j]);
+    max_min = std::max(max_min, mins[j]);
+  }
+  const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+  const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  std::uint8_t ls[8], lm[8];
+  for (int j = 0; j < 8; ++j) {
+    ls[j] = std::min<std::uint8_t>(63, static_cast<std::uint8_t>(gguf_nearest_int(inv_scale * scales[j])));
+    lm[j] = std::min<std::uint8_t>(63, static_cast<std::uint8_t>(gguf_nearest_int(inv_min * mins[j])));
+    // The 12-byte packing gguf_decode_block's k_scale_min reads.
+    if (j < 4) {
+      sc6[j] = ls[j];
+      sc6[j + 4] = lm[j];
+    } else {
+      sc6[j + 4] = static_cast<std::uint8_t>((ls[j] & 0xF) | ((lm[j] & 0xF) << 4));
+      sc6[j - 4] |= static_cast<std::uint8_t>((ls[j] >> 4) << 6);
+      sc6[j] |= static_cast<std::uint8_t>((lm[j] >> 4) << 6);
+    }
+  }
+  const float d = gguf_f16_round(max_scale / 63.f), dmin = gguf_f16_round(max_min / 63.f);
+  for (int j = 0; j < 8; ++j) {
+    const float dj = d * ls[j];
+    if (!(dj != 0)) continue;  // ggml's `if (!d) continue`: the codes of make_qkx2 stay
+    const float dm = dmin * lm[j];
+    for (int ii = 0; ii < 32; ++ii)
+      L[32 * j + ii] = static_cast<std::uint8_t>(std::max(0, std::min(nmax, gguf_nearest_int((x[32 * j + ii] + dm) / dj))));
+  }
+  gguf_put_f16(y, max_scale / 63.f);
+  gguf_put_f16(y + 2, max_min / 63.f);
+  for (int i = 0; i < 12; ++i) y[4 + i] = static_cast<std::byte>(sc6[i]);
+  std::byte* qs = y + (nbits == 4 ? 16 : 48);
+  if (nbits == 5) std::memset(y + 16, 0, 32);
+  // Group pairs (2k, 2k + 1) share 32 bytes: low nibble, high nibble; Q5_K's bit 4 of group g in
+  // bit g of qh[e % 32].
+  for (int n = 0; n < 256; n += 64)
+    for (int j = 0; j < 32; ++j) {
+      int l1 = L[n + j], l2 = L[n + j + 32];
+      if (nbits == 5) {
+        auto* qh = reinterpret_cast<std::uint8_t*>(y + 16);
+        if (l1 > 15) {
+          l1 -= 16;
+          qh[j] = static_cast<std::uint8_t>(qh[j] | (1u << (n / 32)));
+        }
+        if (l2 > 15) {
+          l2 -= 16;
+          qh[j] = static_cast<std::uint8_t>(qh[j] | (2u << (n / 32)));
+        }
+      }
+      qs[n / 2 + j] = static_cast<std::byte>(l1 | (l2 << 4));
+    }
+}
+
+/// ggml's make_qx_quants with rmse_type 1 (weights x²) and no importance: codes L + nmax.
+inline float gguf_make_qx(int n, int nmax, const float* x, std::int8_t* L) {
+  float max = 0, amax = 0;
+  for (int i = 0; i < n; ++i) {
+    const float ax = std::fabs(x[i]);
+    if (ax > amax) {
+      amax = ax;
+      max = x[i];
+    }
+  }
+  if (amax < 1e-15f) {  // GROUP_MAX_EPS: all zero
+    for (int i = 0; i < n; ++i) L[i] = 0;
+    return 0.f;
+  }
+  float iscale = static_cast<float>(-nmax) / max;
+  float sumlx = 0, suml2 = 0;
+  for (int i = 0; i < n; ++i) {
+    int l = gguf_nearest_int(iscale * x[i]);
+    l = std::max(-nmax, std::min(nmax - 1, l));
+    L[i] = static_cast<std::int8_t>(l + nmax);
+    const float w = x[i] * x[i];
+    sumlx += w * x[i] * static_cast<float>(l);
+    suml2 += w * static_cast<float>(l) * static_cast<float>(l);
+  }
+  float scale = suml2 != 0 ? sumlx / suml2 : 0.0f;
+  float best = scale * sumlx;
+  for (int is = -9; is <= 9; ++is) {
+    if (is == 0) continue;
+    iscale = -(static_cast<float>(nmax) + 0.1f * static_cast<float>(is)) / max;
+    sumlx = suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+      int l = gguf_nearest_int(iscale * x[i]);
+      l = std::max(-nmax, std::min(nmax - 1, l));
+      const float w = x[i] * x[i];
+      sumlx += w * x[i] * static_cast<float>(l);
+      suml2 += w * static_cast<float>(l) * static_cast<float>(l);
+    }
+    if (suml2 > 0 && sumlx * sumlx > best * suml2) {
+      for (int i = 0; i < n; ++i) {
+        const int l = gguf_nearest_int(iscale * x[i]);
+        L[i] = static_cast<std::int8_t>(nmax + std::max(-nmax, std::min(nmax - 1, l)));
+      }
+      scale = sumlx / suml2;
+      best = scale * sumlx;
+    }
+  }
+  return scale;
+}
+
+/// Q6_K: one super-block of 256 as quantize_row_q6_K_ref.
+inline void gguf_quantize_q6_k(const float* x, std::byte* y) {
+  std::int8_t L[256];
+  float scales[16];
+  float max_scale = 0, max_abs_scale = 0;
+  for (int ib = 0; ib < 16; ++ib) {
+    scales[ib] = gguf_make_qx(16, 32, x + 16 * ib, L + 16 * ib);
+    const float abs_scale = std::fabs(scales[ib]);
+    if (abs_scale > max_abs_scale) {
+      max_abs_scale = abs_scale;
+      max_scale = scales[ib];
+    }
+  }
+  std::memset(y, 0, 210);
+  if (max_abs_scale < 1e-15f) return;  // an all-zero block: zero bytes, d = +0
+  const float iscale = -128.f / max_scale;
+  gguf_put_f16(y + 208, 1 / iscale);
+  const float d = gguf_f16_round(1 / iscale);
+  std::int8_t sc[16];
+  for (int ib = 0; ib < 16; ++ib) {
+    sc[ib] = static_cast<std::int8_t>(std::min(127, gguf_nearest_int(iscale * scales[ib])));
+    y[192 + ib] = static_cast<std::byte>(sc[ib]);
+  }
+  for (int j = 0; j < 16; ++j) {
+    const float dj = d * sc[j];
+    if (!(dj != 0)) continue;
+    for (int ii = 0; ii < 16; ++ii) {
+      const int l = std::max(-32, std::min(31, gguf_nearest_int(x[16 * j + ii] / dj)));
+      L[16 * j + ii] = static_cast<std::int8_t>(l + 32);
+    }
+  }
+  // Element e = 128h + r: low nibble in ql[64h + r % 64] (nibble r / 64), top two bits in
+  // qh[32h + r % 32] (bits 2 (r / 32)) -- the layout gguf_decode_block reads.
+  auto* ql = reinterpret_cast<std::uint8_t*>(y);
+  auto* qh = reinterpret_cast<std::uint8_t*>(y + 128);
+  for (int e = 0; e < 256; ++e) {
+    const int h = e / 128, r = e % 128;
+    const auto q = static_cast<std::uint8_t>(L[e]);
+    ql[64 * h + r % 64] = static_cast<std::uint8_t>(ql[64 * h + r % 64] | (q & 15u) << (4 * (r / 64)));
+    qh[32 * h + r % 32] = static_cast<std::uint8_t>(qh[32 * h + r % 32] | (q >> 4) << (2 * (r / 32)));
+  }
+}
+
+/// n values of one row into `type` (n a multiple of the type's block).
+inline void gguf_quantize_row(std::uint32_t type, const float* x, std::int64_t n, std::byte* y) {
+  const auto N = static_cast<std::size_t>(n);
+  switch (type) {
+    case 0:
+      for (std::size_t i = 0; i < N; ++i) {
+        std::uint32_t u = std::bit_cast<std::uint32_t>(x[i]);
+        if constexpr (std::endian::native == std::endian::big) u = gguf_bswap(u);
+        std::memcpy(y + 4 * i, &u, 4);
+      }
+      return;
+    case 1: for (std::size_t i = 0; i < N; ++i) gguf_put_u16(y + 2 * i, half::f32_to_f16(x[i])); return;
+    case 30: for (std::size_t i = 0; i < N; ++i) gguf_put_u16(y + 2 * i, half::f32_to_bf16(x[i])); return;
+    case 8: for (std::size_t b = 0; b < N / 32; ++b) gguf_quantize_q8_0(x + 32 * b, y + 34 * b); return;
+    case 2: case 3: case 6: case 7: {
+      const std::uint32_t bytes = ggml_type_info(type)->bytes;
+      for (std::size_t b = 0; b < N / 32; ++b) gguf_quantize_block32(type, x + 32 * b, y + bytes * b);
+      return;
+    }
+    case 12: for (std::size_t b = 0; b < N / 256; ++b) gguf_quantize_qk(4, x + 256 * b, y + 144 * b); return;
+    case 13: for (std::size_t b = 0; b < N / 256; ++b) gguf_quantize_qk(5, x + 256 * b, y + 176 * b); return;
+    case 14: for (std::size_t b = 0; b < N / 256; ++b) gguf_quantize_q6_k(x + 256 * b, y + 210 * b); return;
+    default: nn::detail::fail("gguf_quantize", "type ", type, " is not written");
+  }
+}
+
+}  // namespace detail
+
+/// A float32 (or float64, narrowed) tensor of row-major shape (..., n) as ggml type `type`'s
+/// bytes, row by row. `name` leads errors: a type nn does not write, or rows of n that do not
+/// split into the type's blocks.
+inline std::vector<std::byte> gguf_quantize(const Tensor& t, std::uint32_t type, const std::string& name = "tensor") {
+  const GgmlTypeInfo* info = ggml_type_info(type);
+  if (!info || !gguf_can_quantize(type))
+    nn::detail::fail("gguf_quantize", "tensor \"", name, "\": ggml type ", info ? info->name : std::to_string(type).c_str(),
+                     " is not written (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K are)");
+  if (t.rank() == 0) nn::detail::fail("gguf_quantize", "tensor \"", name, "\" is a scalar");
+  const std::int64_t n = t.dim(t.rank() - 1);
+  if (n % info->block != 0)
+    nn::detail::fail("gguf_quantize", "tensor \"", name, "\" ", t.shape().str(), ": rows of ", n,
+                     " do not split into ", info->name, " blocks of ", info->block);
+  const Tensor f = t.dtype() == DType::f32 ? t : t.to(DType::f32);
+  const std::int64_t rows = n ? f.numel() / n : 0;
+  const std::size_t row_bytes = static_cast<std::size_t>(n / info->block) * info->bytes;
+  std::vector<std::byte> out(static_cast<std::size_t>(rows) * row_bytes);
+  const float* src = f.data<float>();
+  for (std::int64_t r = 0; r < rows; ++r) detail::gguf_quantize_row(type, src + r * n, n, out.data() + r * row_bytes);
+  return out;
+}
+
+}  // namespace nn::lm
+// ---- end nn/lm/gguf_quantize.hpp ----
+// ---- begin nn/lm/gguf_export.hpp ----
+// Back to llama.cpp: a (fused) model as a GGUF file that llama.cpp, ollama and LM Studio run, and
+// a LoRA adapter in llama.cpp's GGUF LoRA format (`llama-cli --lora`).
+//
+// save_gguf writes every tensor of a float model (fuse LoRA layers and dequantize a quantized
+// base first) under llama.cpp's names (load.hpp's GgufNames), with Llama's q/k rows permuted as
+// convert_hf_to_gguf.py permutes them, in the types an --outtype picks:
+//   f32 | f16 | bf16      every matrix in that type, 1-D tensors (norms, biases) in F32, as
+//                         convert_hf_to_gguf.py writes them;
+//   q8_0 | q4_0 | q4_k_m | q5_k_m   llama-quantize's mixtures (llama-quant.cpp's
+//                         llama_tensor_get_type, no importance matrix), gguf_mixture_type below;
+//   same                  each tensor in the source GGUF's type for it.
+// The metadata (architecture, hyperparameters, tokenizer, chat template) is carried over from the
+// source GGUF key for key; general.file_type and general.quantization_version are set anew.
+//
+// save_gguf_adapter writes llama.cpp's adapter file, the layout convert_lora_to_gguf.py writes
+// from a PEFT adapter: general.type = "adapter", adapter.type = "lora", adapter.lora.alpha, and
+// per adapted matrix W (out, in) of llama.cpp name N: N.lora_a (r, in) and N.lora_b (out, r)
+// (PEFT's lora_A / lora_B; ggml ne reversed), q/k's lora_b rows permuted as W's. llama.cpp
+// applies W + (alpha / r) · lora_b · lora_a, so alpha = effective scale · r.
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+
+namespace nn::lm {
+
+/// The --outtype values save_gguf takes.
+inline const std::vector<std::string>& gguf_outtypes() {
+  static const std::vector<std::string> v{"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "same"};
+  return v;
+}
+
+namespace detail {
+
+inline std::uint32_t ggml_block(std::uint32_t type) { return ggml_type_info(type)->block; }
+
+/// llama.cpp's llama_ftype for general.file_type.
+inline std::uint32_t gguf_file_type(const std::string& outtype) {
+  static const std::map<std::string, std::uint32_t> m{{"f32", 0}, {"f16", 1}, {"q4_0", 2}, {"q8_0", 7},
+                                                      {"q4_k_m", 15}, {"q5_k_m", 17}, {"bf16", 32}};
+  return m.at(outtype);
+}
+
+}  // namespace detail
+
+/// The ggml type llama.cpp gives tensor `name` (llama.cpp's name; `row` = ne[0], its row length;
+/// `dims` its dimension count) in mixture `outtype` (not "same"); `layer` / `n_layers` place a
+/// blk.N tensor; `tied` says token_embd is also the output matrix. As llama-quant.cpp:
+///   1-D tensors and norms stay F32; f32 / f16 / bf16 put every matrix in that type;
+///   the output matrix (output.weight, or token_embd when tied) takes Q6_K, unless its rows do
+///   not split into the mixture's blocks (then Q8_0) or the mixture is q8_0;
+///   q4_k_m: attn_v and ffn_down of the layers use_more_bits picks (the first and last eighth,
+///   every third between) take Q6_K; q5_k_m: the same; everything else the mixture's base type
+///   (Q8_0, Q4_0, Q4_K, Q5_K);
+///   then rows that do not split into 256 fall back: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0,
+///   and a type still not fitting (rows not a multiple of 32) -> F16.
+inline std::uint32_t gguf_mixture_type(const std::string& outtype, const std::string& name, std::int64_t row, int dims,
+                                       int layer, int n_layers, bool tied) {
+  constexpr std::uint32_t F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30;
+  const bool matrix = dims >= 2 && name.ends_with("weight") && name.find("_norm.weight") == std::string::npos;
+  if (!matrix) return F32;
+  if (outtype == "f32") return F32;
+  if (outtype == "f16") return F16;
+  if (outtype == "bf16") return BF16;
+  std::uint32_t t = outtype == "q8_0" ? Q8_0 : outtype == "q4_0" ? Q4_0 : outtype == "q4_k_m" ? Q4_K
+                  : outtype == "q5_k_m" ? Q5_K : 0;
+  if (t == 0) nn::detail::fail("gguf", "unknown --outtype '", outtype, "' (f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m same)");
+  const bool km = outtype == "q4_k_m" || outtype == "q5_k_m";
+  auto use_more_bits = [](int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; };
+  if (name == "output.weight" || (tied && name == "token_embd.weight")) {
+    if (row % detail::ggml_block(t) != 0) t = Q8_0;
+    else if (t != Q8_0) t = Q6_K;
+  } else if (name.ends_with(".attn_v.weight") || name.ends_with(".ffn_down.weight")) {
+    if (km && use_more_bits(layer, n_layers)) t = Q6_K;
+  }
+  if (row % detail::ggml_block(t) != 0) {
+    t = t == Q4_K ? Q5_0 : t == Q5_K ? Q5_1 : t == Q6_K ? Q8_0 : t;
+    if (row % detail::ggml_block(t) != 0) t = F16;
+  }
+  return t;
+}
+
+struct GgufExportReport {
+  std::map<std::string, int> types;  // ggml type name -> tensor count
+  std::uint64_t bytes = 0;           // tensor data
+};
+
+/// Writes `model` (float weights: no LoRA, no quantized layers left) to `path` as a GGUF file in
+/// `outtype` (gguf_outtypes()), with the metadata of `source` (the GGUF it was loaded from).
+/// Raises, leaving no file, for an architecture llama.cpp cannot name, a tensor with no llama.cpp
+/// name, a LoRA or quantized layer still in the model, an outtype "same" type nn does not write,
+/// and any write error.
+inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, const GgufFile& source,
+                                  const std::string& outtype = "f16") {
+  const ModelConfig& c = model.config();
+  if (c.arch != Arch::llama && c.arch != Arch::qwen2)
+    nn::detail::fail("gguf", path.string(), ": cannot export architecture '", c.model_type, "' (llama, qwen2)");
+  const std::string arch = c.arch == Arch::qwen2 ? "qwen2" : "llama";
+  if (const GgufValue* a = source.find("general.architecture"); a && a->is_string() && a->as_string() != arch)
+    nn::detail::fail("gguf", path.string(), ": the source ", source.path(), " is a '", a->as_string(),
+                     "' model, this one '", arch, "'");
+  bool known = false;
+  for (const std::string& o : gguf_outtypes()) known |= o == outtype;
+  if (!known) nn::detail::fail("gguf", path.string(), ": unknown --outtype '", outtype, "' (f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m same)");
+
+  GgufWriter w;
+  for (const auto& [key, v] : source.metadata())
+    if (key != "general.file_type" && key != "general.quantization_version" && key != "general.alignment") w.copy(key, v);
+  w.set("general.architecture", arch);
+
+  GgufExportReport report;
+  const int n_layers = static_cast<int>(c.num_hidden_layers);
+  bool quantized = false;
+  const NamedTensors params = model.parameters();
+  for (const auto& [hf, t0] : params)
+    if (hf.ends_with(".lora_a") || hf.ends_with(".lora_b"))
+      nn::detail::fail("gguf", path.string(), ": the model still has LoRA layers (", hf, "): fuse them first");
+  for (const auto& [hf, t0] : params) {
+    if (hf.ends_with(".scales") || hf.ends_with(".biases") || !is_floating(t0.dtype()))
+      nn::detail::fail("gguf", path.string(), ": tensor \"", hf, "\" belongs to a quantized layer: dequantize the model first");
+    const std::string g = detail::hf_to_gguf_name(hf, path.string());
+    Tensor t = t0.to(DType::f32);
+    if (c.arch == Arch::llama) {  // llama.cpp runs Llama with interleaved RoPE pairs
+      if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
+      if (g.find(".attn_k.") != std::string::npos) t = detail::permute_rows(t, c.num_key_value_heads, g, true);
+    }
+    int layer = -1;
+    if (g.rfind("blk.", 0) == 0) layer = std::stoi(g.substr(4, g.find('.', 4) - 4));
+    std::uint32_t type;
+    if (outtype == "same") {
+      const GgufTensorInfo* src = source.find_tensor(g);
+      if (!src) nn::detail::fail("gguf", path.string(), ": --outtype same, but the source has no tensor \"", g, "\"");
+      type = src->type;
+      if (!gguf_can_quantize(type))
+        nn::detail::fail("gguf", path.string(), ": tensor \"", g, "\" is ", src->type_name(),
+                         " in the source, a type nn does not write (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K); choose --outtype");
+    } else {
+      type = gguf_mixture_type(outtype, g, t.dim(t.rank() - 1), static_cast<int>(t.rank()), layer, n_layers,
+                               c.tie_word_embeddings);
+    }
+    quantized |= ggml_type_info(type)->block > 1;
+    std::vector<std::byte> bytes = gguf_quantize(t, type, g);
+    report.bytes += bytes.size();
+    ++report.types[ggml_type_info(type)->name];
+    w.add_tensor(g, t.shape().vec(), type, std::move(bytes));
+  }
+  // llama.cpp's Llama 3 frequency remap is a tensor of its own; carried over as it was.
+  if (const GgufTensorInfo* rf = source.find_tensor("rope_freqs.weight")) {
+    const auto b = source.tensor_bytes(*rf);
+    w.add_tensor(rf->name, rf->shape(), rf->type, std::vector<std::byte>(b.begin(), b.end()));
+  }
+  if (outtype == "same") {
+    if (const GgufValue* ft = source.find("general.file_type")) w.copy("general.file_type", *ft);
+  } else {
+    w.set("general.file_type", detail::gguf_file_type(outtype));
+  }
+  if (quantized) w.set("general.quantization_version", std::uint32_t{2});
+  w.write(path);
+  return report;
+}
+
+/// Writes the LoRA layers of `model` (trained with `cfg`) as a llama.cpp GGUF LoRA adapter for a
+/// base of architecture `arch` ("llama" / "qwen2"; the base's general.architecture). Factors in
+/// F32. Raises, leaving no file, when the model has no LoRA layers or one has no llama.cpp name.
+template <class M>
+void save_gguf_adapter(const std::filesystem::path& path, const M& model, const LoraConfig& cfg, const ModelConfig& c) {
+  if (c.arch != Arch::llama && c.arch != Arch::qwen2)
+    nn::detail::fail("gguf", path.string(), ": cannot export an adapter for architecture '", c.model_type, "' (llama, qwen2)");
+  GgufWriter w;
+  w.set("general.architecture", c.arch == Arch::qwen2 ? "qwen2" : "llama");
+  w.set("general.type", "adapter");
+  w.set("adapter.type", "lora");
+  const double eff = cfg.rslora ? cfg.scale / std::sqrt(static_cast<double>(cfg.rank)) : cfg.scale;
+  w.set("adapter.lora.alpha", static_cast<float>(eff * static_cast<double>(cfg.rank)));
+  GTape<cpu> tp;
+  int n = 0;
+  for (auto& [p, v] : model.trainable_parameters()) {
+    const bool a = p.ends_with(".lora_a"), b = p.ends_with(".lora_b");
+    if (!a && !b) continue;
+    const std::string g = detail::hf_to_gguf_name(p.substr(0, p.size() - 7) + ".weight", path.string());
+    // mlx-lm's factors (in, r) and (r, out), transposed to PEFT's (r, in) and (out, r).
+    Tensor t = tp.value(transpose(tp, tp.constant(v))).to(DType::f32);
+    if (b && c.arch == Arch::llama) {
+      if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
+      if (g.find(".attn_k.") != std::string::npos) t = detail::permute_rows(t, c.num_key_value_heads, g, true);
+    }
+    w.add_tensor(g + (a ? ".lora_a" : ".lora_b"), t.shape().vec(), 0, gguf_quantize(t, 0, g));
+    ++n;
+  }
+  if (n == 0) nn::detail::fail("gguf", path.string(), ": the model has no LoRA layers to export");
+  w.write(path);
+}
+
+}  // namespace nn::lm
+// ---- end nn/lm/gguf_export.hpp ----
 // ---- end nn/lm.hpp ----

@@ -7,9 +7,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -140,42 +143,64 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
 
 namespace detail {
 
-/// llama.cpp's tensor name -> Hugging Face's (llama.cpp src/llama-arch.cpp, gguf-py
-/// tensor_mapping.py). A name with no mapping is returned unchanged, so the strict load reports
-/// it as unknown.
-inline std::string gguf_to_hf_name(const std::string& g) {
-  if (g == "token_embd.weight") return "model.embed_tokens.weight";
-  if (g == "output_norm.weight") return "model.norm.weight";
-  if (g == "output.weight") return "lm_head.weight";
-  static const std::pair<std::string_view, std::string_view> parts[] = {
+/// The names llama.cpp and Hugging Face give the same tensors (llama.cpp src/llama-arch.cpp,
+/// gguf-py tensor_mapping.py): whole names, then the parts of "blk.N.<part>.<leaf>" <->
+/// "model.layers.N.<part>.<leaf>". The one table both directions read.
+struct GgufNames {
+  static constexpr std::pair<std::string_view, std::string_view> whole[] = {
+      {"token_embd.weight", "model.embed_tokens.weight"},
+      {"output_norm.weight", "model.norm.weight"},
+      {"output.weight", "lm_head.weight"}};
+  static constexpr std::pair<std::string_view, std::string_view> parts[] = {
       {"attn_norm", "input_layernorm"}, {"ffn_norm", "post_attention_layernorm"},
       {"attn_q", "self_attn.q_proj"},   {"attn_k", "self_attn.k_proj"},
       {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
       {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"}};
-  if (g.rfind("blk.", 0) != 0) return g;
-  const std::size_t dot1 = g.find('.', 4);
-  if (dot1 == std::string::npos || dot1 == 4) return g;
-  const std::string layer = g.substr(4, dot1 - 4);
-  if (layer.find_first_not_of("0123456789") != std::string::npos) return g;
-  const std::size_t dot2 = g.rfind('.');
-  if (dot2 <= dot1) return g;
-  const std::string part = g.substr(dot1 + 1, dot2 - dot1 - 1), leaf = g.substr(dot2 + 1);
-  if (leaf != "weight" && leaf != "bias") return g;
-  for (const auto& [from, to] : parts)
-    if (part == from) return "model.layers." + layer + "." + std::string(to) + "." + leaf;
-  return g;
+
+  /// Maps `name` from one side to the other (to_hf: llama.cpp -> HF). A name with no mapping
+  /// comes back nullopt.
+  static std::optional<std::string> map(const std::string& name, bool to_hf) {
+    for (const auto& [g, h] : whole)
+      if (name == (to_hf ? g : h)) return std::string(to_hf ? h : g);
+    const std::string_view prefix = to_hf ? "blk." : "model.layers.";
+    if (name.rfind(prefix, 0) != 0) return std::nullopt;
+    const std::size_t dot1 = name.find('.', prefix.size());
+    if (dot1 == std::string::npos || dot1 == prefix.size()) return std::nullopt;
+    const std::string layer = name.substr(prefix.size(), dot1 - prefix.size());
+    if (layer.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+    const std::size_t dot2 = name.rfind('.');
+    if (dot2 <= dot1) return std::nullopt;
+    const std::string part = name.substr(dot1 + 1, dot2 - dot1 - 1), leaf = name.substr(dot2 + 1);
+    if (leaf != "weight" && leaf != "bias") return std::nullopt;
+    for (const auto& [g, h] : parts)
+      if (part == (to_hf ? g : h))
+        return (to_hf ? "model.layers." : "blk.") + layer + "." + std::string(to_hf ? h : g) + "." + leaf;
+    return std::nullopt;
+  }
+};
+
+/// llama.cpp's tensor name -> Hugging Face's. A name with no mapping is returned unchanged, so the
+/// strict load reports it as unknown.
+inline std::string gguf_to_hf_name(const std::string& g) { return GgufNames::map(g, true).value_or(g); }
+
+/// Hugging Face's tensor name -> llama.cpp's; raises naming the file being written (`label`) and
+/// the tensor when llama.cpp has no name for it.
+inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label) {
+  if (auto g = GgufNames::map(hf, false)) return *g;
+  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 decoder's tensors have)");
 }
 
-/// Undoes convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or
-/// bias (out). The converter regroups each head's rows from HF's half-split RoPE pairs
+/// convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or bias (out),
+/// and its inverse. The converter regroups each head's rows from HF's half-split RoPE pairs
 /// (x[i], x[i + hd/2]) to llama.cpp's interleaved ones (x[2i], x[2i + 1]):
 ///   stored row h*hd + 2i + s  <-  HF row h*hd + s*hd/2 + i      (s in {0, 1}, i < hd/2)
-/// n_head is the tensor's own head count (n_kv_heads for k).
-inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::string& name) {
+/// to_gguf false undoes it (loading), true applies it (export). n_head is the tensor's own head
+/// count (n_kv_heads for k).
+inline Tensor permute_rows(const Tensor& t, std::int64_t n_head, const std::string& name, bool to_gguf) {
   const std::int64_t rows = t.dim(0), cols = rows ? t.numel() / rows : 0;
   if (n_head <= 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0)
-    nn::detail::fail("load_gguf", "tensor \"", name, "\" ", t.shape().str(), " does not split into ", n_head,
+    nn::detail::fail("gguf", "tensor \"", name, "\" ", t.shape().str(), " does not split into ", n_head,
                      " heads of even size");
   const std::int64_t hd = rows / n_head, half = hd / 2;
   Tensor out = Tensor::empty(t.shape(), t.dtype());
@@ -184,10 +209,14 @@ inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::st
   auto* dst = static_cast<std::byte*>(out.raw());
   for (std::int64_t h = 0; h < n_head; ++h)
     for (std::int64_t s = 0; s < 2; ++s)
-      for (std::int64_t i = 0; i < half; ++i)
-        std::memcpy(dst + static_cast<std::size_t>(h * hd + s * half + i) * row_bytes,
-                    src + static_cast<std::size_t>(h * hd + 2 * i + s) * row_bytes, row_bytes);
+      for (std::int64_t i = 0; i < half; ++i) {
+        const auto hf = static_cast<std::size_t>(h * hd + s * half + i), gg = static_cast<std::size_t>(h * hd + 2 * i + s);
+        std::memcpy(dst + (to_gguf ? gg : hf) * row_bytes, src + (to_gguf ? hf : gg) * row_bytes, row_bytes);
+      }
   return out;
+}
+inline Tensor unpermute_rows(const Tensor& t, std::int64_t n_head, const std::string& name) {
+  return permute_rows(t, n_head, name, false);
 }
 
 /// Typed metadata reads whose errors name the file and the key.
