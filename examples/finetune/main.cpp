@@ -53,7 +53,7 @@ const char* kUsage =
     "                        must be the run's (checked) unless --resume-new-hyperparameters\n"
     "  --threads N --seed 0 --prompt TEXT --max-tokens 40\n"
     "  --fuse OUT            the merged model (base + LoRA, in float32): a Hugging Face folder, or OUT.gguf for\n"
-    "                        llama.cpp (needs a .gguf --model: its metadata and tokenizer carry over)\n"
+    "                        llama.cpp (the metadata and tokenizer of the .gguf or Hugging Face --model carry over)\n"
     "  --outtype f16         the GGUF's types: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m (llama-quantize's mixtures), same\n"
     "  --export-adapter OUT.gguf  the LoRA as a llama.cpp GGUF adapter (llama-cli --lora OUT.gguf)\n"
     "  --dequantize          a quantized GGUF base (Q4_0..Q8_0, Q2_K..Q6_K) in float32 (by default it stays quantized: QLoRA)\n"
@@ -129,10 +129,6 @@ Args parse(int argc, char** argv) {
   if (a.model.empty() || a.data.empty()) nn::detail::fail("finetune", "--model and --data are required\n", kUsage);
   if (!a.logits_out.empty() && a.prompt.empty()) nn::detail::fail("finetune", "--logits-out needs --prompt");
   // The GGUF outputs are checked before training, not after it.
-  const bool gguf_model = a.model.ends_with(".gguf");
-  if (a.fuse.ends_with(".gguf") && !gguf_model)
-    nn::detail::fail("finetune", "--fuse ", a.fuse, ": a GGUF output takes its metadata and tokenizer from a .gguf --model; "
-                     "from a Hugging Face folder, --fuse a folder and convert it with llama.cpp's convert_hf_to_gguf.py");
   if (std::find(gguf_outtypes().begin(), gguf_outtypes().end(), a.outtype) == gguf_outtypes().end())
     nn::detail::fail("finetune", "--outtype is one of f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m same, got '", a.outtype, "'");
   if (!a.export_adapter.empty() && !a.export_adapter.ends_with(".gguf"))
@@ -362,7 +358,8 @@ int run(const Args& a) {
     model.map_modules<LoraLinear>([](const std::string&) { return true; },
                                   [](const std::string&, const LoraLinear& l) { return l.fused(); });
     if (a.fuse.ends_with(".gguf")) {
-      const GgufExportReport r = save_gguf(a.fuse, model, GgufFile(a.model), a.outtype);
+      const GgufExportReport r = fs::is_directory(a.model) ? save_gguf(a.fuse, model, fs::path(a.model), a.outtype)
+                                                           : save_gguf(a.fuse, model, GgufFile(a.model), a.outtype);
       std::string types;
       for (const auto& [t, n] : r.types) types += (types.empty() ? "" : ", ") + std::to_string(n) + " " + t;
       std::printf("fused model written to %s (%s: %s; %.1f MB, %.1f s)\n", a.fuse.c_str(), a.outtype.c_str(), types.c_str(),

@@ -6664,7 +6664,10 @@ inline std::vector<std::byte> gguf_quantize(const Tensor& t, std::uint32_t type,
 //                         llama_tensor_get_type, no importance matrix), gguf_mixture_type below;
 //   same                  each tensor in the source GGUF's type for it.
 // The metadata (architecture, hyperparameters, tokenizer, chat template) is carried over from the
-// source GGUF key for key; general.file_type and general.quantization_version are set anew.
+// source GGUF key for key, or built from a Hugging Face folder as convert_hf_to_gguf.py builds it
+// (config.json's hyperparameters; tokenizer.json's vocabulary, merges and added tokens, its
+// pre-tokenizer named as llama.cpp names it; tokenizer_config.json's special tokens and chat
+// template); general.file_type and general.quantization_version are set anew.
 //
 // save_gguf_adapter writes llama.cpp's adapter file, the layout convert_lora_to_gguf.py writes
 // from a PEFT adapter: general.type = "adapter", adapter.type = "lora", adapter.lora.alpha, and
@@ -6672,9 +6675,11 @@ inline std::vector<std::byte> gguf_quantize(const Tensor& t, std::uint32_t type,
 // (PEFT's lora_A / lora_B; ggml ne reversed), q/k's lora_b rows permuted as W's. llama.cpp
 // applies W + (alpha / r) · lora_b · lora_a, so alpha = effective scale · r.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -6743,27 +6748,146 @@ struct GgufExportReport {
   std::uint64_t bytes = 0;           // tensor data
 };
 
+/// The metadata of a GGUF written from a model loaded from `source`: every key but
+/// general.file_type, general.quantization_version and general.alignment, type for type.
+inline GgufWriter gguf_metadata(const GgufFile& source) {
+  GgufWriter w;
+  for (const auto& [key, v] : source.metadata())
+    if (key != "general.file_type" && key != "general.quantization_version" && key != "general.alignment") w.copy(key, v);
+  return w;
+}
+
+namespace detail {
+
+inline nlohmann::json gguf_read_json(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) nn::detail::fail("gguf", p.string(), ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("gguf", p.string(), ": not valid JSON: ", e.what());
+  }
+}
+
+/// llama.cpp's name (tokenizer.ggml.pre) for a tokenizer.json pre-tokenizer, as
+/// convert_hf_to_gguf.py identifies it: GPT-2's byte-level regex alone ("gpt-2"), digits split
+/// one by one before it (SmolLM's, "smollm"), or Llama 3's / Qwen2's split regex ("llama-bpe",
+/// "qwen2"). Anything else raises naming it.
+inline std::string gguf_pre_name(const nlohmann::json& pre, const std::string& where) {
+  static const std::string llama3 = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  static const std::string qwen2 = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  auto type = [](const nlohmann::json& j) { return j.is_object() ? j.value("type", std::string()) : std::string(); };
+  auto byte_level = [&](const nlohmann::json& j, bool regex) { return type(j) == "ByteLevel" && j.value("use_regex", true) == regex; };
+  if (byte_level(pre, true)) return "gpt-2";
+  if (type(pre) == "Sequence" && pre.contains("pretokenizers") && pre["pretokenizers"].size() == 2) {
+    const nlohmann::json &a = pre["pretokenizers"][0], &b = pre["pretokenizers"][1];
+    if (type(a) == "Digits" && a.value("individual_digits", false) && byte_level(b, true)) return "smollm";
+    if (type(a) == "Split" && a.contains("pattern") && a["pattern"].contains("Regex") && byte_level(b, false)) {
+      const std::string r = a["pattern"]["Regex"].get<std::string>();
+      if (r == llama3) return "llama-bpe";
+      if (r == qwen2) return "qwen2";
+    }
+  }
+  nn::detail::fail("gguf", where, ": the pre-tokenizer ", pre.dump().substr(0, 200),
+                   " has no llama.cpp name nn knows (GPT-2's, SmolLM's, Llama 3's and Qwen2's have)");
+}
+
+}  // namespace detail
+
+/// The metadata of a GGUF written from a model loaded from the Hugging Face folder `folder` (its
+/// config `c`), as convert_hf_to_gguf.py writes it: <arch>.* hyperparameters and a "gpt2"
+/// (byte-level BPE) tokenizer -- tokens by id (padded to the model's vocabulary with [PAD<i>],
+/// type unused), token types (special added tokens control, other added tokens user-defined),
+/// merges, the pre-tokenizer's llama.cpp name, BOS / EOS / padding ids, whether BOS is added, and
+/// tokenizer_config.json's chat template.
+inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const ModelConfig& c) {
+  const std::string where = (folder / "tokenizer.json").string();
+  const nlohmann::json tj = detail::gguf_read_json(folder / "tokenizer.json");
+  const Tokenizer tok = Tokenizer::from_file(where);
+  const std::string a = c.arch == Arch::qwen2 ? "qwen2" : "llama";
+  if (!c.rope_freq_factors.empty() || (c.rope_scaling.type != "default" && !c.rope_scaling.type.empty() && c.rope_scaling.type != "linear"))
+    nn::detail::fail("gguf", folder.string(), ": rope_scaling '", c.rope_scaling.type, "' is not written (default, linear are)");
+  GgufWriter w;
+  w.set("general.architecture", a);
+  w.set("general.type", "model");
+  w.set("general.name", folder.filename().string().empty() ? folder.parent_path().filename().string() : folder.filename().string());
+  w.set(a + ".vocab_size", static_cast<std::uint32_t>(c.vocab_size));
+  w.set(a + ".context_length", static_cast<std::uint32_t>(c.max_position_embeddings));
+  w.set(a + ".embedding_length", static_cast<std::uint32_t>(c.hidden_size));
+  w.set(a + ".block_count", static_cast<std::uint32_t>(c.num_hidden_layers));
+  w.set(a + ".feed_forward_length", static_cast<std::uint32_t>(c.intermediate_size));
+  w.set(a + ".attention.head_count", static_cast<std::uint32_t>(c.num_attention_heads));
+  w.set(a + ".attention.head_count_kv", static_cast<std::uint32_t>(c.num_key_value_heads));
+  w.set(a + ".rope.freq_base", static_cast<float>(c.rope_theta));
+  w.set(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_norm_eps));
+  w.set(a + ".rope.dimension_count", static_cast<std::uint32_t>(c.head_dim));
+  if (c.head_dim * c.num_attention_heads != c.hidden_size) {
+    w.set(a + ".attention.key_length", static_cast<std::uint32_t>(c.head_dim));
+    w.set(a + ".attention.value_length", static_cast<std::uint32_t>(c.head_dim));
+  }
+  if (c.rope_scaling.type == "linear") {
+    w.set(a + ".rope.scaling.type", "linear");
+    w.set(a + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
+  }
+  // The vocabulary by id: model tokens in their byte-level form, added tokens as written.
+  const auto n = static_cast<std::int32_t>(std::max<std::int64_t>(c.vocab_size, static_cast<std::int64_t>(tok.vocab_size())));
+  std::vector<std::string> tokens(static_cast<std::size_t>(n));
+  std::vector<std::int32_t> types(static_cast<std::size_t>(n), 1);
+  for (std::int32_t i = 0; i < n; ++i) {
+    std::string t;
+    if (static_cast<std::size_t>(i) < tok.vocab_size()) try {
+        t = tok.id_to_token(i);
+      } catch (const nn::Error&) {  // an id the vocabulary skips
+      }
+    if (t.empty()) {
+      t = "[PAD" + std::to_string(i) + "]";
+      types[static_cast<std::size_t>(i)] = 5;
+    }
+    tokens[static_cast<std::size_t>(i)] = std::move(t);
+  }
+  for (const AddedToken& t : tok.added_tokens())
+    if (t.id >= 0 && t.id < n) types[static_cast<std::size_t>(t.id)] = t.special ? 3 : 4;
+  std::vector<std::string> merges;
+  if (tj.contains("model") && tj["model"].contains("merges"))
+    for (const auto& m : tj["model"]["merges"])
+      merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
+  w.set("tokenizer.ggml.model", "gpt2");
+  w.set("tokenizer.ggml.pre", detail::gguf_pre_name(tj.value("pre_tokenizer", nlohmann::json()), where));
+  w.set_array("tokenizer.ggml.tokens", tokens);
+  w.set_array("tokenizer.ggml.token_type", types);
+  w.set_array("tokenizer.ggml.merges", merges);
+  if (tok.bos_id()) w.set("tokenizer.ggml.bos_token_id", static_cast<std::uint32_t>(*tok.bos_id()));
+  if (tok.eos_id()) w.set("tokenizer.ggml.eos_token_id", static_cast<std::uint32_t>(*tok.eos_id()));
+  if (tok.pad_id()) w.set("tokenizer.ggml.padding_token_id", static_cast<std::uint32_t>(*tok.pad_id()));
+  w.set("tokenizer.ggml.add_bos_token", !tok.prefix_ids().empty());
+  if (std::filesystem::exists(folder / "tokenizer_config.json")) {
+    const nlohmann::json tc = detail::gguf_read_json(folder / "tokenizer_config.json");
+    if (tc.contains("chat_template") && tc["chat_template"].is_string())
+      w.set("tokenizer.chat_template", tc["chat_template"].get<std::string>());
+  }
+  return w;
+}
+
 /// Writes `model` (float weights: no LoRA, no quantized layers left) to `path` as a GGUF file in
-/// `outtype` (gguf_outtypes()), with the metadata of `source` (the GGUF it was loaded from).
-/// Raises, leaving no file, for an architecture llama.cpp cannot name, a tensor with no llama.cpp
-/// name, a LoRA or quantized layer still in the model, an outtype "same" type nn does not write,
-/// and any write error.
-inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, const GgufFile& source,
-                                  const std::string& outtype = "f16") {
+/// `outtype` (gguf_outtypes()) with the metadata `meta` (gguf_metadata / gguf_metadata_hf).
+/// `source` is the GGUF the model came from, if it did: "same" reads each tensor's type there
+/// (from a Hugging Face folder, "same" is `same_type`, its torch_dtype), and a rope_freqs tensor is
+/// carried over. Raises, leaving no file, for an architecture llama.cpp cannot name, a tensor with
+/// no llama.cpp name, a LoRA or quantized layer still in the model, an outtype "same" type nn does
+/// not write, and any write error.
+inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, GgufWriter w,
+                                  const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
   if (c.arch != Arch::llama && c.arch != Arch::qwen2)
     nn::detail::fail("gguf", path.string(), ": cannot export architecture '", c.model_type, "' (llama, qwen2)");
   const std::string arch = c.arch == Arch::qwen2 ? "qwen2" : "llama";
-  if (const GgufValue* a = source.find("general.architecture"); a && a->is_string() && a->as_string() != arch)
-    nn::detail::fail("gguf", path.string(), ": the source ", source.path(), " is a '", a->as_string(),
-                     "' model, this one '", arch, "'");
+  if (source)
+    if (const GgufValue* a = source->find("general.architecture"); a && a->is_string() && a->as_string() != arch)
+      nn::detail::fail("gguf", path.string(), ": the source ", source->path(), " is a '", a->as_string(),
+                       "' model, this one '", arch, "'");
   bool known = false;
   for (const std::string& o : gguf_outtypes()) known |= o == outtype;
   if (!known) nn::detail::fail("gguf", path.string(), ": unknown --outtype '", outtype, "' (f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m same)");
-
-  GgufWriter w;
-  for (const auto& [key, v] : source.metadata())
-    if (key != "general.file_type" && key != "general.quantization_version" && key != "general.alignment") w.copy(key, v);
   w.set("general.architecture", arch);
 
   GgufExportReport report;
@@ -6785,8 +6909,10 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
     int layer = -1;
     if (g.rfind("blk.", 0) == 0) layer = std::stoi(g.substr(4, g.find('.', 4) - 4));
     std::uint32_t type;
-    if (outtype == "same") {
-      const GgufTensorInfo* src = source.find_tensor(g);
+    if (outtype == "same" && !source) {
+      type = t.rank() >= 2 ? same_type : 0;
+    } else if (outtype == "same") {
+      const GgufTensorInfo* src = source->find_tensor(g);
       if (!src) nn::detail::fail("gguf", path.string(), ": --outtype same, but the source has no tensor \"", g, "\"");
       type = src->type;
       if (!gguf_can_quantize(type))
@@ -6803,18 +6929,39 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
     w.add_tensor(g, t.shape().vec(), type, std::move(bytes));
   }
   // llama.cpp's Llama 3 frequency remap is a tensor of its own; carried over as it was.
-  if (const GgufTensorInfo* rf = source.find_tensor("rope_freqs.weight")) {
-    const auto b = source.tensor_bytes(*rf);
+  if (const GgufTensorInfo* rf = source ? source->find_tensor("rope_freqs.weight") : nullptr) {
+    const auto b = source->tensor_bytes(*rf);
     w.add_tensor(rf->name, rf->shape(), rf->type, std::vector<std::byte>(b.begin(), b.end()));
   }
-  if (outtype == "same") {
-    if (const GgufValue* ft = source.find("general.file_type")) w.copy("general.file_type", *ft);
+  if (outtype == "same" && source) {
+    if (const GgufValue* ft = source->find("general.file_type")) w.copy("general.file_type", *ft);
+  } else if (outtype == "same") {
+    w.set("general.file_type", std::uint32_t{same_type == 1 ? 1u : same_type == 30 ? 32u : 0u});
   } else {
     w.set("general.file_type", detail::gguf_file_type(outtype));
   }
   if (quantized) w.set("general.quantization_version", std::uint32_t{2});
   w.write(path);
   return report;
+}
+
+/// `model`, loaded from the GGUF `source`, with its metadata (see the overload above).
+inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, const GgufFile& source,
+                                  const std::string& outtype = "f16") {
+  return save_gguf(path, model, gguf_metadata(source), outtype, &source);
+}
+
+/// `model`, loaded from the Hugging Face folder `folder`, with metadata from its config and
+/// tokenizer files (gguf_metadata_hf); "same" is the checkpoint's torch_dtype (F32, F16, BF16).
+inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model,
+                                  const std::filesystem::path& folder, const std::string& outtype = "f16") {
+  std::uint32_t same = 0;
+  if (outtype == "same") {
+    const nlohmann::json cfg = detail::gguf_read_json(folder / "config.json");
+    const std::string dt = cfg.value("torch_dtype", cfg.value("dtype", std::string("float32")));
+    same = dt == "bfloat16" ? 30u : dt == "float16" ? 1u : 0u;
+  }
+  return save_gguf(path, model, gguf_metadata_hf(folder, model.config()), outtype, nullptr, same);
 }
 
 /// Writes the LoRA layers of `model` (trained with `cfg`) as a llama.cpp GGUF LoRA adapter for a

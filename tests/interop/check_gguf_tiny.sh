@@ -3,7 +3,8 @@
 # Development check (not CI): the tiny random Llama (untied head) and Qwen2 (tied head) models,
 # finetuned by nn with LoRA on every projection (q/k included, whose rows llama.cpp permutes),
 # exported as GGUF (f16, q8_0, q4_k_m) and as a GGUF adapter, and run by llama.cpp
-# (tests/interop/check_gguf.py's checks).
+# (tests/interop/check_gguf.py's checks) -- once from the GGUF files, once from the same models as
+# Hugging Face folders (metadata and tokenizer built from config.json / tokenizer.json).
 #   pip install gguf numpy safetensors "llama-cpp-python>=0.3,<0.4"
 #   bash tests/interop/check_gguf_tiny.sh [BUILD_DIR] [OUT_DIR]
 set -euo pipefail
@@ -14,10 +15,13 @@ cmake --build "$build" -j2 --target finetune >/dev/null
 python3 tests/interop/make_tiny_gguf.py "$out"
 ft="$build/examples/finetune/finetune"
 status=0
-for arch in llama qwen2; do
+for src in llama qwen2 hf-llama hf-qwen2; do
+  arch=$src
   d="$out/$arch"
   mkdir -p "$d"
-  common=(--model "$out/$arch.gguf" --data "$out/data" --iters 40 --batch 4 --seq 16 --lr 1e-2 --rank 4
+  model="$out/$arch.gguf"
+  [[ $src == hf-* ]] && model="$out/$src"
+  common=(--model "$model" --data "$out/data" --iters 40 --batch 4 --seq 16 --lr 1e-2 --rank 4
           --scale 2 --keys q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --val-every 0
           --save-every 40 --adapter-path "$d/run" --no-peft --seed 1)
   "$ft" "${common[@]}" --prompt "the cat sat on" --max-tokens 8 --fuse "$d/fused-f16.gguf" --outtype f16 \
@@ -25,9 +29,11 @@ for arch in llama qwen2; do
   for o in q8_0 q4_k_m; do
     "$ft" "${common[@]}" --resume --fuse "$d/fused-$o.gguf" --outtype "$o" | grep -E "fused"
   done
-  "$ft" --model "$out/$arch.gguf" --data "$out/data" --iters 1 --lr 0 --batch 4 --seq 16 --val-every 0 \
+  "$ft" --model "$model" --data "$out/data" --iters 1 --lr 0 --batch 4 --seq 16 --val-every 0 \
     --adapter-path "$d/base-run" --no-peft --fuse "$d/base-f16.gguf" --outtype f16 | grep -E "fused"
   echo "== $arch"
-  python3 tests/interop/check_gguf.py --base "$out/$arch.gguf" --dir "$d" || status=1
+  base="$model"
+  [[ $src == hf-* ]] && base="$d/base-f16.gguf"
+  python3 tests/interop/check_gguf.py --base "$base" --dir "$d" || status=1
 done
 exit $status

@@ -6,7 +6,9 @@ their 64-token vocabularies become a working byte-level BPE (the letters, the sp
 learnt from a small lowercase corpus), and that corpus is written as JSONL data.
 
     python3 tests/interop/make_tiny_gguf.py OUT_DIR
-writes OUT_DIR/llama.gguf, OUT_DIR/qwen2.gguf and OUT_DIR/data/{train,valid}.jsonl.
+writes OUT_DIR/llama.gguf, OUT_DIR/qwen2.gguf, OUT_DIR/data/{train,valid}.jsonl, and the same
+two models as Hugging Face folders OUT_DIR/hf-llama, OUT_DIR/hf-qwen2 (the fixtures' config.json and
+safetensors, with the same vocabulary as a tokenizer.json), for exports from a Hugging Face source.
 """
 import json
 import os
@@ -90,6 +92,28 @@ def rewrite(src, dst, tokens, merges):
     w.close()
 
 
+def write_hf(name, dst, tokens, merges):
+    """The fixture's HF folder with a GPT-2-style byte-level tokenizer.json of this vocabulary."""
+    import shutil
+    src = os.path.join(FIX, "..", name)
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), dst)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, t in enumerate(tokens[:3])]
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+          "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+          "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+          "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                    "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                    "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges}}
+    with open(os.path.join(dst, "tokenizer.json"), "w") as f:
+        json.dump(tj, f)
+    with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, f)
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
@@ -101,7 +125,9 @@ def main():
                 f.write(json.dumps({"text": t}) + "\n")
     rewrite(os.path.join(FIX, "llama-F32.gguf"), os.path.join(out, "llama.gguf"), tokens, merges)
     rewrite(os.path.join(FIX, "qwen2-F16.gguf"), os.path.join(out, "qwen2.gguf"), tokens, merges)
-    print(f"{out}: llama.gguf, qwen2.gguf ({len(merges)} merges), data/ ({len(train)} + {len(valid)} lines)")
+    write_hf("llama", os.path.join(out, "hf-llama"), tokens, merges)
+    write_hf("qwen2", os.path.join(out, "hf-qwen2"), tokens, merges)
+    print(f"{out}: hf-llama/, hf-qwen2/, llama.gguf, qwen2.gguf ({len(merges)} merges), data/ ({len(train)} + {len(valid)} lines)")
 
 
 if __name__ == "__main__":

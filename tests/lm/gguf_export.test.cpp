@@ -391,3 +391,63 @@ TEST_CASE("gguf export errors name the tensor or file and leave no file behind")
   CHECK(leftovers(dir, "keep.gguf.tmp") == 0);
 #endif
 }
+
+TEST_CASE("save_gguf from a Hugging Face folder: convert_hf_to_gguf's tensors and keys, a tokenizer that encodes as tokenizer.json") {
+  const std::string tok_dir = kFix + "/tokenizer";
+  nlohmann::json expected;  // transformers' ids for probe texts, per real tokenizer
+  {
+    std::ifstream in(tok_dir + "/expected.json");
+    expected = nlohmann::json::parse(in).at("real");
+  }
+  const GgufFile ref(kGguf + "/llama-F32.gguf");  // the tiny llama as convert_hf_to_gguf lays it out
+  for (const char* short_name : {"gpt2", "llama3", "qwen2"}) {
+    const std::string name = "real_" + std::string(short_name);
+    INFO(name);
+    const fs::path folder = tmp("hf-" + name);
+    fs::create_directories(folder);
+    for (const char* f : {"config.json", "model.safetensors"})
+      fs::copy_file(kFix + "/models/llama/" + f, folder / f, fs::copy_options::overwrite_existing);
+    fs::copy_file(tok_dir + "/" + name + ".json", folder / "tokenizer.json", fs::copy_options::overwrite_existing);
+    {
+      std::ofstream tc(folder / "tokenizer_config.json");
+      tc << R"({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})";
+    }
+    Pretrained pt = load_pretrained(folder);
+    const fs::path out = tmp("hf-" + name + ".gguf");
+    save_gguf(out, pt.model, folder, "f32");
+    GgufFile g(out);
+    check_same_weights(pt.model, load_gguf(g));
+    for (const GgufTensorInfo& t : ref.tensors()) {  // the same names, layout and bytes
+      INFO(t.name);
+      const auto a = g.tensor_bytes(g.tensor_info(t.name)), b = ref.tensor_bytes(t);
+      CHECK(std::vector<std::byte>(a.begin(), a.end()) == std::vector<std::byte>(b.begin(), b.end()));
+    }
+    CHECK(g.tensors().size() == ref.tensors().size());
+    for (const auto& [k, v] : ref.metadata()) {
+      if (k.rfind("llama.", 0) != 0) continue;
+      INFO(k);
+      REQUIRE(g.find(k) != nullptr);
+      CHECK(g.at(k).as_float() == v.as_float());
+    }
+    CHECK(g.at("tokenizer.chat_template").as_string() == "{% for m in messages %}{{ m.content }}{% endfor %}");
+    // The tokenizer llama.cpp gets encodes as tokenizer.json does (and transformers: the
+    // recorded ids), on every probe whose text NFC leaves alone: llama.cpp applies no normalizer,
+    // and Qwen2's tokenizer.json has NFC.
+    const Tokenizer from_gguf = gguf_tokenizer(g);
+    int probes = 0;
+    for (const auto& p : expected[short_name]["probes"]) {
+      if (!p["nfc_stable"].get<bool>()) continue;
+      const std::string text = p["text"].get<std::string>();
+      CHECK(from_gguf.encode(text) == pt.tokenizer.encode(text));
+      CHECK(from_gguf.encode(text) == p["ids"].get<std::vector<std::int32_t>>());
+      ++probes;
+    }
+    CHECK(probes > 50);
+    CHECK(from_gguf.bos_id() == pt.tokenizer.bos_id());
+    CHECK(from_gguf.eos_id() == pt.tokenizer.eos_id());
+  }
+  // same: the checkpoint's torch_dtype (float32 here).
+  const fs::path folder = tmp("hf-real_gpt2");
+  save_gguf(tmp("hf-same.gguf"), load_pretrained(folder).model, folder, "same");
+  CHECK(GgufFile(tmp("hf-same.gguf")).tensor_info("blk.0.attn_q.weight").type == 0);
+}
