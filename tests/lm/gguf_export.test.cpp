@@ -348,6 +348,11 @@ TEST_CASE("gguf export errors name the tensor or file and leave no file behind")
   // A source of another architecture.
   test::check_error([&] { save_gguf(dir / "bad4.gguf", m, GgufFile(kGguf + "/qwen2-F16.gguf"), "f16"); },
                     {"'qwen2' model", "'llama'"});
+  // A tensor llama.cpp has no name for (an MoE expert, say), and names that map both ways.
+  test::check_error([] { lm::detail::hf_to_gguf_name("model.layers.0.mlp.experts.0.w1.weight", "out.gguf"); },
+                    {"out.gguf", "model.layers.0.mlp.experts.0.w1.weight", "no llama.cpp name"});
+  for (const auto& [hf, t] : m.parameters())
+    CHECK(lm::detail::gguf_to_hf_name(lm::detail::hf_to_gguf_name(hf, "x")) == hf);
   // Rows that do not split into the type's blocks, and names ggml cannot hold.
   test::check_error([&] { gguf_quantize(Tensor::zeros({2, 48}), 12, "blk.0.ffn_up.weight"); },
                     {"blk.0.ffn_up.weight", "rows of 48", "Q4_K blocks of 256"});
