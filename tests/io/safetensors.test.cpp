@@ -529,6 +529,21 @@ TEST_CASE("an error while writing removes the temporary file and leaves the old 
 }
 
 #if !defined(_WIN32)
+TEST_CASE("the next save to a path removes the temporaries killed saves left behind; a live process's stay") {
+  TempDir dir;
+  pid_t child = ::fork();  // a process that is gone by the time we save
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  const std::string dead = std::to_string(child), live = std::to_string(::getppid());
+  const std::vector<std::string> made = {".w.safetensors.tmp." + dead + ".0", ".w.safetensors.tmp." + dead + ".7",
+                                         ".w.safetensors.tmp." + live + ".0", ".other.safetensors.tmp." + dead + ".0"};
+  for (const auto& n : made) std::ofstream(dir / n) << "partial";
+  save_safetensors(dir / "w.safetensors", {{"x", Tensor::from<float>({2}, {1, 2})}});
+  CHECK(dir.listing() == std::vector<std::string>{".other.safetensors.tmp." + dead + ".0",
+                                                  ".w.safetensors.tmp." + live + ".0", "w.safetensors"});
+}
+
 TEST_CASE("a crash in the middle of a save leaves the old file in place, whole") {
   TempDir dir;
   const fs::path p = dir / "ckpt.safetensors";

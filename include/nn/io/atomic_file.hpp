@@ -5,6 +5,11 @@
 // temporary file is removed and the target is left as it was, so a failed save never leaves a
 // half-written file under the target's name.
 //
+// A save that is killed (SIGKILL, a power cut) cannot remove its temporary file; the next save to
+// the same target removes the temporaries of processes that no longer exist (POSIX), so killed
+// saves leave no orphans behind for long. What is promised: the target is always either the old
+// file or the new one, whole (the data is fsync'ed before the rename, the folder after it).
+//
 // A target that exists and is not a regular file (a character device such as /dev/full, a FIFO)
 // cannot be replaced by a rename; it is written straight through, and errors still surface.
 #pragma once
@@ -27,7 +32,10 @@
 #endif
 #include <windows.h>
 #else
+#include <csignal>
+#include <cstdlib>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #endif
@@ -75,6 +83,23 @@ inline void write_atomically(const std::filesystem::path& target, std::string_vi
   guard.done = true;
 }
 #else
+/// Removes "." + base + ".tmp.<pid>.<n>" files in `dir` whose process <pid> is gone: the
+/// leftovers of killed saves to the same target. A live process's temporary is left alone.
+inline void remove_stale_temporaries(const std::filesystem::path& dir, const std::string& base) {
+  const std::string prefix = "." + base + ".tmp.";
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());
+    const std::size_t dot = rest.find('.');
+    if (dot == 0 || dot == std::string::npos || rest.find_first_not_of("0123456789.") != std::string::npos) continue;
+    const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
+    if (pid <= 0 || pid == static_cast<long>(::getpid())) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) ::unlink(it->path().c_str());
+  }
+}
+
 inline void write_atomically(const std::filesystem::path& target, std::string_view who,
                              const std::function<void(const ByteSink&)>& emit) {
   namespace fs = std::filesystem;
@@ -90,6 +115,7 @@ inline void write_atomically(const std::filesystem::path& target, std::string_vi
 
   // A hidden sibling, so rename() stays inside one file system and is atomic there.
   static std::atomic<unsigned> counter{0};
+  if (!special) remove_stale_temporaries(dir, base);
   std::string tmp = special ? label : std::string();
   int fd = -1;
   if (special) {
