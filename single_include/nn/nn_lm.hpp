@@ -5,10 +5,10 @@
 // amalgamate_fresh (tools/amalgamate --check) fails while this file is stale.
 // Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
 //
-// Inlined, in order: nn/lm.hpp, nn/lm/config.hpp, nn/lm/model.hpp, nn/lm/gguf.hpp, nn/lm/load.hpp,
-// nn/lm/tokenizer.hpp, nn/lm/regex.hpp, nn/lm/unicode.hpp, nn/lm/unicode_data.hpp, nn/lm/data.hpp,
-// nn/lm/adapters.hpp, nn/lm/pretrained.hpp, nn/lm/gguf_write.hpp, nn/lm/gguf_quantize.hpp,
-// nn/lm/gguf_export.hpp
+// Inlined, in order: nn/lm.hpp, nn/lm/config.hpp, nn/lm/json.hpp, nn/lm/model.hpp, nn/lm/gguf.hpp,
+// nn/lm/load.hpp, nn/lm/tokenizer.hpp, nn/lm/regex.hpp, nn/lm/unicode.hpp, nn/lm/unicode_data.hpp,
+// nn/lm/data.hpp, nn/lm/adapters.hpp, nn/lm/pretrained.hpp, nn/lm/gguf_write.hpp,
+// nn/lm/gguf_quantize.hpp, nn/lm/gguf_export.hpp
 #pragma once
 
 #include "nn.hpp"
@@ -33,6 +33,51 @@
 
 #include <nlohmann/json.hpp>
 
+// ---- begin nn/lm/json.hpp ----
+// Strict JSON for the LLM kit's files (config.json, tokenizer.json, tokenizer_config.json,
+// adapter configs, safetensors indexes, JSONL records): one reader, so every loader refuses the
+// same things with errors that name the file and where.
+//
+// nlohmann::json ends its input at a NUL byte, so `{"text":"a"}\0{"text":"b"}` would parse as the
+// first document and drop the rest silently. JSON text holds no NUL (RFC 8259: control characters
+// appear only escaped), so a NUL anywhere is refused with its offset; anything after the document
+// but whitespace is refused by the strict parse, with nlohmann's line and column.
+
+#include <cstddef>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+
+namespace nn::lm::detail {
+
+/// Parses `text` (all of it) as one JSON document; `who` and `label` (the file, with a line for
+/// JSONL) lead errors.
+inline nlohmann::json parse_json_strict(std::string_view text, std::string_view who, const std::string& label) {
+  if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos)
+    nn::detail::fail(who, label, ": a NUL byte at offset ", nul, " (JSON text holds none; the rest would be dropped)");
+  try {
+    return nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail(who, label, ": not valid JSON (", e.what(), ")");
+  }
+}
+
+/// Reads and parses a whole JSON file strictly (parse_json_strict).
+inline nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view who) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) nn::detail::fail(who, path.string(), ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_json_strict(ss.str(), who, path.string());
+}
+
+}  // namespace nn::lm::detail
+// ---- end nn/lm/json.hpp ----
 
 namespace nn::lm {
 
@@ -290,13 +335,7 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
 /// Reads `path`: a config.json file, or a folder holding one.
 inline ModelConfig load_config(const std::filesystem::path& path) {
   std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
-  std::ifstream in(file, std::ios::binary);
-  if (!in) nn::detail::fail("config", file.string(), ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (j.is_discarded()) nn::detail::fail("config", file.string(), ": not valid JSON");
-  return config_from_json(j, file.string());
+  return config_from_json(detail::read_json_file(file, "config"), file.string());
 }
 
 }  // namespace nn::lm
@@ -1607,12 +1646,9 @@ inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
   }
   if (!std::filesystem::is_regular_file(index))
     nn::detail::fail("load_hf", folder.string(), ": no model.safetensors and no model.safetensors.index.json");
-  std::ifstream in(index, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
   const std::string label = index.string();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (j.is_discarded() || !j.is_object()) nn::detail::fail("load_hf", label, ": not a JSON object");
+  const nlohmann::json j = detail::read_json_file(index, "load_hf");
+  if (!j.is_object()) nn::detail::fail("load_hf", label, ": not a JSON object");
   auto wm = j.find("weight_map");
   if (wm == j.end() || !wm->is_object() || wm->empty())
     nn::detail::fail("load_hf", label, ": field \"weight_map\" must be a non-empty object of tensor name -> shard file");
@@ -4424,15 +4460,7 @@ class Tokenizer {
   /// in the same folder when there is one (`config_path` overrides where to look), else from the
   /// post-processor (BOS) and model.unk_token.
   static Tokenizer from_file(const std::string& path, const std::string& config_path = "") {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) nn::detail::fail(path, "cannot open tokenizer file");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-      nn::detail::fail(path, "not valid JSON: ", e.what());
-    }
-    Tokenizer t = from_json(j, path);
+    Tokenizer t = from_json(detail::read_json_file(path, "tokenizer"), path);
     std::filesystem::path cfg = config_path.empty()
                                     ? std::filesystem::path(path).parent_path() / "tokenizer_config.json"
                                     : std::filesystem::path(config_path);
@@ -4486,14 +4514,7 @@ class Tokenizer {
   /// Reads bos/eos/pad/unk tokens from a transformers tokenizer_config.json (strings or
   /// {"content": ...} objects); tokens not in the vocabulary are an error naming the field.
   void load_config_file(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) nn::detail::fail(path, "cannot open tokenizer config");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-      nn::detail::fail(path, "not valid JSON: ", e.what());
-    }
+    const nlohmann::json j = detail::read_json_file(path, "tokenizer");
     auto read = [&](const char* field, std::optional<std::int32_t>& out) {
       auto it = j.find(field);
       if (it == j.end() || it->is_null()) return;
@@ -5461,12 +5482,7 @@ std::vector<Example> load_jsonl(const std::filesystem::path& path, const Tok& to
   while (std::getline(f, text)) {
     ++line;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
-      detail::data_fail(path.string(), line, std::string("not valid JSON (") + e.what() + ")");
-    }
+    const nlohmann::json j = detail::parse_json_strict(text, "data", path.string() + ":" + std::to_string(line));
     out.push_back(make_example(j, tok, opt, path.string(), line));
   }
   if (out.empty()) nn::detail::fail("data", path.string(), ": no records");
@@ -5647,15 +5663,7 @@ inline void write_text(const std::filesystem::path& path, const std::string& tex
   std::filesystem::rename(tmp, path);
 }
 
-inline nlohmann::json read_json(const std::filesystem::path& path) {
-  std::ifstream f(path);
-  if (!f) nn::detail::fail("adapters", path.string(), ": cannot open");
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", path.string(), ": not valid JSON (", e.what(), ")");
-  }
-}
+inline nlohmann::json read_json(const std::filesystem::path& path) { return read_json_file(path, "adapters"); }
 
 }  // namespace detail
 
@@ -6759,15 +6767,7 @@ inline GgufWriter gguf_metadata(const GgufFile& source) {
 
 namespace detail {
 
-inline nlohmann::json gguf_read_json(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) nn::detail::fail("gguf", p.string(), ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("gguf", p.string(), ": not valid JSON: ", e.what());
-  }
-}
+inline nlohmann::json gguf_read_json(const std::filesystem::path& p) { return read_json_file(p, "gguf"); }
 
 /// llama.cpp's name (tokenizer.ggml.pre) for a tokenizer.json pre-tokenizer, as
 /// convert_hf_to_gguf.py identifies it: GPT-2's byte-level regex alone ("gpt-2"), digits split

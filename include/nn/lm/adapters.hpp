@@ -15,6 +15,7 @@
 #include "../io/safetensors.hpp"
 #include "../io/weights.hpp"
 #include "../modules/lora.hpp"
+#include "json.hpp"
 
 namespace nn::lm {
 
@@ -73,15 +74,7 @@ inline void write_text(const std::filesystem::path& path, const std::string& tex
   std::filesystem::rename(tmp, path);
 }
 
-inline nlohmann::json read_json(const std::filesystem::path& path) {
-  std::ifstream f(path);
-  if (!f) nn::detail::fail("adapters", path.string(), ": cannot open");
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", path.string(), ": not valid JSON (", e.what(), ")");
-  }
-}
+inline nlohmann::json read_json(const std::filesystem::path& path) { return read_json_file(path, "adapters"); }
 
 }  // namespace detail
 

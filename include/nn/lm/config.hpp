@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../config.hpp"
+#include "json.hpp"
 
 namespace nn::lm {
 
@@ -272,13 +273,7 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
 /// Reads `path`: a config.json file, or a folder holding one.
 inline ModelConfig load_config(const std::filesystem::path& path) {
   std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
-  std::ifstream in(file, std::ios::binary);
-  if (!in) nn::detail::fail("config", file.string(), ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (j.is_discarded()) nn::detail::fail("config", file.string(), ": not valid JSON");
-  return config_from_json(j, file.string());
+  return config_from_json(detail::read_json_file(file, "config"), file.string());
 }
 
 }  // namespace nn::lm

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../tensor.hpp"
+#include "json.hpp"
 
 namespace nn::lm {
 
@@ -126,12 +127,7 @@ std::vector<Example> load_jsonl(const std::filesystem::path& path, const Tok& to
   while (std::getline(f, text)) {
     ++line;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
-      detail::data_fail(path.string(), line, std::string("not valid JSON (") + e.what() + ")");
-    }
+    const nlohmann::json j = detail::parse_json_strict(text, "data", path.string() + ":" + std::to_string(line));
     out.push_back(make_example(j, tok, opt, path.string(), line));
   }
   if (out.empty()) nn::detail::fail("data", path.string(), ": no records");

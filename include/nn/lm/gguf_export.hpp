@@ -115,15 +115,7 @@ inline GgufWriter gguf_metadata(const GgufFile& source) {
 
 namespace detail {
 
-inline nlohmann::json gguf_read_json(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) nn::detail::fail("gguf", p.string(), ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("gguf", p.string(), ": not valid JSON: ", e.what());
-  }
-}
+inline nlohmann::json gguf_read_json(const std::filesystem::path& p) { return read_json_file(p, "gguf"); }
 
 /// llama.cpp's name (tokenizer.ggml.pre) for a tokenizer.json pre-tokenizer, as
 /// convert_hf_to_gguf.py identifies it: GPT-2's byte-level regex alone ("gpt-2"), digits split

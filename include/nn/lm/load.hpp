@@ -65,12 +65,9 @@ inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
   }
   if (!std::filesystem::is_regular_file(index))
     nn::detail::fail("load_hf", folder.string(), ": no model.safetensors and no model.safetensors.index.json");
-  std::ifstream in(index, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
   const std::string label = index.string();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (j.is_discarded() || !j.is_object()) nn::detail::fail("load_hf", label, ": not a JSON object");
+  const nlohmann::json j = detail::read_json_file(index, "load_hf");
+  if (!j.is_object()) nn::detail::fail("load_hf", label, ": not a JSON object");
   auto wm = j.find("weight_map");
   if (wm == j.end() || !wm->is_object() || wm->empty())
     nn::detail::fail("load_hf", label, ": field \"weight_map\" must be a non-empty object of tensor name -> shard file");

@@ -37,6 +37,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../config.hpp"
+#include "json.hpp"
 #include "regex.hpp"
 #include "unicode.hpp"
 
@@ -304,15 +305,7 @@ class Tokenizer {
   /// in the same folder when there is one (`config_path` overrides where to look), else from the
   /// post-processor (BOS) and model.unk_token.
   static Tokenizer from_file(const std::string& path, const std::string& config_path = "") {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) nn::detail::fail(path, "cannot open tokenizer file");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-      nn::detail::fail(path, "not valid JSON: ", e.what());
-    }
-    Tokenizer t = from_json(j, path);
+    Tokenizer t = from_json(detail::read_json_file(path, "tokenizer"), path);
     std::filesystem::path cfg = config_path.empty()
                                     ? std::filesystem::path(path).parent_path() / "tokenizer_config.json"
                                     : std::filesystem::path(config_path);
@@ -366,14 +359,7 @@ class Tokenizer {
   /// Reads bos/eos/pad/unk tokens from a transformers tokenizer_config.json (strings or
   /// {"content": ...} objects); tokens not in the vocabulary are an error naming the field.
   void load_config_file(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) nn::detail::fail(path, "cannot open tokenizer config");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-      nn::detail::fail(path, "not valid JSON: ", e.what());
-    }
+    const nlohmann::json j = detail::read_json_file(path, "tokenizer");
     auto read = [&](const char* field, std::optional<std::int32_t>& out) {
       auto it = j.find(field);
       if (it == j.end() || it->is_null()) return;
