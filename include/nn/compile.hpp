@@ -147,6 +147,13 @@ class CompiledStep {
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
   void update() {
+    // Optimizer::admit's gate, before clipping (a NaN norm would scale every gradient to NaN).
+    for (const Entry& e : entries_) {
+      bool finite;
+      if constexpr (std::is_same_v<B, cpu>) finite = detail::all_finite(*e.grad);
+      else finite = std::isfinite(B::sum_squares(*e.grad));  // one reduction on the device
+      if (!opt_->admit(e.path, finite)) return;
+    }
     if (clip_ >= 0) clip();
     opt_->begin_step();
     for (Entry& e : entries_) opt_->apply(e.path, e.param, *e.grad);

@@ -10941,6 +10941,8 @@ struct LoraLinear {
 // update(model, grads) over a gradient tree of the model's own type, following MLX's
 // Optimizer.apply_gradients (schedule at the current step, then step += 1, then the updates).
 
+#include <cmath>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <string_view>
@@ -11076,6 +11078,22 @@ inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
   return dev == Device::cpu ? z : z.to(dev);
 }
 
+/// Whether every element of a floating tensor is finite (integer tensors always are). A device
+/// tensor is read through a host copy.
+inline bool all_finite(const Tensor& t) {
+  if (!is_floating(t.dtype())) return true;
+  const Tensor h = t.device() == Device::cpu ? t : t.to(Device::cpu);
+  auto scan = [](const auto* p, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(static_cast<double>(p[i]))) return false;
+    return true;
+  };
+  if (h.dtype() == DType::f32) return scan(h.data<float>(), h.numel());
+  if (h.dtype() == DType::f64) return scan(h.data<double>(), h.numel());
+  const Tensor f = h.to(DType::f32);  // bf16 / f16
+  return scan(f.data<float>(), f.numel());
+}
+
 }  // namespace detail
 
 /// The base of every optimizer (usable through std::unique_ptr<Optimizer>).
@@ -11096,10 +11114,14 @@ class Optimizer {
   virtual ~Optimizer() = default;
   /// A copy owns its state: step, learning rate and slots are cloned, so two copies train
   /// independently (tensors themselves copy shallowly).
-  Optimizer(const Optimizer& o) : schedule_(o.schedule_) { copy_state(o); }
+  Optimizer(const Optimizer& o) : schedule_(o.schedule_), skip_nonfinite_(o.skip_nonfinite_), skipped_(o.skipped_) {
+    copy_state(o);
+  }
   Optimizer& operator=(const Optimizer& o) {
     if (this != &o) {
       schedule_ = o.schedule_;
+      skip_nonfinite_ = o.skip_nonfinite_;
+      skipped_ = o.skipped_;
       copy_state(o);
     }
     return *this;
@@ -11136,9 +11158,32 @@ class Optimizer {
                      " but the parameter is ", p.value.shape().str(), " ", dtype_name(p.value.dtype()));
       init_param(ps[i].first, p.value);
     }
+    for (std::size_t i = 0; i < ps.size(); ++i)
+      if (ps[i].second->trainable && !admit(ps[i].first, detail::all_finite(gs[i]->value))) return;
     begin_step();
     for (std::size_t i = 0; i < ps.size(); ++i)
       if (ps[i].second->trainable) apply(ps[i].first, ps[i].second->value, gs[i]->value);
+  }
+
+  /// What an update does when a gradient holds NaN or Inf (a NaN loss, an overflow): by default
+  /// it raises naming the parameter and changes nothing; with skip_nonfinite(true) it skips the
+  /// whole step -- no parameter, slot, step count or schedule position changes -- and counts it
+  /// (skipped_steps()), as mixed-precision trainers skip overflowed steps.
+  Optimizer& skip_nonfinite(bool on = true) {
+    skip_nonfinite_ = on;
+    return *this;
+  }
+  std::int64_t skipped_steps() const { return skipped_; }
+  /// The update's gate, called for each trainable parameter in order before anything changes:
+  /// true lets the step go on; a non-finite gradient raises, or (skip_nonfinite) counts a
+  /// skipped step and returns false. Optimizer::update and compiled steps call it.
+  bool admit(const std::string& path, bool gradient_finite) {
+    if (gradient_finite) return true;
+    if (!skip_nonfinite_)
+      detail::fail("optimizer", "the gradient of '", path, "' holds NaN or Inf at update ", step() + 1,
+                   ": nothing was updated (skip_nonfinite(true) skips such steps and counts them)");
+    ++skipped_;
+    return false;
   }
 
   /// The number of updates applied so far.
@@ -11309,6 +11354,8 @@ class Optimizer {
   Tensor step_;  // 0-D int64
   Tensor lr_;    // 0-D float64
   Schedule schedule_;
+  bool skip_nonfinite_ = false;
+  std::int64_t skipped_ = 0;
   std::map<std::string, Slots> slots_;
 };
 
@@ -12038,6 +12085,13 @@ class CompiledStep {
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
   void update() {
+    // Optimizer::admit's gate, before clipping (a NaN norm would scale every gradient to NaN).
+    for (const Entry& e : entries_) {
+      bool finite;
+      if constexpr (std::is_same_v<B, cpu>) finite = detail::all_finite(*e.grad);
+      else finite = std::isfinite(B::sum_squares(*e.grad));  // one reduction on the device
+      if (!opt_->admit(e.path, finite)) return;
+    }
     if (clip_ >= 0) clip();
     opt_->begin_step();
     for (Entry& e : entries_) opt_->apply(e.path, e.param, *e.grad);
