@@ -89,6 +89,13 @@ class CompiledStep {
     clip_ = max_norm;
     return *this;
   }
+  /// Anomaly mode on the step's tape (GTape::detect_anomaly): the recording and every replay
+  /// check each value and gradient for NaN and Inf, and raise naming the op before the update
+  /// runs. On already when NN_DETECT_ANOMALY=1 was set as the step was made.
+  CompiledStep& detect_anomaly(bool on) {
+    tp_.detect_anomaly(on);
+    return *this;
+  }
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
   double grad_norm() const { return grad_norm_; }
 

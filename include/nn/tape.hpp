@@ -9,9 +9,14 @@
 #include <new>
 #include <optional>
 #include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "anomaly.hpp"
 #include "backend/policy.hpp"
 #include "random.hpp"
 
@@ -72,6 +77,9 @@ struct OpDef {
   void (*forward)(GTape<B>&, Node<B>&);
   void (*vjp)(GTape<B>&, Node<B>&);
   bool aliases_input = false;  // forward makes value a view of input 0 (reshape): no output buffer
+  // The kernel a primitive that runs several ran ("log" for a unary node), read from its
+  // attributes, for errors; null when the primitive is one kernel.
+  const char* (*kernel)(const Node<B>&) = nullptr;
   constexpr const char* name() const { return prim_name(prim); }
 };
 
@@ -88,6 +96,7 @@ struct Node {
   const Tensor* bound = nullptr;  // a param leaf's tensor, re-read on every replay
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
+  std::int32_t scope = -1;        // the tape.scope() it was recorded in (GTape::scope_path), or -1
 
   const char* name() const {
     if (def) return def->name();
@@ -107,6 +116,23 @@ struct GradSlot {
   bool acc;
 };
 
+/// What GTape::scope returns: while it lives, the nodes recorded are inside the scope (a layer
+/// path, "model.layers.3.self_attn"), which anomaly mode's errors name. Ends at its destruction.
+class [[nodiscard]] TapeScope {
+ public:
+  explicit TapeScope(std::vector<std::int32_t>& stack) : stack_(&stack) {}
+  TapeScope(TapeScope&& o) noexcept : stack_(std::exchange(o.stack_, nullptr)) {}
+  TapeScope(const TapeScope&) = delete;
+  TapeScope& operator=(const TapeScope&) = delete;
+  TapeScope& operator=(TapeScope&&) = delete;
+  ~TapeScope() {
+    if (stack_ && !stack_->empty()) stack_->pop_back();
+  }
+
+ private:
+  std::vector<std::int32_t>* stack_;
+};
+
 /// The tape. Explicit object, passed to every builder; no global state, one tape per thread.
 template <class B>
 class GTape {
@@ -115,7 +141,7 @@ class GTape {
  public:
   using backend = B;
 
-  GTape() = default;
+  GTape() : anomaly_(detail::anomaly_from_env()) {}
   GTape(const GTape&) = delete;  // GVars name their tape by address
   GTape& operator=(const GTape&) = delete;
 
@@ -142,7 +168,7 @@ class GTape {
     n.value = t;
     n.bound = &t;
     n.requires_grad = trainable && is_floating(t.dtype());
-    return handle();
+    return checked_leaf();
   }
   /// A temporary cannot be bound: the leaf would point at a destroyed tensor. Keep the tensor in
   /// a variable (or a module's Param) that outlives the tape, or use constant() / input().
@@ -153,7 +179,7 @@ class GTape {
     see_leaf_dtype(t.dtype());
     Node<B>& n = push(LeafKind::constant);
     n.value = t;
-    return handle();
+    return checked_leaf();
   }
   /// A slot whose value set() may swap between replays (a batch). No gradient unless asked.
   GVar input(const Tensor& t, bool requires_grad = false) {
@@ -162,7 +188,7 @@ class GTape {
     Node<B>& n = push(LeafKind::input);
     n.value = t;
     n.requires_grad = requires_grad && is_floating(t.dtype());
-    return handle();
+    return checked_leaf();
   }
   /// A fresh MLX key (uint32 (2)) from nn::random's global sequence, held in an input slot that
   /// refresh_keys() refills in recording order: how Dropout gets its key, so that a replayed step
@@ -230,6 +256,7 @@ class GTape {
     params_.clear();
     key_slots_.clear();
     loss_ = -1;
+    if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
     autocast_ = DType::f32;
     if (!float_dtype_set_) {
       float_dtype_seen_ = false;
@@ -262,6 +289,35 @@ class GTape {
     float_dtype_set_ = true;
   }
 
+  // ---- anomaly mode and scopes ------------------------------------------------------------------
+
+  /// Anomaly mode (torch.autograd.detect_anomaly): every value is checked for NaN and Inf as it
+  /// is produced -- each leaf as it is bound (and re-read on replay), each op's output after its
+  /// forward, each gradient an op's vjp writes -- in eager recording and in replay. The first bad
+  /// element raises nn::Error naming the op, its node index, its scope path (the layer), its
+  /// inputs' shapes and the element's position. Off by default (one untaken branch per node);
+  /// NN_DETECT_ANOMALY=1 in the environment turns it on for every tape made afterwards.
+  void detect_anomaly(bool on) { anomaly_ = on; }
+  bool detect_anomaly() const { return anomaly_; }
+
+  /// Opens a scope named `name` inside the current one ("layers.3", then "self_attn" inside it
+  /// makes "layers.3.self_attn"); it closes when the returned object is destroyed. Nodes
+  /// recorded meanwhile carry the path, for errors:
+  ///   { auto s = tp.scope("mlp"); x = mlp(tp, x); }
+  TapeScope scope(std::string_view name) {
+    std::string path(name);
+    if (!scope_stack_.empty()) path = scope_paths_[static_cast<std::size_t>(scope_stack_.back())] + "." + path;
+    scope_paths_.push_back(std::move(path));
+    scope_stack_.push_back(static_cast<std::int32_t>(scope_paths_.size() - 1));
+    return TapeScope(scope_stack_);
+  }
+  /// The scope path node v was recorded in ("" outside any scope).
+  const std::string& scope_path(GVar v) const {
+    static const std::string none;
+    const std::int32_t s = node(v).scope;
+    return s < 0 ? none : scope_paths_[static_cast<std::size_t>(s)];
+  }
+
   // ---- backward ----------------------------------------------------------------------------
 
   /// Reverse sweep from a scalar loss (d loss / d loss = 1).
@@ -282,6 +338,7 @@ class GTape {
                    " does not match the output ", n.value.shape().str(), " ", dtype_name(n.value.dtype()));
     begin_backward(n);
     B::copy(cotangent, n.grad, false);
+    if (anomaly_ && !detail::all_finite(n.grad)) report(out.index, n.grad, "the cotangent given to backward() holds");
     sweep(out.index);
   }
 
@@ -290,7 +347,8 @@ class GTape {
   /// Re-runs every recorded node into the buffers it already owns: params re-read from their
   /// bound tensors (which must keep their shape), inputs as last set(). Allocates nothing.
   void replay_forward() {
-    for (auto& n : nodes_) {
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      Node<B>& n = nodes_[i];
       if (n.leaf == LeafKind::param) {
         if (!(n.bound->shape() == n.value.shape()) || n.bound->dtype() != n.value.dtype())
           detail::fail("tape.replay", "a bound parameter changed from ", n.value.shape().str(), " to ",
@@ -299,6 +357,7 @@ class GTape {
       } else if (n.def) {
         n.def->forward(*this, n);
       }
+      if (anomaly_) check_value(static_cast<std::int32_t>(i));
     }
   }
   /// Replays the forward pass, then the last backward() from a scalar loss.
@@ -326,6 +385,7 @@ class GTape {
     if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
     try {
       def.forward(*this, n);
+      if (anomaly_) check_value(static_cast<std::int32_t>(nodes_.size() - 1));
     } catch (...) {
       nodes_.pop_back();  // a failed op (an id out of range) leaves the tape as it was, replayable
       throw;
@@ -418,6 +478,7 @@ class GTape {
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
     nodes_.back().leaf = k;
+    nodes_.back().scope = scope_stack_.empty() ? -1 : scope_stack_.back();
     return nodes_.back();
   }
   GVar handle() const { return GVar{this, static_cast<std::int32_t>(nodes_.size() - 1)}; }
@@ -446,8 +507,64 @@ class GTape {
     loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
     for (std::int32_t i = from; i >= 0; --i) {
       Node<B>& n = nodes_[static_cast<std::size_t>(i)];
-      if (n.def && n.requires_grad && n.grad_live) n.def->vjp(*this, n);
+      if (n.def && n.requires_grad && n.grad_live) {
+        n.def->vjp(*this, n);
+        if (anomaly_) check_grads(i);
+      }
     }
+  }
+
+  // ---- anomaly mode ------------------------------------------------------------------------
+
+  // A leaf is checked as it is bound; a failing one leaves the tape as it was.
+  GVar checked_leaf() {
+    if (anomaly_) {
+      try {
+        check_value(static_cast<std::int32_t>(nodes_.size() - 1));
+      } catch (...) {
+        if (nodes_.back().leaf == LeafKind::param) params_.pop_back();
+        nodes_.pop_back();
+        throw;
+      }
+    }
+    return handle();
+  }
+  void check_value(std::int32_t i) {
+    const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+    if (!detail::all_finite(n.value)) report(i, n.value, n.def ? "forward produced" : "its value holds");
+  }
+  // After node i's vjp: the gradient it wrote into each input (each earlier contribution was
+  // checked when it was written, so a bad element now comes from this vjp).
+  void check_grads(std::int32_t i) {
+    const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+      if (!needs_grad(n, k)) continue;
+      const Node<B>& in = nodes_[static_cast<std::size_t>(n.inputs[k])];
+      if (!detail::all_finite(in.grad))
+        report(i, in.grad, ("backward (vjp) wrote into the gradient of input " + std::to_string(k) + " (node " +
+                            std::to_string(n.inputs[k]) + ", " + in.name() + ")")
+                               .c_str());
+    }
+  }
+  // "[anomaly] softmax (node 7, in 'layers.0.self_attn', inputs (2, 3) float32): forward produced
+  // NaN at [1, 2] (element 5) of (2, 3) float32"
+  [[noreturn]] void report(std::int32_t i, const Tensor& bad, const char* what) const {
+    const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+    std::ostringstream os;
+    os << n.name();
+    if (n.def && n.def->kernel) os << ' ' << n.def->kernel(n);  // "unary log"
+    os << " (node " << i;
+    if (n.scope >= 0) os << ", in '" << scope_paths_[static_cast<std::size_t>(n.scope)] << "'";
+    if (!n.inputs.empty()) {
+      os << ", inputs";
+      for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+        const Tensor& v = nodes_[static_cast<std::size_t>(n.inputs[k])].value;
+        os << (k ? ", " : " ") << v.shape().str() << ' ' << dtype_name(v.dtype());
+      }
+    }
+    os << "): " << what << ' ' << detail::first_nonfinite(bad) << " of " << bad.shape().str() << ' '
+       << dtype_name(bad.dtype());
+    detail::fail("anomaly", os.str());
   }
 
   // A deque, not a vector: appending a node never moves the others, so a `const Tensor&` from
@@ -456,6 +573,9 @@ class GTape {
   std::vector<std::int32_t> params_;  // indices of param leaves, to find a re-bound tensor
   std::vector<std::int32_t> key_slots_;  // random_key() slots, refilled in order by refresh_keys()
   std::int32_t loss_ = -1;
+  bool anomaly_ = false;                   // detect_anomaly
+  std::vector<std::string> scope_paths_;   // every scope() opened since clear(), by id
+  std::vector<std::int32_t> scope_stack_;  // the open scopes' ids, innermost last
 };
 
 }  // namespace nn

@@ -58,3 +58,25 @@ TEST_CASE("a non-finite gradient raises naming the parameter, or skips the step 
   CHECK_FALSE(detail::all_finite(Tensor::from<float>({3}, {1.0f, INFINITY, 0.0f})));
   CHECK(detail::all_finite(Tensor::from<std::int32_t>({2}, {1, 2})));
 }
+
+TEST_CASE("anomaly mode in a compiled step: a replay names the op, before the update writes anything") {
+  Two m = make();
+  SGD opt(0.1);
+  // the step's tape reads NN_DETECT_ANOMALY when it is made; detect_anomaly() sets it later
+  ::setenv("NN_DETECT_ANOMALY", "1", 1);
+  auto step = compile<1>(m, opt, [](GTape<cpu>& tp, const Two& t, GVar s) {
+    auto scope = tp.scope("head");
+    return sum(tp, nn::sqrt(tp, mul(tp, nn::param(tp, t.v), s)));
+  });
+  ::unsetenv("NN_DETECT_ANOMALY");
+  const Tensor s = Tensor::from<double>({}, {2.0});
+  step(s);
+  step(s);  // replayed
+  CHECK(step.recordings() == 1);
+  const std::vector<double> v = m.v.value.to_doubles();
+  test::check_error([&] { step(Tensor::from<double>({}, {-2.0})); },
+                    {"[anomaly] unary sqrt (node 3, in 'head'", "forward produced NaN at [0]"});
+  CHECK(m.v.value.to_doubles() == v);  // the failed step wrote nothing
+  step.detect_anomaly(false);
+  CHECK(std::isnan(step(Tensor::from<double>({}, {-2.0})).item()));  // off: the NaN flows to the loss
+}

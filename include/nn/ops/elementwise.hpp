@@ -30,7 +30,8 @@ struct UnaryPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp};
+  static const char* kernel(const Node<B>& n) { return unary_name(attrs_of<UnaryAttrs>(n).op); }
+  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp, false, &kernel};
 };
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
@@ -55,7 +56,8 @@ struct BinaryPrim {
       }
     }
   }
-  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp};
+  static const char* kernel(const Node<B>& n) { return binary_name(attrs_of<BinaryAttrs>(n).op); }
+  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp, false, &kernel};
 };
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "../anomaly.hpp"
 #include "../module.hpp"
 #include "schedules.hpp"
 
@@ -23,28 +24,6 @@ namespace detail {
 inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
   Tensor z = Tensor::zeros(s, t);
   return dev == Device::cpu ? z : z.to(dev);
-}
-
-/// Whether every element of a floating tensor is finite (integer tensors always are). A device
-/// tensor is read through a host copy. The test is on the exponent bits (all ones: Inf or NaN),
-/// an integer OR-reduction the compiler vectorises: one read of the gradient, no branch.
-inline bool all_finite(const Tensor& t) {
-  if (!is_floating(t.dtype())) return true;
-  const Tensor h = t.device() == Device::cpu ? t : t.to(Device::cpu);
-  auto scan = [](const auto* p, std::int64_t n, auto exp_mask) {
-    using U = decltype(exp_mask);
-    U bad = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      U u;
-      std::memcpy(&u, p + i, sizeof(U));
-      bad |= static_cast<U>((u & exp_mask) == exp_mask);
-    }
-    return bad == 0;
-  };
-  if (h.dtype() == DType::f32) return scan(h.data<float>(), h.numel(), std::uint32_t{0x7f800000u});
-  if (h.dtype() == DType::f64) return scan(h.data<double>(), h.numel(), std::uint64_t{0x7ff0000000000000ull});
-  const Tensor f = h.to(DType::f32);  // bf16 / f16: their Inf and NaN stay Inf and NaN
-  return scan(f.data<float>(), f.numel(), std::uint32_t{0x7f800000u});
 }
 
 }  // namespace detail
