@@ -12,19 +12,19 @@
 // nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp,
 // nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp,
 // nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/quantized.hpp,
-// nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp,
-// nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
-// nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
-// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/layers/helpers.hpp,
-// nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp,
-// nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp,
-// nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp, nn/module.hpp,
-// nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp,
-// nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp,
-// nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
-// nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp,
-// nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp,
-// nn/io/weights.hpp, nn/io/checkpoint.hpp
+// nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp, nn/ops/common.hpp,
+// nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp,
+// nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp, nn/ops/random.hpp,
+// nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp,
+// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
+// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
+// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp,
+// nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp,
+// nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp,
+// nn/modules/quantized.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
+// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
+// nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp,
+// nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -5407,9 +5407,83 @@ inline const CpuInfo& cpu_info() {
 #include <new>
 #include <optional>
 #include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+// ---- begin nn/anomaly.hpp ----
+// Finding NaN and Inf: the finiteness tests the optimizers' gate and the tape's anomaly mode
+// (GTape::detect_anomaly, NN_DETECT_ANOMALY=1) share, and the words they report a bad element in.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+
+namespace nn::detail {
+
+/// Whether every element of a floating tensor is finite (integer tensors always are). A device
+/// tensor is read through a host copy. The test is on the exponent bits (all ones: Inf or NaN),
+/// an integer OR-reduction the compiler vectorises: one read of the tensor, no branch.
+inline bool all_finite(const Tensor& t) {
+  if (!is_floating(t.dtype())) return true;
+  const Tensor h = t.device() == Device::cpu ? t : t.to(Device::cpu);
+  auto scan = [](const auto* p, std::int64_t n, auto exp_mask) {
+    using U = decltype(exp_mask);
+    U bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      U u;
+      std::memcpy(&u, p + i, sizeof(U));
+      bad |= static_cast<U>((u & exp_mask) == exp_mask);
+    }
+    return bad == 0;
+  };
+  if (h.dtype() == DType::f32) return scan(h.data<float>(), h.numel(), std::uint32_t{0x7f800000u});
+  if (h.dtype() == DType::f64) return scan(h.data<double>(), h.numel(), std::uint64_t{0x7ff0000000000000ull});
+  const Tensor f = h.to(DType::f32);  // bf16 / f16: their Inf and NaN stay Inf and NaN
+  return scan(f.data<float>(), f.numel(), std::uint32_t{0x7f800000u});
+}
+
+/// The first NaN or Inf of a floating tensor, in words: "NaN at [1, 3]" (the row-major position
+/// in t's shape). Empty when every element is finite. Only called once all_finite said no.
+inline std::string first_nonfinite(const Tensor& t) {
+  if (!is_floating(t.dtype())) return {};
+  const Tensor h = t.device() == Device::cpu ? t : t.to(Device::cpu);
+  const Tensor d = h.dtype() == DType::f64 ? h : h.to(DType::f64);  // exact for every float dtype
+  const double* p = d.data<double>();
+  for (std::int64_t i = 0; i < d.numel(); ++i) {
+    if (std::isfinite(p[i])) continue;
+    std::ostringstream os;
+    os << (std::isnan(p[i]) ? "NaN" : p[i] > 0 ? "+Inf" : "-Inf") << " at [";
+    const Shape& s = t.shape();
+    std::int64_t rest = i, stride = s.numel();
+    for (int a = 0; a < s.rank(); ++a) {
+      stride /= s[a];
+      os << (a ? ", " : "") << rest / stride;
+      rest %= stride;
+    }
+    os << "] (element " << i << ")";
+    return os.str();
+  }
+  return {};
+}
+
+/// NN_DETECT_ANOMALY in the environment: set and not "0" turns anomaly mode on for every tape
+/// constructed afterwards (read at construction, so a test may set it and unset it).
+inline bool anomaly_from_env() {
+  const char* e = std::getenv("NN_DETECT_ANOMALY");
+  return e != nullptr && *e != '\0' && std::string_view(e) != "0";
+}
+
+}  // namespace nn::detail
+// ---- end nn/anomaly.hpp ----
 
 namespace nn {
 
@@ -5468,6 +5542,9 @@ struct OpDef {
   void (*forward)(GTape<B>&, Node<B>&);
   void (*vjp)(GTape<B>&, Node<B>&);
   bool aliases_input = false;  // forward makes value a view of input 0 (reshape): no output buffer
+  // The kernel a primitive that runs several ran ("log" for a unary node), read from its
+  // attributes, for errors; null when the primitive is one kernel.
+  const char* (*kernel)(const Node<B>&) = nullptr;
   constexpr const char* name() const { return prim_name(prim); }
 };
 
@@ -5484,6 +5561,7 @@ struct Node {
   const Tensor* bound = nullptr;  // a param leaf's tensor, re-read on every replay
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
+  std::int32_t scope = -1;        // the tape.scope() it was recorded in (GTape::scope_path), or -1
 
   const char* name() const {
     if (def) return def->name();
@@ -5503,6 +5581,23 @@ struct GradSlot {
   bool acc;
 };
 
+/// What GTape::scope returns: while it lives, the nodes recorded are inside the scope (a layer
+/// path, "model.layers.3.self_attn"), which anomaly mode's errors name. Ends at its destruction.
+class [[nodiscard]] TapeScope {
+ public:
+  explicit TapeScope(std::vector<std::int32_t>& stack) : stack_(&stack) {}
+  TapeScope(TapeScope&& o) noexcept : stack_(std::exchange(o.stack_, nullptr)) {}
+  TapeScope(const TapeScope&) = delete;
+  TapeScope& operator=(const TapeScope&) = delete;
+  TapeScope& operator=(TapeScope&&) = delete;
+  ~TapeScope() {
+    if (stack_ && !stack_->empty()) stack_->pop_back();
+  }
+
+ private:
+  std::vector<std::int32_t>* stack_;
+};
+
 /// The tape. Explicit object, passed to every builder; no global state, one tape per thread.
 template <class B>
 class GTape {
@@ -5511,7 +5606,7 @@ class GTape {
  public:
   using backend = B;
 
-  GTape() = default;
+  GTape() : anomaly_(detail::anomaly_from_env()) {}
   GTape(const GTape&) = delete;  // GVars name their tape by address
   GTape& operator=(const GTape&) = delete;
 
@@ -5538,7 +5633,7 @@ class GTape {
     n.value = t;
     n.bound = &t;
     n.requires_grad = trainable && is_floating(t.dtype());
-    return handle();
+    return checked_leaf();
   }
   /// A temporary cannot be bound: the leaf would point at a destroyed tensor. Keep the tensor in
   /// a variable (or a module's Param) that outlives the tape, or use constant() / input().
@@ -5549,7 +5644,7 @@ class GTape {
     see_leaf_dtype(t.dtype());
     Node<B>& n = push(LeafKind::constant);
     n.value = t;
-    return handle();
+    return checked_leaf();
   }
   /// A slot whose value set() may swap between replays (a batch). No gradient unless asked.
   GVar input(const Tensor& t, bool requires_grad = false) {
@@ -5558,7 +5653,7 @@ class GTape {
     Node<B>& n = push(LeafKind::input);
     n.value = t;
     n.requires_grad = requires_grad && is_floating(t.dtype());
-    return handle();
+    return checked_leaf();
   }
   /// A fresh MLX key (uint32 (2)) from nn::random's global sequence, held in an input slot that
   /// refresh_keys() refills in recording order: how Dropout gets its key, so that a replayed step
@@ -5626,6 +5721,7 @@ class GTape {
     params_.clear();
     key_slots_.clear();
     loss_ = -1;
+    if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
     autocast_ = DType::f32;
     if (!float_dtype_set_) {
       float_dtype_seen_ = false;
@@ -5658,6 +5754,35 @@ class GTape {
     float_dtype_set_ = true;
   }
 
+  // ---- anomaly mode and scopes ------------------------------------------------------------------
+
+  /// Anomaly mode (torch.autograd.detect_anomaly): every value is checked for NaN and Inf as it
+  /// is produced -- each leaf as it is bound (and re-read on replay), each op's output after its
+  /// forward, each gradient an op's vjp writes -- in eager recording and in replay. The first bad
+  /// element raises nn::Error naming the op, its node index, its scope path (the layer), its
+  /// inputs' shapes and the element's position. Off by default (one untaken branch per node);
+  /// NN_DETECT_ANOMALY=1 in the environment turns it on for every tape made afterwards.
+  void detect_anomaly(bool on) { anomaly_ = on; }
+  bool detect_anomaly() const { return anomaly_; }
+
+  /// Opens a scope named `name` inside the current one ("layers.3", then "self_attn" inside it
+  /// makes "layers.3.self_attn"); it closes when the returned object is destroyed. Nodes
+  /// recorded meanwhile carry the path, for errors:
+  ///   { auto s = tp.scope("mlp"); x = mlp(tp, x); }
+  TapeScope scope(std::string_view name) {
+    std::string path(name);
+    if (!scope_stack_.empty()) path = scope_paths_[static_cast<std::size_t>(scope_stack_.back())] + "." + path;
+    scope_paths_.push_back(std::move(path));
+    scope_stack_.push_back(static_cast<std::int32_t>(scope_paths_.size() - 1));
+    return TapeScope(scope_stack_);
+  }
+  /// The scope path node v was recorded in ("" outside any scope).
+  const std::string& scope_path(GVar v) const {
+    static const std::string none;
+    const std::int32_t s = node(v).scope;
+    return s < 0 ? none : scope_paths_[static_cast<std::size_t>(s)];
+  }
+
   // ---- backward ----------------------------------------------------------------------------
 
   /// Reverse sweep from a scalar loss (d loss / d loss = 1).
@@ -5678,6 +5803,7 @@ class GTape {
                    " does not match the output ", n.value.shape().str(), " ", dtype_name(n.value.dtype()));
     begin_backward(n);
     B::copy(cotangent, n.grad, false);
+    if (anomaly_ && !detail::all_finite(n.grad)) report(out.index, n.grad, "the cotangent given to backward() holds");
     sweep(out.index);
   }
 
@@ -5686,7 +5812,8 @@ class GTape {
   /// Re-runs every recorded node into the buffers it already owns: params re-read from their
   /// bound tensors (which must keep their shape), inputs as last set(). Allocates nothing.
   void replay_forward() {
-    for (auto& n : nodes_) {
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      Node<B>& n = nodes_[i];
       if (n.leaf == LeafKind::param) {
         if (!(n.bound->shape() == n.value.shape()) || n.bound->dtype() != n.value.dtype())
           detail::fail("tape.replay", "a bound parameter changed from ", n.value.shape().str(), " to ",
@@ -5695,6 +5822,7 @@ class GTape {
       } else if (n.def) {
         n.def->forward(*this, n);
       }
+      if (anomaly_) check_value(static_cast<std::int32_t>(i));
     }
   }
   /// Replays the forward pass, then the last backward() from a scalar loss.
@@ -5722,6 +5850,7 @@ class GTape {
     if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
     try {
       def.forward(*this, n);
+      if (anomaly_) check_value(static_cast<std::int32_t>(nodes_.size() - 1));
     } catch (...) {
       nodes_.pop_back();  // a failed op (an id out of range) leaves the tape as it was, replayable
       throw;
@@ -5814,6 +5943,7 @@ class GTape {
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
     nodes_.back().leaf = k;
+    nodes_.back().scope = scope_stack_.empty() ? -1 : scope_stack_.back();
     return nodes_.back();
   }
   GVar handle() const { return GVar{this, static_cast<std::int32_t>(nodes_.size() - 1)}; }
@@ -5842,8 +5972,64 @@ class GTape {
     loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
     for (std::int32_t i = from; i >= 0; --i) {
       Node<B>& n = nodes_[static_cast<std::size_t>(i)];
-      if (n.def && n.requires_grad && n.grad_live) n.def->vjp(*this, n);
+      if (n.def && n.requires_grad && n.grad_live) {
+        n.def->vjp(*this, n);
+        if (anomaly_) check_grads(i);
+      }
     }
+  }
+
+  // ---- anomaly mode ------------------------------------------------------------------------
+
+  // A leaf is checked as it is bound; a failing one leaves the tape as it was.
+  GVar checked_leaf() {
+    if (anomaly_) {
+      try {
+        check_value(static_cast<std::int32_t>(nodes_.size() - 1));
+      } catch (...) {
+        if (nodes_.back().leaf == LeafKind::param) params_.pop_back();
+        nodes_.pop_back();
+        throw;
+      }
+    }
+    return handle();
+  }
+  void check_value(std::int32_t i) {
+    const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+    if (!detail::all_finite(n.value)) report(i, n.value, n.def ? "forward produced" : "its value holds");
+  }
+  // After node i's vjp: the gradient it wrote into each input (each earlier contribution was
+  // checked when it was written, so a bad element now comes from this vjp).
+  void check_grads(std::int32_t i) {
+    const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+      if (!needs_grad(n, k)) continue;
+      const Node<B>& in = nodes_[static_cast<std::size_t>(n.inputs[k])];
+      if (!detail::all_finite(in.grad))
+        report(i, in.grad, ("backward (vjp) wrote into the gradient of input " + std::to_string(k) + " (node " +
+                            std::to_string(n.inputs[k]) + ", " + in.name() + ")")
+                               .c_str());
+    }
+  }
+  // "[anomaly] softmax (node 7, in 'layers.0.self_attn', inputs (2, 3) float32): forward produced
+  // NaN at [1, 2] (element 5) of (2, 3) float32"
+  [[noreturn]] void report(std::int32_t i, const Tensor& bad, const char* what) const {
+    const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+    std::ostringstream os;
+    os << n.name();
+    if (n.def && n.def->kernel) os << ' ' << n.def->kernel(n);  // "unary log"
+    os << " (node " << i;
+    if (n.scope >= 0) os << ", in '" << scope_paths_[static_cast<std::size_t>(n.scope)] << "'";
+    if (!n.inputs.empty()) {
+      os << ", inputs";
+      for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+        const Tensor& v = nodes_[static_cast<std::size_t>(n.inputs[k])].value;
+        os << (k ? ", " : " ") << v.shape().str() << ' ' << dtype_name(v.dtype());
+      }
+    }
+    os << "): " << what << ' ' << detail::first_nonfinite(bad) << " of " << bad.shape().str() << ' '
+       << dtype_name(bad.dtype());
+    detail::fail("anomaly", os.str());
   }
 
   // A deque, not a vector: appending a node never moves the others, so a `const Tensor&` from
@@ -5852,6 +6038,9 @@ class GTape {
   std::vector<std::int32_t> params_;  // indices of param leaves, to find a re-bound tensor
   std::vector<std::int32_t> key_slots_;  // random_key() slots, refilled in order by refresh_keys()
   std::int32_t loss_ = -1;
+  bool anomaly_ = false;                   // detect_anomaly
+  std::vector<std::string> scope_paths_;   // every scope() opened since clear(), by id
+  std::vector<std::int32_t> scope_stack_;  // the open scopes' ids, innermost last
 };
 
 }  // namespace nn
@@ -5964,7 +6153,8 @@ struct UnaryPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp};
+  static const char* kernel(const Node<B>& n) { return unary_name(attrs_of<UnaryAttrs>(n).op); }
+  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp, false, &kernel};
 };
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
@@ -5989,7 +6179,8 @@ struct BinaryPrim {
       }
     }
   }
-  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp};
+  static const char* kernel(const Node<B>& n) { return binary_name(attrs_of<BinaryAttrs>(n).op); }
+  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp, false, &kernel};
 };
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
@@ -11079,28 +11270,6 @@ inline Tensor zeros_on(const Shape& s, DType t, Device dev) {
   return dev == Device::cpu ? z : z.to(dev);
 }
 
-/// Whether every element of a floating tensor is finite (integer tensors always are). A device
-/// tensor is read through a host copy. The test is on the exponent bits (all ones: Inf or NaN),
-/// an integer OR-reduction the compiler vectorises: one read of the gradient, no branch.
-inline bool all_finite(const Tensor& t) {
-  if (!is_floating(t.dtype())) return true;
-  const Tensor h = t.device() == Device::cpu ? t : t.to(Device::cpu);
-  auto scan = [](const auto* p, std::int64_t n, auto exp_mask) {
-    using U = decltype(exp_mask);
-    U bad = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      U u;
-      std::memcpy(&u, p + i, sizeof(U));
-      bad |= static_cast<U>((u & exp_mask) == exp_mask);
-    }
-    return bad == 0;
-  };
-  if (h.dtype() == DType::f32) return scan(h.data<float>(), h.numel(), std::uint32_t{0x7f800000u});
-  if (h.dtype() == DType::f64) return scan(h.data<double>(), h.numel(), std::uint64_t{0x7ff0000000000000ull});
-  const Tensor f = h.to(DType::f32);  // bf16 / f16: their Inf and NaN stay Inf and NaN
-  return scan(f.data<float>(), f.numel(), std::uint32_t{0x7f800000u});
-}
-
 }  // namespace detail
 
 /// The base of every optimizer (usable through std::unique_ptr<Optimizer>).
@@ -12032,6 +12201,13 @@ class CompiledStep {
   /// clipping off (the default).
   CompiledStep& clip_grad_norm(double max_norm) {
     clip_ = max_norm;
+    return *this;
+  }
+  /// Anomaly mode on the step's tape (GTape::detect_anomaly): the recording and every replay
+  /// check each value and gradient for NaN and Inf, and raise naming the op before the update
+  /// runs. On already when NN_DETECT_ANOMALY=1 was set as the step was made.
+  CompiledStep& detect_anomaly(bool on) {
+    tp_.detect_anomaly(on);
     return *this;
   }
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
