@@ -165,6 +165,21 @@ TEST_CASE("a malformed adapter directory raises, naming the file") {
   test::check_error([&] { load_mlx_adapters(dir("bad"), t); }, {"adapter_config.json", "lora_parameters"});
 }
 
+TEST_CASE("adapter configs: wrong types and out-of-range numbers raise nn::Error naming the file") {
+  // Found by tests/fuzz/adapter_config_fuzz.cpp: nlohmann's type errors escaped the readers.
+  auto mlx = [](const char* text) { return [=] { lm::mlx_adapter_config_from_json(nlohmann::json::parse(text), "a.json"); }; };
+  auto peft = [](const char* text) { return [=] { lm::peft_adapter_config_from_json(nlohmann::json::parse(text), "a.json"); }; };
+  test::check_error(mlx("[1]"), {"[adapters] a.json: expected a JSON object"});
+  test::check_error(mlx(R"({"fine_tune_type": 3})"), {"[adapters] a.json: bad field", "string"});
+  test::check_error(mlx(R"({"lora_parameters": {"rank": 0, "scale": 1}})"), {"[adapters] a.json: the rank must be a positive integer, got 0"});
+  test::check_error(mlx(R"({"lora_parameters": {"rank": 2, "scale": 1, "dropout": 1}})"), {"a.json", "dropout"});
+  test::check_error(mlx(R"({"num_layers": -2, "lora_parameters": {"rank": 2, "scale": 1}})"), {"a.json", "num_layers"});
+  test::check_error(peft(R"({"peft_type": null, "r": 2})"), {"[adapters] a.json: bad field"});
+  test::check_error(peft(R"({"r": 0, "lora_alpha": 8})"), {"[adapters] a.json: r must be a positive integer, got 0"});
+  test::check_error(peft(R"({"r": 2, "lora_alpha": 1e308, "use_rslora": false, "lora_dropout": -0.5})"), {"a.json", "dropout"});
+  CHECK(lm::peft_adapter_config_from_json(nlohmann::json::parse(R"({"r": 4, "lora_alpha": 8})"), "a.json").scale == 2.0);
+}
+
 TEST_CASE("lora_key_path: command-line keys to their paths inside a decoder layer") {
   CHECK(lora_key_path("q_proj") == "self_attn.q_proj");
   CHECK(lora_key_path("o_proj") == "self_attn.o_proj");

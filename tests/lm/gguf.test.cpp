@@ -328,6 +328,21 @@ TEST_CASE("gguf: bad magic, versions, counts, lengths, types, offsets and layout
   expect_bad(with_tensor({"t", {1ull << 20}, 0, Bytes(16), {}}), {"\"t\"", "run past the end of the file"});
 }
 
+TEST_CASE("gguf: empty tensors with huge dimensions (found by tests/fuzz/gguf_fuzz.cpp)") {
+  auto with_tensor = [](TensorSpec t) {
+    FileSpec f = small_spec();
+    f.tensors.push_back(std::move(t));
+    return build(f);
+  };
+  // Zero elements, but the other dimensions multiply past int64 (Shape::numel overflowed).
+  expect_bad(with_tensor({"t", {0, 1ull << 40, 1ull << 40}, 0, {}, {}}), {"\"t\"", "dimension 1099511627776", "overflow"});
+  // An empty Q4_0 matrix of 2^40 rows: its bytes are 0, so the file holds it; quantized() looped
+  // over every row. It is refused by name, and reads as an empty tensor.
+  GgufFile f = GgufFile::from_bytes(with_tensor({"q", {0, 1ull << 40}, 2, {}, {}}), "empty.gguf");
+  CHECK(f.tensor("q").numel() == 0);
+  test::check_error([&] { (void)f.quantized(f.tensor_info("q")); }, {"empty.gguf", "\"q\"", "no elements"});
+}
+
 TEST_CASE("gguf: random byte flips either parse or raise nn::Error, never crash") {
   const Bytes full = build(small_spec());
   std::mt19937_64 rng(7);

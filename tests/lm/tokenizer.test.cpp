@@ -525,6 +525,23 @@ TEST_CASE("tokenizer: malformed tokenizer.json names the file and the field") {
   j = good;
   j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", json::array({{{"SpecialToken", {{"id", "<nope>"}}}}})}};
   CHECK(contains(err(j), "post_processor.single[0]"));
+  // Found by tests/fuzz/tokenizer_fuzz.cpp: a template's special_tokens ids went into every
+  // encoding unchecked (an id past the vocabulary, which decode then refused); a non-integer id
+  // escaped as nlohmann's exception; ids far past the vocabulary sized the tables by the id.
+  const json tmpl = {{"type", "TemplateProcessing"},
+                     {"single", json::array({{{"SpecialToken", {{"id", "<s>"}}}}, {{"Sequence", {{"id", "A"}}}}})},
+                     {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", json::array({999999})}, {"tokens", json::array({"<s>"})}}}}}};
+  j = good;
+  j["post_processor"] = tmpl;
+  CHECK(contains(err(j), "[bad/tokenizer.json] post_processor.special_tokens.<s>.ids: id 999999 is not in the vocabulary"));
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = json::array({"0"});
+  CHECK(contains(err(j), "post_processor.special_tokens.<s>.ids: id \"0\" is not in the vocabulary"));
+  j = good;
+  j["added_tokens"][0]["id"] = 4294967296 + 5;  // truncated to 5 before
+  CHECK(contains(err(j), "added_tokens[0].id: id 4294967301 is out of range"));
+  j = good;
+  j["added_tokens"][0]["id"] = 2000000000;
+  CHECK(contains(err(j), "id 2000000000 of token '<|endoftext|>' lies more than 2^20 past the"));
   const Tokenizer empty;  // default-constructed: no vocabulary, nothing to encode with
   CHECK(empty.encode("abc").empty());
   CHECK(empty.vocab_size() == 0);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -132,26 +133,47 @@ void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const L
   detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
 }
 
+namespace detail {
+
+/// The numbers a LoRA needs, checked once for both formats: "[adapters] <label>: ..." otherwise.
+inline void check_lora_config(const LoraConfig& c, const std::string& label) {
+  if (c.rank < 1) nn::detail::fail("adapters", label, ": the rank must be a positive integer, got ", c.rank);
+  if (!std::isfinite(c.scale)) nn::detail::fail("adapters", label, ": the scale must be a finite number, got ", c.scale);
+  if (!(c.dropout >= 0 && c.dropout < 1))
+    nn::detail::fail("adapters", label, ": the dropout must lie in [0, 1), got ", c.dropout);
+}
+
+}  // namespace detail
+
+/// An mlx-lm adapter_config.json, parsed (fine_tune_type "lora", lora_parameters {rank, scale,
+/// dropout, keys}, num_layers); `label` (the file) leads every error.
+inline LoraConfig mlx_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
+  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
+  LoraConfig c;
+  try {
+    const std::string type = j.value("fine_tune_type", std::string("lora"));
+    if (type != "lora") nn::detail::fail("adapters", label, ": fine_tune_type '", type, "' is not supported (lora only)");
+    auto lp = j.find("lora_parameters");
+    if (lp == j.end() || !lp->is_object()) nn::detail::fail("adapters", label, ": missing object field 'lora_parameters'");
+    c.rank = lp->at("rank").get<std::int64_t>();
+    c.scale = lp->at("scale").get<double>();
+    c.dropout = lp->value("dropout", 0.0);
+    if (lp->contains("keys")) c.keys = lp->at("keys").get<std::vector<std::string>>();
+    const std::int64_t layers = j.value("num_layers", std::int64_t{-1});
+    if (layers < -1 || layers > std::numeric_limits<int>::max())
+      nn::detail::fail("adapters", label, ": num_layers must be -1 (all) or a layer count, got ", layers);
+    c.num_layers = static_cast<int>(layers);
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
+  }
+  detail::check_lora_config(c, label);
+  return c;
+}
+
 /// Reads an mlx-lm adapter directory's config.
 inline LoraConfig read_mlx_adapter_config(const std::filesystem::path& dir) {
   const auto path = dir / "adapter_config.json";
-  nlohmann::json j = detail::read_json(path);
-  if (j.value("fine_tune_type", std::string("lora")) != "lora")
-    nn::detail::fail("adapters", path.string(), ": fine_tune_type '", j.value("fine_tune_type", std::string()), "' is not supported (lora only)");
-  if (!j.contains("lora_parameters") || !j["lora_parameters"].is_object())
-    nn::detail::fail("adapters", path.string(), ": missing object field 'lora_parameters'");
-  const auto& lp = j["lora_parameters"];
-  LoraConfig c;
-  try {
-    c.rank = lp.at("rank").get<std::int64_t>();
-    c.scale = lp.at("scale").get<double>();
-    c.dropout = lp.value("dropout", 0.0);
-    c.num_layers = j.value("num_layers", -1);
-    if (lp.contains("keys")) c.keys = lp["keys"].get<std::vector<std::string>>();
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", path.string(), ": bad lora_parameters (", e.what(), ")");
-  }
-  return c;
+  return mlx_adapter_config_from_json(detail::read_json(path), path.string());
 }
 
 /// Applies the directory's LoRA to `model` and loads its adapter weights (strict: every adapter
@@ -215,6 +237,29 @@ void save_peft_adapters(const std::filesystem::path& dir, const M& model, const 
   detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
 }
 
+/// A PEFT adapter_config.json, parsed: rank (r), scale (lora_alpha / r, or / sqrt(r) with
+/// use_rslora: the LoraConfig's scale is alpha then) and dropout; the targets and layers come
+/// from the tensor names. `label` (the file) leads every error.
+inline LoraConfig peft_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
+  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
+  LoraConfig cfg;
+  try {
+    const std::string type = j.value("peft_type", std::string("LORA"));
+    if (type != "LORA") nn::detail::fail("adapters", label, ": peft_type '", type, "' is not LORA");
+    cfg.rank = j.at("r").get<std::int64_t>();
+    if (cfg.rank < 1) nn::detail::fail("adapters", label, ": r must be a positive integer, got ", cfg.rank);
+    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
+    cfg.rslora = j.value("use_rslora", false);
+    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
+    cfg.dropout = j.value("lora_dropout", 0.0);
+    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", label, ": fan_in_fan_out is not supported");
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
+  }
+  detail::check_lora_config(cfg, label);
+  return cfg;
+}
+
 /// Reads a PEFT LoRA directory into `model`: the config gives rank, scale (lora_alpha / r, or
 /// / sqrt(r) with use_rslora) and targets; the factors are transposed into mlx-lm's
 /// orientation. Orientation is checked by name and by shape (a square factor in the wrong
@@ -222,20 +267,7 @@ void save_peft_adapters(const std::filesystem::path& dir, const M& model, const 
 template <class M>
 LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
   const auto cpath = dir / "adapter_config.json";
-  nlohmann::json j = detail::read_json(cpath);
-  LoraConfig cfg;
-  try {
-    if (j.value("peft_type", std::string("LORA")) != "LORA")
-      nn::detail::fail("adapters", cpath.string(), ": peft_type '", j.value("peft_type", std::string()), "' is not LORA");
-    cfg.rank = j.at("r").get<std::int64_t>();
-    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
-    cfg.rslora = j.value("use_rslora", false);
-    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
-    cfg.dropout = j.value("lora_dropout", 0.0);
-    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", cpath.string(), ": fan_in_fan_out is not supported");
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", cpath.string(), ": bad field (", e.what(), ")");
-  }
+  LoraConfig cfg = peft_adapter_config_from_json(detail::read_json(cpath), cpath.string());
   NamedTensors w = load_safetensors(dir / "adapter_model.safetensors");
   // targets from the tensor names: "...model.layers.N.<key>.lora_A.weight"
   std::set<std::string> keys;

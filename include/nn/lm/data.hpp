@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <istream>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -116,22 +117,29 @@ Example make_example(const nlohmann::json& j, const Tok& tok, const DataOptions&
   return ex;
 }
 
+/// Every record of JSONL text read from `in` (blank lines skipped); `label` (the file) leads
+/// errors, with the line.
+template <TextEncoder Tok>
+std::vector<Example> read_jsonl(std::istream& in, const std::string& label, const Tok& tok, const DataOptions& opt = {}) {
+  std::vector<Example> out;
+  std::string text;
+  std::size_t line = 0;
+  while (std::getline(in, text)) {
+    ++line;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const nlohmann::json j = detail::parse_json_strict(text, "data", label + ":" + std::to_string(line));
+    out.push_back(make_example(j, tok, opt, label, line));
+  }
+  if (out.empty()) nn::detail::fail("data", label, ": no records");
+  return out;
+}
+
 /// Every record of a JSONL file (blank lines skipped). Errors name the file and line.
 template <TextEncoder Tok>
 std::vector<Example> load_jsonl(const std::filesystem::path& path, const Tok& tok, const DataOptions& opt = {}) {
   std::ifstream f(path);
   if (!f) nn::detail::fail("data", path.string(), ": cannot open the file");
-  std::vector<Example> out;
-  std::string text;
-  std::size_t line = 0;
-  while (std::getline(f, text)) {
-    ++line;
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const nlohmann::json j = detail::parse_json_strict(text, "data", path.string() + ":" + std::to_string(line));
-    out.push_back(make_example(j, tok, opt, path.string(), line));
-  }
-  if (out.empty()) nn::detail::fail("data", path.string(), ": no records");
-  return out;
+  return read_jsonl(f, path.string(), tok, opt);
 }
 
 /// The train and validation sets: from DIR/train.jsonl and DIR/valid.jsonl (mlx-lm's layout),

@@ -540,13 +540,16 @@ class GgufParser {
     if (st_.tensor_index.count(t.name)) fail_at(at, "duplicate tensor name \"", t.name, "\"");
     const std::uint32_t nd = u32("the rank of tensor \"" + t.name + "\"");
     if (nd == 0 || nd > 4) fail("tensor \"", t.name, "\": rank ", nd, " (ggml tensors have 1 to 4 dimensions)");
-    std::uint64_t numel = 1;
+    // The product of the non-zero dimensions must fit in int64 too: an empty tensor's shape is
+    // multiplied out in any order (Shape::numel), so [2^40, 0, 2^40] would overflow.
+    std::uint64_t numel = 1, nonzero = 1;
     for (std::uint32_t d = 0; d < nd; ++d) {
       const std::uint64_t e = u64("a dimension of tensor \"" + t.name + "\"");
       if (e > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
-          (e != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / e))
+          (e != 0 && nonzero > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / e))
         fail("tensor \"", t.name, "\": dimension ", e, " makes the element count overflow");
       numel *= e;
+      if (e != 0) nonzero *= e;
       t.ne.push_back(static_cast<std::int64_t>(e));
     }
     t.type = u32("the type of tensor \"" + t.name + "\"");
@@ -804,6 +807,7 @@ class GgufFile {
   }
   /// A tensor's raw (possibly quantised) bytes inside the mapping.
   std::span<const std::byte> tensor_bytes(const GgufTensorInfo& t) const {
+    if (t.nbytes == 0) return {};  // the data section may be absent (a file without tensor bytes)
     return {st_->bytes->data + st_->data_offset + t.offset, static_cast<std::size_t>(t.nbytes)};
   }
 
@@ -839,6 +843,11 @@ class GgufFile {
     if (!keeps_quantized(t.type) || t.ne.size() != 2)
       nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" (", t.type_name(), ", ", t.ne.size(),
                        "-D) is not a matrix of a quantized block type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K)");
+    // An empty matrix's other dimension is bounded by nothing in the file (its byte size is 0):
+    // refused, rather than looping over up to 2^63 rows of nothing or overflowing cols * bits.
+    if (t.numel() == 0)
+      nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" (", t.type_name(), ", ne ", t.ne[0], " x ", t.ne[1],
+                       ") has no elements; an empty quantized matrix is not loaded");
     const detail::GgufAffine a = detail::gguf_affine(t.type);
     const GgmlTypeInfo* info = ggml_type_info(t.type);
     const std::int64_t rows = t.ne[1], cols = t.ne[0], groups = cols / a.group, block = info->block;
@@ -863,8 +872,20 @@ class GgufFile {
     return m;
   }
 
-  /// tokenizer.ggml.* and tokenizer.chat_template, raw.
+  /// tokenizer.ggml.* and tokenizer.chat_template, raw. A key of the wrong type raises naming
+  /// the file and the key.
   GgufTokenizerMetadata tokenizer() const {
+    try {
+      return tokenizer_metadata();
+    } catch (const Error& e) {  // GgufValue's errors name the key, not the file
+      std::string_view what = e.what();
+      if (what.starts_with("[gguf] ")) what.remove_prefix(7);
+      nn::detail::fail("gguf", path(), ": ", what);
+    }
+  }
+
+ private:
+  GgufTokenizerMetadata tokenizer_metadata() const {
     GgufTokenizerMetadata m;
     auto str = [&](const char* k, std::string& dst) {
       if (const GgufValue* v = find(k)) dst = v->as_string();
@@ -894,7 +915,6 @@ class GgufFile {
     return m;
   }
 
- private:
   explicit GgufFile(std::shared_ptr<detail::GgufState> st) : st_(std::move(st)) {}
   std::shared_ptr<detail::GgufState> st_;
 };

@@ -516,8 +516,15 @@ class Tokenizer {
 
   // ---- loading -------------------------------------------------------------------------------
 
+  // Ids may leave gaps (a trimmed vocabulary keeps its added tokens' ids), but the tables are
+  // indexed by id: an id this far past the tokens given would allocate gigabytes for nothing.
+  static constexpr std::size_t kMaxIdGap = std::size_t{1} << 20;
+
   void set_token(std::int32_t id, const std::string& tok) {
     if (id < 0) fail("vocab", "negative id for token '" + tok + "'");
+    if (static_cast<std::size_t>(id) >= token_to_id_.size() + kMaxIdGap)
+      fail("vocab", "id " + std::to_string(id) + " of token '" + tok + "' lies more than 2^20 past the " +
+                        std::to_string(token_to_id_.size()) + " tokens read so far (ids this sparse are refused)");
     if (static_cast<std::size_t>(id) >= id_to_token_.size()) {
       id_to_token_.resize(static_cast<std::size_t>(id) + 1);
       valid_.resize(static_cast<std::size_t>(id) + 1, false);
@@ -651,7 +658,9 @@ class Tokenizer {
           fail(field, "expected an object with integer \"id\" and string \"content\"");
         AddedToken t;
         t.content = a["content"].get<std::string>();
-        t.id = a["id"].get<std::int32_t>();
+        const auto id = a["id"].get<std::int64_t>();
+        if (id < 0 || id > INT32_MAX) fail(field + ".id", "id " + std::to_string(id) + " is out of range");
+        t.id = static_cast<std::int32_t>(id);
         auto flag = [&](const char* k, bool dflt) {
           const auto* v = member(a, k);
           return v && v->is_boolean() ? v->get<bool>() : dflt;
@@ -821,7 +830,12 @@ class Tokenizer {
           if (entry) {
             const auto* list = member(*entry, "ids");
             if (!list || !list->is_array()) fail(field + ".special_tokens." + name + ".ids", "expected an array");
-            for (const auto& x : *list) ids.push_back(x.get<std::int32_t>());
+            for (const auto& x : *list) {  // ids the encoder emits as they are: each must be a token
+              const std::int64_t v = x.is_number_integer() ? x.get<std::int64_t>() : -1;
+              if (v < 0 || v > INT32_MAX || static_cast<std::size_t>(v) >= valid_.size() || !valid_[static_cast<std::size_t>(v)])
+                fail(field + ".special_tokens." + name + ".ids", "id " + x.dump() + " is not in the vocabulary");
+              ids.push_back(static_cast<std::int32_t>(v));
+            }
           } else {
             auto it = token_to_id_.find(name);
             if (it == token_to_id_.end()) fail(f, "special token '" + name + "' is not in special_tokens or the vocabulary");
