@@ -153,3 +153,23 @@ TEST_CASE("anomaly: replay checks what it recomputes; NN_DETECT_ANOMALY=1 turns 
   GVar v = on.input(Tensor::from<double>({1}, {-1.0}));
   test::check_error([&] { nn::sqrt(on, v); }, {"[anomaly] unary sqrt (node 1"});
 }
+
+TEST_CASE("anomaly: the README's example") {
+  // --8<-- [start:anomaly]
+  std::string message;
+  nn::GTape<nn::cpu> tp;
+  tp.detect_anomaly(true);  // or NN_DETECT_ANOMALY=1 in the environment
+  nn::GVar x = tp.input(nn::Tensor::from<float>({2, 2}, {1.0f, 2.0f, -3.0f, 4.0f}));
+  try {
+    auto layer = tp.scope("layers.3.mlp");  // the nodes recorded while it lives carry this path
+    nn::log(tp, x);
+  } catch (const nn::Error& e) {
+    // [anomaly] unary log (node 1, in 'layers.3.mlp', inputs (2, 2) float32): forward produced
+    // NaN at [1, 0] (element 2) of (2, 2) float32
+    message = e.what();
+  }
+  // --8<-- [end:anomaly]
+  CHECK(message ==
+        "[anomaly] unary log (node 1, in 'layers.3.mlp', inputs (2, 2) float32): forward produced NaN at [1, 0] "
+        "(element 2) of (2, 2) float32");
+}

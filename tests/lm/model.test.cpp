@@ -568,3 +568,19 @@ TEST_CASE("Precision::bf16: frozen matrices stored in bfloat16, logits and LoRA 
     nn::detail::for_each(h, [&](const std::string&, Param& p) { CHECK(p.dtype() == DType::f32); });
   }
 }
+
+TEST_CASE("anomaly mode names the decoder layer where an Inf first appears") {
+  const lm::ModelConfig c = lm::config_from_json(base_config());
+  lm::CausalLM m(c);  // zeros, norms ones
+  auto fill = [](Tensor& t, float v) { std::fill(t.data<float>(), t.data<float>() + t.numel(), v); };
+  fill(std::get<Embedding>(m.model.embed_tokens).weight.value, 1.0f);  // every hidden state is 1
+  const std::size_t last = m.model.layers.size() - 1;
+  // q = (1, ..., 1) W^T with every W = 1e38: C * 1e38 overflows float32 in the last layer's q_proj
+  fill(std::get<Linear>(m.model.layers[last].self_attn.q_proj).weight.value, 1e38f);
+  GTape<cpu> tp;
+  tp.detect_anomaly(true);
+  GVar ids = tp.input(Tensor::from<std::int32_t>({1, 2}, {1, 2}));
+  test::check_error([&] { m.logits(tp, ids); },
+                    {"[anomaly] ", "in 'model.layers." + std::to_string(last) + ".self_attn'",
+                     "forward produced +Inf at [0, 0, 0] (element 0) of (1, 2, "});
+}

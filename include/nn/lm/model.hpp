@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -186,32 +187,55 @@ struct CausalLM {
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
-    GVar x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
-    for (const DecoderLayer& l : model.layers) {
-      GVar n1 = l.input_layernorm(tp, x);
-      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
-      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
-      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
-      // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
-      GVar ctx = gqa_attention(tp, q, k, v,
-                               {.T = T,
-                                .n_heads = c.num_attention_heads,
-                                .n_kv_heads = c.num_key_value_heads,
-                                .head_dim = c.head_dim,
-                                .scale = scale,
-                                .cos = rp.cos,
-                                .sin = rp.sin,
-                                .mask = mask,
-                                .causal = !mask.valid()});  // (B, T, n_heads * hd)
-      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
-      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+    // Each block is recorded inside a tape scope named by its parameter path, so anomaly mode
+    // names the layer ("model.layers.3.self_attn") where a NaN first appears.
+    GVar x;
+    {
+      auto s = tp.scope("model.embed_tokens");
+      x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
     }
+    for (std::size_t li = 0; li < model.layers.size(); ++li) {
+      const DecoderLayer& l = model.layers[li];
+      auto in_layer = tp.scope("model.layers." + std::to_string(li));
+      GVar n1;
+      {
+        auto s = tp.scope("input_layernorm");
+        n1 = l.input_layernorm(tp, x);
+      }
+      {
+        auto s = tp.scope("self_attn");
+        GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
+        GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
+        GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+        // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+        GVar ctx = gqa_attention(tp, q, k, v,
+                                 {.T = T,
+                                  .n_heads = c.num_attention_heads,
+                                  .n_kv_heads = c.num_key_value_heads,
+                                  .head_dim = c.head_dim,
+                                  .scale = scale,
+                                  .cos = rp.cos,
+                                  .sin = rp.sin,
+                                  .mask = mask,
+                                  .causal = !mask.valid()});  // (B, T, n_heads * hd)
+        x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+      }
+      GVar n2;
+      {
+        auto s = tp.scope("post_attention_layernorm");
+        n2 = l.post_attention_layernorm(tp, x);
+      }
+      auto s = tp.scope("mlp");
+      x = add(tp, x, l.mlp(tp, n2));
+    }
+    auto s = tp.scope("model.norm");
     return model.norm(tp, x);
   }
 
   /// The LM head on hidden states: (..., C) -> (..., vocab).
   template <class B>
   GVar head(GTape<B>& tp, GVar h) const {
+    auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
     return lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
   }
 
