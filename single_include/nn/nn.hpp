@@ -12551,10 +12551,11 @@ void save(const std::filesystem::path& path, const M& model, const Optimizer& op
 /// content, each trainable parameter's name, shape and dtype, and the optimizer's state (also
 /// against a fresh optimizer: every slot must belong to a trainable parameter of its shape). On
 /// any error the model, the optimizer and the random key are as they were.
+/// The overload on an open SafetensorsFile (SafetensorsFile::from_bytes for a checkpoint held in
+/// memory) checks and loads the same way; errors name file.path().
 template <class M>
-void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, const LoadOptions& options = {}) {
-  const std::string src = path.string();
-  SafetensorsFile file(path);
+void load_into(const SafetensorsFile& file, M& model, Optimizer& opt, const LoadOptions& options = {}) {
+  const std::string& src = file.path();
   const auto& meta = file.metadata();
   auto fmt = meta.find("format");
   if (fmt == meta.end() || fmt->second != "nn-checkpoint")
@@ -12662,6 +12663,12 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
   detail::apply_load(plan.writes);
   opt.load_state(opt_part);
   random::set_state(key);
+}
+
+/// Loads the checkpoint at `path` (the overload above, on the mapped file).
+template <class M>
+void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, const LoadOptions& options = {}) {
+  load_into(SafetensorsFile(path), model, opt, options);
 }
 
 }  // namespace nn

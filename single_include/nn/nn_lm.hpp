@@ -354,6 +354,7 @@ inline ModelConfig load_config(const std::filesystem::path& path) {
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -520,32 +521,55 @@ struct CausalLM {
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
-    GVar x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
-    for (const DecoderLayer& l : model.layers) {
-      GVar n1 = l.input_layernorm(tp, x);
-      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
-      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
-      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
-      // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
-      GVar ctx = gqa_attention(tp, q, k, v,
-                               {.T = T,
-                                .n_heads = c.num_attention_heads,
-                                .n_kv_heads = c.num_key_value_heads,
-                                .head_dim = c.head_dim,
-                                .scale = scale,
-                                .cos = rp.cos,
-                                .sin = rp.sin,
-                                .mask = mask,
-                                .causal = !mask.valid()});  // (B, T, n_heads * hd)
-      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
-      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+    // Each block is recorded inside a tape scope named by its parameter path, so anomaly mode
+    // names the layer ("model.layers.3.self_attn") where a NaN first appears.
+    GVar x;
+    {
+      auto s = tp.scope("model.embed_tokens");
+      x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
     }
+    for (std::size_t li = 0; li < model.layers.size(); ++li) {
+      const DecoderLayer& l = model.layers[li];
+      auto in_layer = tp.scope("model.layers." + std::to_string(li));
+      GVar n1;
+      {
+        auto s = tp.scope("input_layernorm");
+        n1 = l.input_layernorm(tp, x);
+      }
+      {
+        auto s = tp.scope("self_attn");
+        GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
+        GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
+        GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+        // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+        GVar ctx = gqa_attention(tp, q, k, v,
+                                 {.T = T,
+                                  .n_heads = c.num_attention_heads,
+                                  .n_kv_heads = c.num_key_value_heads,
+                                  .head_dim = c.head_dim,
+                                  .scale = scale,
+                                  .cos = rp.cos,
+                                  .sin = rp.sin,
+                                  .mask = mask,
+                                  .causal = !mask.valid()});  // (B, T, n_heads * hd)
+        x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+      }
+      GVar n2;
+      {
+        auto s = tp.scope("post_attention_layernorm");
+        n2 = l.post_attention_layernorm(tp, x);
+      }
+      auto s = tp.scope("mlp");
+      x = add(tp, x, l.mlp(tp, n2));
+    }
+    auto s = tp.scope("model.norm");
     return model.norm(tp, x);
   }
 
   /// The LM head on hidden states: (..., C) -> (..., vocab).
   template <class B>
   GVar head(GTape<B>& tp, GVar h) const {
+    auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
     return lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
   }
 
@@ -1224,13 +1248,16 @@ class GgufParser {
     if (st_.tensor_index.count(t.name)) fail_at(at, "duplicate tensor name \"", t.name, "\"");
     const std::uint32_t nd = u32("the rank of tensor \"" + t.name + "\"");
     if (nd == 0 || nd > 4) fail("tensor \"", t.name, "\": rank ", nd, " (ggml tensors have 1 to 4 dimensions)");
-    std::uint64_t numel = 1;
+    // The product of the non-zero dimensions must fit in int64 too: an empty tensor's shape is
+    // multiplied out in any order (Shape::numel), so [2^40, 0, 2^40] would overflow.
+    std::uint64_t numel = 1, nonzero = 1;
     for (std::uint32_t d = 0; d < nd; ++d) {
       const std::uint64_t e = u64("a dimension of tensor \"" + t.name + "\"");
       if (e > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
-          (e != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / e))
+          (e != 0 && nonzero > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / e))
         fail("tensor \"", t.name, "\": dimension ", e, " makes the element count overflow");
       numel *= e;
+      if (e != 0) nonzero *= e;
       t.ne.push_back(static_cast<std::int64_t>(e));
     }
     t.type = u32("the type of tensor \"" + t.name + "\"");
@@ -1488,6 +1515,7 @@ class GgufFile {
   }
   /// A tensor's raw (possibly quantised) bytes inside the mapping.
   std::span<const std::byte> tensor_bytes(const GgufTensorInfo& t) const {
+    if (t.nbytes == 0) return {};  // the data section may be absent (a file without tensor bytes)
     return {st_->bytes->data + st_->data_offset + t.offset, static_cast<std::size_t>(t.nbytes)};
   }
 
@@ -1523,6 +1551,11 @@ class GgufFile {
     if (!keeps_quantized(t.type) || t.ne.size() != 2)
       nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" (", t.type_name(), ", ", t.ne.size(),
                        "-D) is not a matrix of a quantized block type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K)");
+    // An empty matrix's other dimension is bounded by nothing in the file (its byte size is 0):
+    // refused, rather than looping over up to 2^63 rows of nothing or overflowing cols * bits.
+    if (t.numel() == 0)
+      nn::detail::fail("gguf", path(), ": tensor \"", t.name, "\" (", t.type_name(), ", ne ", t.ne[0], " x ", t.ne[1],
+                       ") has no elements; an empty quantized matrix is not loaded");
     const detail::GgufAffine a = detail::gguf_affine(t.type);
     const GgmlTypeInfo* info = ggml_type_info(t.type);
     const std::int64_t rows = t.ne[1], cols = t.ne[0], groups = cols / a.group, block = info->block;
@@ -1547,8 +1580,20 @@ class GgufFile {
     return m;
   }
 
-  /// tokenizer.ggml.* and tokenizer.chat_template, raw.
+  /// tokenizer.ggml.* and tokenizer.chat_template, raw. A key of the wrong type raises naming
+  /// the file and the key.
   GgufTokenizerMetadata tokenizer() const {
+    try {
+      return tokenizer_metadata();
+    } catch (const Error& e) {  // GgufValue's errors name the key, not the file
+      std::string_view what = e.what();
+      if (what.starts_with("[gguf] ")) what.remove_prefix(7);
+      nn::detail::fail("gguf", path(), ": ", what);
+    }
+  }
+
+ private:
+  GgufTokenizerMetadata tokenizer_metadata() const {
     GgufTokenizerMetadata m;
     auto str = [&](const char* k, std::string& dst) {
       if (const GgufValue* v = find(k)) dst = v->as_string();
@@ -1578,7 +1623,6 @@ class GgufFile {
     return m;
   }
 
- private:
   explicit GgufFile(std::shared_ptr<detail::GgufState> st) : st_(std::move(st)) {}
   std::shared_ptr<detail::GgufState> st_;
 };
@@ -4671,8 +4715,15 @@ class Tokenizer {
 
   // ---- loading -------------------------------------------------------------------------------
 
+  // Ids may leave gaps (a trimmed vocabulary keeps its added tokens' ids), but the tables are
+  // indexed by id: an id this far past the tokens given would allocate gigabytes for nothing.
+  static constexpr std::size_t kMaxIdGap = std::size_t{1} << 20;
+
   void set_token(std::int32_t id, const std::string& tok) {
     if (id < 0) fail("vocab", "negative id for token '" + tok + "'");
+    if (static_cast<std::size_t>(id) >= token_to_id_.size() + kMaxIdGap)
+      fail("vocab", "id " + std::to_string(id) + " of token '" + tok + "' lies more than 2^20 past the " +
+                        std::to_string(token_to_id_.size()) + " tokens read so far (ids this sparse are refused)");
     if (static_cast<std::size_t>(id) >= id_to_token_.size()) {
       id_to_token_.resize(static_cast<std::size_t>(id) + 1);
       valid_.resize(static_cast<std::size_t>(id) + 1, false);
@@ -4806,7 +4857,9 @@ class Tokenizer {
           fail(field, "expected an object with integer \"id\" and string \"content\"");
         AddedToken t;
         t.content = a["content"].get<std::string>();
-        t.id = a["id"].get<std::int32_t>();
+        const auto id = a["id"].get<std::int64_t>();
+        if (id < 0 || id > INT32_MAX) fail(field + ".id", "id " + std::to_string(id) + " is out of range");
+        t.id = static_cast<std::int32_t>(id);
         auto flag = [&](const char* k, bool dflt) {
           const auto* v = member(a, k);
           return v && v->is_boolean() ? v->get<bool>() : dflt;
@@ -4976,7 +5029,12 @@ class Tokenizer {
           if (entry) {
             const auto* list = member(*entry, "ids");
             if (!list || !list->is_array()) fail(field + ".special_tokens." + name + ".ids", "expected an array");
-            for (const auto& x : *list) ids.push_back(x.get<std::int32_t>());
+            for (const auto& x : *list) {  // ids the encoder emits as they are: each must be a token
+              const std::int64_t v = x.is_number_integer() ? x.get<std::int64_t>() : -1;
+              if (v < 0 || v > INT32_MAX || static_cast<std::size_t>(v) >= valid_.size() || !valid_[static_cast<std::size_t>(v)])
+                fail(field + ".special_tokens." + name + ".ids", "id " + x.dump() + " is not in the vocabulary");
+              ids.push_back(static_cast<std::int32_t>(v));
+            }
           } else {
             auto it = token_to_id_.find(name);
             if (it == token_to_id_.end()) fail(f, "special token '" + name + "' is not in special_tokens or the vocabulary");
@@ -5364,6 +5422,7 @@ class Tokenizer {
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <istream>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -5471,22 +5530,29 @@ Example make_example(const nlohmann::json& j, const Tok& tok, const DataOptions&
   return ex;
 }
 
+/// Every record of JSONL text read from `in` (blank lines skipped); `label` (the file) leads
+/// errors, with the line.
+template <TextEncoder Tok>
+std::vector<Example> read_jsonl(std::istream& in, const std::string& label, const Tok& tok, const DataOptions& opt = {}) {
+  std::vector<Example> out;
+  std::string text;
+  std::size_t line = 0;
+  while (std::getline(in, text)) {
+    ++line;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const nlohmann::json j = detail::parse_json_strict(text, "data", label + ":" + std::to_string(line));
+    out.push_back(make_example(j, tok, opt, label, line));
+  }
+  if (out.empty()) nn::detail::fail("data", label, ": no records");
+  return out;
+}
+
 /// Every record of a JSONL file (blank lines skipped). Errors name the file and line.
 template <TextEncoder Tok>
 std::vector<Example> load_jsonl(const std::filesystem::path& path, const Tok& tok, const DataOptions& opt = {}) {
   std::ifstream f(path);
   if (!f) nn::detail::fail("data", path.string(), ": cannot open the file");
-  std::vector<Example> out;
-  std::string text;
-  std::size_t line = 0;
-  while (std::getline(f, text)) {
-    ++line;
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const nlohmann::json j = detail::parse_json_strict(text, "data", path.string() + ":" + std::to_string(line));
-    out.push_back(make_example(j, tok, opt, path.string(), line));
-  }
-  if (out.empty()) nn::detail::fail("data", path.string(), ": no records");
-  return out;
+  return read_jsonl(f, path.string(), tok, opt);
 }
 
 /// The train and validation sets: from DIR/train.jsonl and DIR/valid.jsonl (mlx-lm's layout),
@@ -5599,6 +5665,7 @@ class BatchOrder {
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -5721,26 +5788,47 @@ void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const L
   detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
 }
 
+namespace detail {
+
+/// The numbers a LoRA needs, checked once for both formats: "[adapters] <label>: ..." otherwise.
+inline void check_lora_config(const LoraConfig& c, const std::string& label) {
+  if (c.rank < 1) nn::detail::fail("adapters", label, ": the rank must be a positive integer, got ", c.rank);
+  if (!std::isfinite(c.scale)) nn::detail::fail("adapters", label, ": the scale must be a finite number, got ", c.scale);
+  if (!(c.dropout >= 0 && c.dropout < 1))
+    nn::detail::fail("adapters", label, ": the dropout must lie in [0, 1), got ", c.dropout);
+}
+
+}  // namespace detail
+
+/// An mlx-lm adapter_config.json, parsed (fine_tune_type "lora", lora_parameters {rank, scale,
+/// dropout, keys}, num_layers); `label` (the file) leads every error.
+inline LoraConfig mlx_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
+  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
+  LoraConfig c;
+  try {
+    const std::string type = j.value("fine_tune_type", std::string("lora"));
+    if (type != "lora") nn::detail::fail("adapters", label, ": fine_tune_type '", type, "' is not supported (lora only)");
+    auto lp = j.find("lora_parameters");
+    if (lp == j.end() || !lp->is_object()) nn::detail::fail("adapters", label, ": missing object field 'lora_parameters'");
+    c.rank = lp->at("rank").get<std::int64_t>();
+    c.scale = lp->at("scale").get<double>();
+    c.dropout = lp->value("dropout", 0.0);
+    if (lp->contains("keys")) c.keys = lp->at("keys").get<std::vector<std::string>>();
+    const std::int64_t layers = j.value("num_layers", std::int64_t{-1});
+    if (layers < -1 || layers > std::numeric_limits<int>::max())
+      nn::detail::fail("adapters", label, ": num_layers must be -1 (all) or a layer count, got ", layers);
+    c.num_layers = static_cast<int>(layers);
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
+  }
+  detail::check_lora_config(c, label);
+  return c;
+}
+
 /// Reads an mlx-lm adapter directory's config.
 inline LoraConfig read_mlx_adapter_config(const std::filesystem::path& dir) {
   const auto path = dir / "adapter_config.json";
-  nlohmann::json j = detail::read_json(path);
-  if (j.value("fine_tune_type", std::string("lora")) != "lora")
-    nn::detail::fail("adapters", path.string(), ": fine_tune_type '", j.value("fine_tune_type", std::string()), "' is not supported (lora only)");
-  if (!j.contains("lora_parameters") || !j["lora_parameters"].is_object())
-    nn::detail::fail("adapters", path.string(), ": missing object field 'lora_parameters'");
-  const auto& lp = j["lora_parameters"];
-  LoraConfig c;
-  try {
-    c.rank = lp.at("rank").get<std::int64_t>();
-    c.scale = lp.at("scale").get<double>();
-    c.dropout = lp.value("dropout", 0.0);
-    c.num_layers = j.value("num_layers", -1);
-    if (lp.contains("keys")) c.keys = lp["keys"].get<std::vector<std::string>>();
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", path.string(), ": bad lora_parameters (", e.what(), ")");
-  }
-  return c;
+  return mlx_adapter_config_from_json(detail::read_json(path), path.string());
 }
 
 /// Applies the directory's LoRA to `model` and loads its adapter weights (strict: every adapter
@@ -5804,6 +5892,29 @@ void save_peft_adapters(const std::filesystem::path& dir, const M& model, const 
   detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
 }
 
+/// A PEFT adapter_config.json, parsed: rank (r), scale (lora_alpha / r, or / sqrt(r) with
+/// use_rslora: the LoraConfig's scale is alpha then) and dropout; the targets and layers come
+/// from the tensor names. `label` (the file) leads every error.
+inline LoraConfig peft_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
+  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
+  LoraConfig cfg;
+  try {
+    const std::string type = j.value("peft_type", std::string("LORA"));
+    if (type != "LORA") nn::detail::fail("adapters", label, ": peft_type '", type, "' is not LORA");
+    cfg.rank = j.at("r").get<std::int64_t>();
+    if (cfg.rank < 1) nn::detail::fail("adapters", label, ": r must be a positive integer, got ", cfg.rank);
+    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
+    cfg.rslora = j.value("use_rslora", false);
+    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
+    cfg.dropout = j.value("lora_dropout", 0.0);
+    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", label, ": fan_in_fan_out is not supported");
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
+  }
+  detail::check_lora_config(cfg, label);
+  return cfg;
+}
+
 /// Reads a PEFT LoRA directory into `model`: the config gives rank, scale (lora_alpha / r, or
 /// / sqrt(r) with use_rslora) and targets; the factors are transposed into mlx-lm's
 /// orientation. Orientation is checked by name and by shape (a square factor in the wrong
@@ -5811,20 +5922,7 @@ void save_peft_adapters(const std::filesystem::path& dir, const M& model, const 
 template <class M>
 LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
   const auto cpath = dir / "adapter_config.json";
-  nlohmann::json j = detail::read_json(cpath);
-  LoraConfig cfg;
-  try {
-    if (j.value("peft_type", std::string("LORA")) != "LORA")
-      nn::detail::fail("adapters", cpath.string(), ": peft_type '", j.value("peft_type", std::string()), "' is not LORA");
-    cfg.rank = j.at("r").get<std::int64_t>();
-    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
-    cfg.rslora = j.value("use_rslora", false);
-    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
-    cfg.dropout = j.value("lora_dropout", 0.0);
-    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", cpath.string(), ": fan_in_fan_out is not supported");
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", cpath.string(), ": bad field (", e.what(), ")");
-  }
+  LoraConfig cfg = peft_adapter_config_from_json(detail::read_json(cpath), cpath.string());
   NamedTensors w = load_safetensors(dir / "adapter_model.safetensors");
   // targets from the tensor names: "...model.layers.N.<key>.lora_A.weight"
   std::set<std::string> keys;
