@@ -166,7 +166,7 @@ TEST_CASE("a malformed adapter directory raises, naming the file") {
 }
 
 TEST_CASE("adapter configs: wrong types and out-of-range numbers raise nn::Error naming the file") {
-  // Found by tests/fuzz/adapter_config_fuzz.cpp: nlohmann's type errors escaped the readers.
+  // Found reading the code for tests/fuzz/adapter_config_fuzz.cpp: nlohmann's type errors escaped.
   auto mlx = [](const char* text) { return [=] { lm::mlx_adapter_config_from_json(nlohmann::json::parse(text), "a.json"); }; };
   auto peft = [](const char* text) { return [=] { lm::peft_adapter_config_from_json(nlohmann::json::parse(text), "a.json"); }; };
   test::check_error(mlx("[1]"), {"[adapters] a.json: expected a JSON object"});

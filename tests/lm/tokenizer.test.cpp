@@ -526,8 +526,9 @@ TEST_CASE("tokenizer: malformed tokenizer.json names the file and the field") {
   j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", json::array({{{"SpecialToken", {{"id", "<nope>"}}}}})}};
   CHECK(contains(err(j), "post_processor.single[0]"));
   // Found by tests/fuzz/tokenizer_fuzz.cpp: a template's special_tokens ids went into every
-  // encoding unchecked (an id past the vocabulary, which decode then refused); a non-integer id
-  // escaped as nlohmann's exception; ids far past the vocabulary sized the tables by the id.
+  // encoding unchecked (an id past the vocabulary, which decode then refused). Found reading the
+  // code for it: a non-integer id escaped as nlohmann's exception, an added token's id was
+  // truncated to int32, and ids far past the vocabulary sized the tables by the id.
   const json tmpl = {{"type", "TemplateProcessing"},
                      {"single", json::array({{{"SpecialToken", {{"id", "<s>"}}}}, {{"Sequence", {{"id", "A"}}}}})},
                      {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", json::array({999999})}, {"tokens", json::array({"<s>"})}}}}}};
