@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <string_view>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -96,18 +97,44 @@ struct ModelConfig {
     return f;
   }
 
-  /// Raises "[config] <label>: ..." when the numbers cannot describe a model.
+  /// The limits validate() holds a config to, before anything is allocated: far above any released
+  /// model (Llama 3.1 405B: 126 layers, width 16384, 128 heads, 128256 tokens; Gemma 3: 262144
+  /// tokens), low enough that a corrupt number is refused by name instead of by a failed
+  /// allocation. kMaxParameters (2^40, 4 TiB of float32) bounds the whole model.
+  static constexpr std::int64_t kMaxLayers = 1024, kMaxWidth = std::int64_t{1} << 20, kMaxHeads = 4096,
+                                kMaxVocab = std::int64_t{1} << 24, kMaxPositions = std::int64_t{1} << 30,
+                                kMaxParameters = std::int64_t{1} << 40;
+  /// How many weights the model's matrices hold (the projections, the embedding and an untied
+  /// head; norms and biases left out): a lower bound on its parameter count, in double so that no
+  /// size overflows it.
+  double matrix_parameters() const {
+    const double H = static_cast<double>(hidden_size), D = static_cast<double>(head_dim);
+    const double per_layer = H * D * static_cast<double>(2 * num_attention_heads + 2 * num_key_value_heads) +
+                             3 * H * static_cast<double>(intermediate_size);
+    return per_layer * static_cast<double>(num_hidden_layers) +
+           static_cast<double>(vocab_size) * H * (tie_word_embeddings ? 1 : 2);
+  }
+  /// Raises "[config] <label>: field "<field>" must be ..." unless 0 < v <= max.
+  static void check_size(const std::string& label, std::string_view field, std::int64_t v, std::int64_t max) {
+    if (v <= 0 || v > max)
+      nn::detail::fail("config", label, ": field \"", field, "\" must be a positive integer",
+                       v > max ? " at most " + std::to_string(max) : std::string(), ", got ", v);
+  }
+
+  /// Raises "[config] <label>: ..." when the numbers cannot describe a model, or describe one
+  /// beyond the limits above.
   void validate(const std::string& label) const {
-    auto positive = [&](const char* field, std::int64_t v) {
-      if (v <= 0) nn::detail::fail("config", label, ": field \"", field, "\" must be a positive integer, got ", v);
-    };
-    positive("hidden_size", hidden_size);
-    positive("intermediate_size", intermediate_size);
-    positive("num_hidden_layers", num_hidden_layers);
-    positive("num_attention_heads", num_attention_heads);
-    positive("num_key_value_heads", num_key_value_heads);
-    positive("head_dim", head_dim);
-    positive("vocab_size", vocab_size);
+    check_size(label, "hidden_size", hidden_size, kMaxWidth);
+    check_size(label, "intermediate_size", intermediate_size, kMaxWidth);
+    check_size(label, "num_hidden_layers", num_hidden_layers, kMaxLayers);
+    check_size(label, "num_attention_heads", num_attention_heads, kMaxHeads);
+    check_size(label, "num_key_value_heads", num_key_value_heads, kMaxHeads);
+    check_size(label, "head_dim", head_dim, kMaxWidth);
+    check_size(label, "vocab_size", vocab_size, kMaxVocab);
+    check_size(label, "max_position_embeddings", max_position_embeddings, kMaxPositions);
+    const double total = matrix_parameters();
+    if (total > static_cast<double>(kMaxParameters))
+      nn::detail::fail("config", label, ": the config describes ", total, " parameters, more than the limit of 2^40");
     if (num_attention_heads % num_key_value_heads != 0)
       nn::detail::fail("config", label, ": field \"num_key_value_heads\" (", num_key_value_heads,
                    ") must divide num_attention_heads (", num_attention_heads, ")");
