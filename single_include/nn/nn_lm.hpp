@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <string_view>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -158,18 +159,44 @@ struct ModelConfig {
     return f;
   }
 
-  /// Raises "[config] <label>: ..." when the numbers cannot describe a model.
+  /// The limits validate() holds a config to, before anything is allocated: far above any released
+  /// model (Llama 3.1 405B: 126 layers, width 16384, 128 heads, 128256 tokens; Gemma 3: 262144
+  /// tokens), low enough that a corrupt number is refused by name instead of by a failed
+  /// allocation. kMaxParameters (2^40, 4 TiB of float32) bounds the whole model.
+  static constexpr std::int64_t kMaxLayers = 1024, kMaxWidth = std::int64_t{1} << 20, kMaxHeads = 4096,
+                                kMaxVocab = std::int64_t{1} << 24, kMaxPositions = std::int64_t{1} << 30,
+                                kMaxParameters = std::int64_t{1} << 40;
+  /// How many weights the model's matrices hold (the projections, the embedding and an untied
+  /// head; norms and biases left out): a lower bound on its parameter count, in double so that no
+  /// size overflows it.
+  double matrix_parameters() const {
+    const double H = static_cast<double>(hidden_size), D = static_cast<double>(head_dim);
+    const double per_layer = H * D * static_cast<double>(2 * num_attention_heads + 2 * num_key_value_heads) +
+                             3 * H * static_cast<double>(intermediate_size);
+    return per_layer * static_cast<double>(num_hidden_layers) +
+           static_cast<double>(vocab_size) * H * (tie_word_embeddings ? 1 : 2);
+  }
+  /// Raises "[config] <label>: field "<field>" must be ..." unless 0 < v <= max.
+  static void check_size(const std::string& label, std::string_view field, std::int64_t v, std::int64_t max) {
+    if (v <= 0 || v > max)
+      nn::detail::fail("config", label, ": field \"", field, "\" must be a positive integer",
+                       v > max ? " at most " + std::to_string(max) : std::string(), ", got ", v);
+  }
+
+  /// Raises "[config] <label>: ..." when the numbers cannot describe a model, or describe one
+  /// beyond the limits above.
   void validate(const std::string& label) const {
-    auto positive = [&](const char* field, std::int64_t v) {
-      if (v <= 0) nn::detail::fail("config", label, ": field \"", field, "\" must be a positive integer, got ", v);
-    };
-    positive("hidden_size", hidden_size);
-    positive("intermediate_size", intermediate_size);
-    positive("num_hidden_layers", num_hidden_layers);
-    positive("num_attention_heads", num_attention_heads);
-    positive("num_key_value_heads", num_key_value_heads);
-    positive("head_dim", head_dim);
-    positive("vocab_size", vocab_size);
+    check_size(label, "hidden_size", hidden_size, kMaxWidth);
+    check_size(label, "intermediate_size", intermediate_size, kMaxWidth);
+    check_size(label, "num_hidden_layers", num_hidden_layers, kMaxLayers);
+    check_size(label, "num_attention_heads", num_attention_heads, kMaxHeads);
+    check_size(label, "num_key_value_heads", num_key_value_heads, kMaxHeads);
+    check_size(label, "head_dim", head_dim, kMaxWidth);
+    check_size(label, "vocab_size", vocab_size, kMaxVocab);
+    check_size(label, "max_position_embeddings", max_position_embeddings, kMaxPositions);
+    const double total = matrix_parameters();
+    if (total > static_cast<double>(kMaxParameters))
+      nn::detail::fail("config", label, ": the config describes ", total, " parameters, more than the limit of 2^40");
     if (num_attention_heads % num_key_value_heads != 0)
       nn::detail::fail("config", label, ": field \"num_key_value_heads\" (", num_key_value_heads,
                    ") must divide num_attention_heads (", num_attention_heads, ")");
@@ -1637,9 +1664,11 @@ class GgufFile {
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <new>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -1717,6 +1746,24 @@ inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
   return out;
 }
 
+/// CausalLM::uninitialised(cfg, dtype), with an allocation failure (a config within the limits
+/// that is still larger than this machine's memory) raised as nn::Error naming the source:
+/// std::bad_alloc and std::length_error never escape a loader.
+inline CausalLM allocate(const ModelConfig& cfg, DType dtype, const std::string& source) {
+  try {
+    return CausalLM::uninitialised(cfg, dtype);
+  } catch (const std::bad_alloc&) {
+    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
+                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): out of memory");
+  } catch (const std::length_error&) {
+    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
+                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): too large");
+  } catch (const Error& e) {  // a tensor's allocation failed ("[tensor] out of host memory ...")
+    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
+                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): ", e.what());
+  }
+}
+
 }  // namespace detail
 
 /// Loads a Hugging Face checkpoint folder (config.json plus model.safetensors or a sharded
@@ -1727,7 +1774,7 @@ inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
 /// stored lm_head.weight of a tied model are skipped.
 inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType::f32) {
   const ModelConfig cfg = load_config(folder / "config.json");
-  CausalLM m = CausalLM::uninitialised(cfg, dtype);
+  CausalLM m = detail::allocate(cfg, dtype, folder.string());
   detail::HfWeightFiles wf = detail::hf_weight_files(folder);
   nn::detail::NamedTensorList named;
   for (const auto& file : wf.files) {
@@ -1886,12 +1933,20 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   else
     nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not supported (llama, qwen2)");
   const std::string a = c.model_type + ".";
-  c.hidden_size = m.req_int(a + "embedding_length");
-  c.num_hidden_layers = m.req_int(a + "block_count");
-  c.intermediate_size = m.req_int(a + "feed_forward_length");
-  c.num_attention_heads = m.req_int(a + "attention.head_count");
-  c.num_key_value_heads = m.opt_int(a + "attention.head_count_kv", c.num_attention_heads);
-  c.head_dim = m.opt_int(a + "attention.key_length", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  // Each size is checked as it is read, under its GGUF key and ModelConfig's limits, so that a
+  // bad one is named before anything is derived from it or allocated.
+  auto sized = [&](const std::string& key, std::int64_t v, std::int64_t max) {
+    ModelConfig::check_size(label, key, v, max);
+    return v;
+  };
+  c.hidden_size = sized(a + "embedding_length", m.req_int(a + "embedding_length"), ModelConfig::kMaxWidth);
+  c.num_hidden_layers = sized(a + "block_count", m.req_int(a + "block_count"), ModelConfig::kMaxLayers);
+  c.intermediate_size = sized(a + "feed_forward_length", m.req_int(a + "feed_forward_length"), ModelConfig::kMaxWidth);
+  c.num_attention_heads = sized(a + "attention.head_count", m.req_int(a + "attention.head_count"), ModelConfig::kMaxHeads);
+  c.num_key_value_heads = sized(a + "attention.head_count_kv",
+                               m.opt_int(a + "attention.head_count_kv", c.num_attention_heads), ModelConfig::kMaxHeads);
+  c.head_dim = sized(a + "attention.key_length", m.opt_int(a + "attention.key_length", c.hidden_size / c.num_attention_heads),
+                    ModelConfig::kMaxWidth);
   if (const std::int64_t vl = m.opt_int(a + "attention.value_length", c.head_dim); vl != c.head_dim)
     nn::detail::fail("gguf", label, ": ", a, "attention.value_length ", vl, " differs from the key length ", c.head_dim);
   if (const std::int64_t rd = m.opt_int(a + "rope.dimension_count", c.head_dim); rd != c.head_dim)
@@ -1899,7 +1954,6 @@ inline ModelConfig gguf_config(const GgufFile& f) {
                      " (partial rotary embeddings are not supported)");
   c.rms_norm_eps = m.opt_num(a + "attention.layer_norm_rms_epsilon", 1e-6);
   c.rope_theta = m.opt_num(a + "rope.freq_base", 10000.0);
-  c.max_position_embeddings = m.opt_int(a + "context_length", c.max_position_embeddings);
   const std::string scaling = m.opt_str(a + "rope.scaling.type", "none");
   if (scaling == "linear") {
     c.rope_scaling.type = "linear";
@@ -1909,12 +1963,14 @@ inline ModelConfig gguf_config(const GgufFile& f) {
     nn::detail::fail("gguf", label, ": ", a, "rope.scaling.type \"", scaling, "\" is not supported (none, linear)");
   }
   if (f.contains(a + "vocab_size")) {
-    c.vocab_size = m.req_int(a + "vocab_size");
+    c.vocab_size = sized(a + "vocab_size", m.req_int(a + "vocab_size"), ModelConfig::kMaxVocab);
   } else if (f.contains("tokenizer.ggml.tokens")) {
     c.vocab_size = static_cast<std::int64_t>(m.read("tokenizer.ggml.tokens", [](const GgufValue& v) { return v.size(); }));
   } else if (const GgufTensorInfo* t = f.find_tensor("token_embd.weight"); t && t->ne.size() == 2) {
     c.vocab_size = t->ne[1];
   }
+  c.max_position_embeddings =
+      sized(a + "context_length", m.opt_int(a + "context_length", c.max_position_embeddings), ModelConfig::kMaxPositions);
   c.tie_word_embeddings = f.find_tensor("output.weight") == nullptr;
   c.qkv_bias = c.arch == Arch::qwen2 || f.find_tensor("blk.0.attn_q.bias") != nullptr;
   c.o_bias = f.find_tensor("blk.0.attn_output.bias") != nullptr;
@@ -1936,7 +1992,21 @@ inline ModelConfig gguf_config(const GgufFile& f) {
 /// `dtype` (f32, or f64 for oracle tests), as without it.
 inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep_quantized = false) {
   const ModelConfig cfg = gguf_config(f);
-  CausalLM m = CausalLM::uninitialised(cfg, dtype);
+  // The file's tensors against the metadata, before the model is allocated. The embedding must
+  // have the metadata's shape. A model the tensors cannot fill is refused here when it is large
+  // (over 2^24 weights); a smaller one reaches the strict load, which lists every missing tensor.
+  const GgufTensorInfo* e = f.find_tensor("token_embd.weight");
+  if (e && e->ne != std::vector<std::int64_t>{cfg.hidden_size, cfg.vocab_size})
+    nn::detail::fail("gguf", f.path(), ": token_embd.weight is ", Shape(e->shape()).str(),
+                     " but the metadata describes (", cfg.vocab_size, ", ", cfg.hidden_size, ")");
+  double in_file = 0;
+  for (const GgufTensorInfo& t : f.tensors()) in_file += static_cast<double>(t.numel());
+  if (const double needs = cfg.matrix_parameters(); needs > in_file && needs > static_cast<double>(1 << 24))
+    nn::detail::fail("gguf", f.path(), ": the metadata describes at least ", needs, " weights (", cfg.model_type,
+                     ".block_count ", cfg.num_hidden_layers, ", embedding_length ", cfg.hidden_size,
+                     ", feed_forward_length ", cfg.intermediate_size, ", vocabulary ", cfg.vocab_size,
+                     ") but the file's tensors hold ", in_file);
+  CausalLM m = detail::allocate(cfg, dtype, f.path());
   nn::detail::NamedTensorList named;
   named.reserve(f.tensors().size());
   std::map<std::string, QuantizedMatrix> quantized;  // module path -> matrix
