@@ -543,6 +543,15 @@ TEST_CASE("tokenizer: malformed tokenizer.json names the file and the field") {
   j = good;
   j["added_tokens"][0]["id"] = 2000000000;
   CHECK(contains(err(j), "id 2000000000 of token '<|endoftext|>' lies more than 2^20 past the"));
+  // The audit: an empty added token, and two added tokens with one id, were accepted.
+  j = good;
+  j["added_tokens"][0]["content"] = "";
+  CHECK(contains(err(j), "added_tokens[0].content: an added token cannot be empty"));
+  j = good;
+  j["added_tokens"].push_back(j["added_tokens"][0]);
+  j["added_tokens"].back()["content"] = "<|other|>";
+  CHECK(contains(err(j), "added_tokens[" + std::to_string(j["added_tokens"].size() - 1) + "].id: id "));
+  CHECK(contains(err(j), "is also added_tokens[0]'s"));
   const Tokenizer empty;  // default-constructed: no vocabulary, nothing to encode with
   CHECK(empty.encode("abc").empty());
   CHECK(empty.vocab_size() == 0);
