@@ -2093,6 +2093,7 @@ inline CausalLM load_gguf(const std::filesystem::path& path, DType dtype = DType
 #include <mutex>
 #include <optional>
 #include <span>
+#include <map>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -4920,6 +4921,7 @@ class Tokenizer {
 
     if (const auto* added = member(j, "added_tokens")) {
       if (!added->is_array()) fail("added_tokens", "expected an array");
+      std::map<std::int32_t, std::size_t> added_ids;  // id -> its entry, so a repeat is named
       for (std::size_t i = 0; i < added->size(); ++i) {
         const auto& a = (*added)[i];
         const std::string field = "added_tokens[" + std::to_string(i) + "]";
@@ -4930,6 +4932,9 @@ class Tokenizer {
         const auto id = a["id"].get<std::int64_t>();
         if (id < 0 || id > INT32_MAX) fail(field + ".id", "id " + std::to_string(id) + " is out of range");
         t.id = static_cast<std::int32_t>(id);
+        if (t.content.empty()) fail(field + ".content", "an added token cannot be empty");
+        if (auto [it, fresh] = added_ids.emplace(t.id, i); !fresh)
+          fail(field + ".id", "id " + std::to_string(id) + " is also added_tokens[" + std::to_string(it->second) + "]'s");
         auto flag = [&](const char* k, bool dflt) {
           const auto* v = member(a, k);
           return v && v->is_boolean() ? v->get<bool>() : dflt;
