@@ -290,4 +290,18 @@ TEST_CASE("a version-1 checkpoint (the whole model, no run metadata) still loads
   load_into(tmp("v1.safetensors"), b, same);
   CHECK(snapshot(b) == snapshot(a));
   CHECK(same.step() == 2);
+
+  SUBCASE("its optimizer-state errors name the file, and nothing is loaded") {
+    NamedTensors bad;
+    for (auto& [n, t] : v1)  // a step count of two elements
+      bad.emplace_back(n, n == "optimizer.step" ? Tensor::zeros({2}, t.dtype()) : t);
+    save_safetensors(tmp("v1_bad.safetensors"), bad, {{"format", "nn-checkpoint"}});
+    Net c = make_net(3);
+    const auto before = snapshot(c);
+    Adam fresh(1e-3);
+    test::check_error([&] { load_into(tmp("v1_bad.safetensors"), c, fresh); },
+                      {"[load_into]", "v1_bad.safetensors: optimizer state: ", "'step' must hold one element", "(nothing was loaded)"});
+    CHECK(snapshot(c) == before);
+    CHECK(fresh.step() == 0);
+  }
 }

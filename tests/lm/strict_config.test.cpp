@@ -45,7 +45,7 @@ TEST_CASE("strict config: the audit's GGUF files are refused by key and file, be
                     {"gguf_block_count_1000.gguf", "weights (llama.block_count 1000, embedding_length 1024",
                      "but the file's tensors hold 5120"});
   test::check_error([] { load_gguf(kStrict + "/gguf_vocab_mismatch.gguf"); },
-                    {"gguf_vocab_mismatch.gguf", "token_embd.weight is (4, 8) but the metadata describes (1000, 8)"});
+                    {"gguf_vocab_mismatch.gguf", "token_embd.weight is (4, 8) but the config describes (1000, 8)"});
 }
 
 TEST_CASE("strict config: a sweep of sizes never lets bad_alloc or length_error out of the loaders") {
@@ -103,4 +103,29 @@ TEST_CASE("strict config: a config within the limits that no machine holds fails
   int mode = -1;
   overcommit >> mode;
   if (mode == 0 || mode == 2) CHECK(refused);
+}
+
+TEST_CASE("strict config: a Hugging Face folder's tensors are checked against its config before allocation") {
+  test::check_error([] { load_hf(kStrict + "/hf_layers_1000"); },
+                    {"[load_hf]", "hf_layers_1000", "weights (num_hidden_layers 1000, hidden_size 1024",
+                     "but the file's tensors hold 9216"});
+  test::check_error([] { load_hf(kStrict + "/hf_vocab_mismatch"); },
+                    {"[load_hf]", "hf_vocab_mismatch", "model.embed_tokens.weight is (4, 32) but the config describes (64, 32)"});
+}
+
+TEST_CASE("strict config: a GGUF tokenizer's tokens, types and ids are checked at their real width, naming the file") {
+  const auto tok = [](const std::string& name) { return gguf_tokenizer(GgufFile(kStrict + "/" + name)); };
+  const Tokenizer ok = tok("gguf_tok_ok.gguf");
+  CHECK(ok.encode("ab<|end|>") == std::vector<std::int32_t>{2, 3});
+  CHECK(ok.eos_id() == 3);
+  test::check_error([&] { tok("gguf_tok_duplicate.gguf"); },
+                    {"gguf_tok_duplicate.gguf", "tokenizer.ggml.tokens[3]", "token \"b\" is already tokens[1]"});
+  test::check_error([&] { tok("gguf_tok_type_99.gguf"); },
+                    {"gguf_tok_type_99.gguf", "tokenizer.ggml.token_type[2]", "99 is not a token type (0 undefined .. 6 byte)"});
+  test::check_error([&] { tok("gguf_tok_type_2e32.gguf"); },
+                    {"gguf_tok_type_2e32.gguf", "tokenizer.ggml.token_type[2]", "4294967297 is not a token type"});
+  test::check_error([&] { tok("gguf_tok_invalid_utf8.gguf"); },
+                    {"gguf_tok_invalid_utf8.gguf", "tokenizer.ggml.tokens[2]", "not valid UTF-8 (byte 255 at offset 1)"});
+  test::check_error([&] { tok("gguf_tok_eos_2e32.gguf"); },
+                    {"gguf_tok_eos_2e32.gguf", "tokenizer.ggml.eos_token_id", "id 4294967299 is out of range"});
 }

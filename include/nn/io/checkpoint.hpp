@@ -73,7 +73,11 @@ template <class M>
 void load_checkpoint_v1(const std::string& source, const NamedTensorList& model_part, const NamedTensorList& opt_part,
                         const Tensor& key, M& model, Optimizer& opt) {
   auto plan = plan_load(model, model_part, true, source, "model.");
-  opt.check_state(opt_part);
+  try {
+    opt.check_state(opt_part);
+  } catch (const Error& e) {  // the optimizer's error names the entry; the file is named here
+    fail("load_into", source, ": optimizer state: ", e.what(), " (nothing was loaded)");
+  }
   apply_load(plan);
   opt.load_state(opt_part);
   random::set_state(key);

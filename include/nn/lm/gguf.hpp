@@ -901,8 +901,14 @@ class GgufFile {
     str("tokenizer.chat_template", m.chat_template);
     if (const GgufValue* v = find("tokenizer.ggml.tokens")) m.tokens = v->strings();
     if (const GgufValue* v = find("tokenizer.ggml.merges")) m.merges = v->strings();
-    if (const GgufValue* v = find("tokenizer.ggml.token_type"))
-      for (std::int64_t x : v->ints()) m.token_types.push_back(static_cast<std::int32_t>(x));
+    if (const GgufValue* v = find("tokenizer.ggml.token_type")) {
+      const std::vector<std::int64_t> types = v->ints();
+      for (std::size_t i = 0; i < types.size(); ++i) {  // read at the file's width: no wrap to a valid type
+        if (types[i] < INT32_MIN || types[i] > INT32_MAX)
+          nn::detail::fail("gguf", "key \"tokenizer.ggml.token_type[", i, "]\": ", types[i], " is not a token type (0..6)");
+        m.token_types.push_back(static_cast<std::int32_t>(types[i]));
+      }
+    }
     if (const GgufValue* v = find("tokenizer.ggml.scores"))
       for (double x : v->floats()) m.scores.push_back(static_cast<float>(x));
     id("tokenizer.ggml.bos_token_id", m.bos_id);

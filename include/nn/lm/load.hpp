@@ -98,18 +98,34 @@ inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
 /// that is still larger than this machine's memory) raised as nn::Error naming the source:
 /// std::bad_alloc and std::length_error never escape a loader.
 inline CausalLM allocate(const ModelConfig& cfg, DType dtype, const std::string& source) {
+  std::string why;
   try {
     return CausalLM::uninitialised(cfg, dtype);
   } catch (const std::bad_alloc&) {
-    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
-                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): out of memory");
+    why = "out of memory";
   } catch (const std::length_error&) {
-    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
-                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): too large");
+    why = "too large";
   } catch (const Error& e) {  // a tensor's allocation failed ("[tensor] out of host memory ...")
-    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
-                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): ", e.what());
+    why = e.what();
   }
+  nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
+                   " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): ", why);
+}
+
+/// A weight file's tensors against its config, before the model is allocated: the embedding (its
+/// shape as stored in the file, (vocab, hidden) once read) must have the config's shape, and a
+/// large model (over 2^24 weights) the file cannot fill is refused here; a smaller one reaches the
+/// strict load, which lists every missing tensor. `sizes` spells the config's sizes as the file
+/// names them.
+inline void check_weights_fit(const ModelConfig& cfg, const std::optional<Shape>& embed, std::string_view embed_name,
+                              double in_file, const std::string& who, const std::string& source,
+                              const std::string& sizes) {
+  if (embed && *embed != Shape{cfg.vocab_size, cfg.hidden_size})
+    nn::detail::fail(who, source, ": ", embed_name, " is ", embed->str(), " but the config describes (",
+                     cfg.vocab_size, ", ", cfg.hidden_size, ")");
+  if (const double needs = cfg.matrix_parameters(); needs > in_file && needs > static_cast<double>(1 << 24))
+    nn::detail::fail(who, source, ": the config describes at least ", needs, " weights (", sizes,
+                     ") but the file's tensors hold ", in_file);
 }
 
 }  // namespace detail
@@ -122,12 +138,29 @@ inline CausalLM allocate(const ModelConfig& cfg, DType dtype, const std::string&
 /// stored lm_head.weight of a tied model are skipped.
 inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType::f32) {
   const ModelConfig cfg = load_config(folder / "config.json");
-  CausalLM m = detail::allocate(cfg, dtype, folder.string());
   detail::HfWeightFiles wf = detail::hf_weight_files(folder);
-  nn::detail::NamedTensorList named;
+  // Every file's header first (no tensor data is read): the tensors are checked against the
+  // config before the model is allocated.
+  std::vector<SafetensorsFile> files;
+  std::optional<Shape> embed;
+  double in_file = 0;
   for (const auto& file : wf.files) {
-    SafetensorsFile f(file);
-    const std::string shard = file.filename().string();
+    files.emplace_back(file);
+    for (const SafetensorsView& v : files.back().views()) {
+      in_file += static_cast<double>(v.numel());
+      if (v.name() == "model.embed_tokens.weight") embed = Shape(v.shape());
+    }
+  }
+  detail::check_weights_fit(cfg, embed, "model.embed_tokens.weight", in_file, "load_hf", folder.string(),
+                            "num_hidden_layers " + std::to_string(cfg.num_hidden_layers) + ", hidden_size " +
+                                std::to_string(cfg.hidden_size) + ", intermediate_size " +
+                                std::to_string(cfg.intermediate_size) + ", vocab_size " +
+                                std::to_string(cfg.vocab_size));
+  CausalLM m = detail::allocate(cfg, dtype, folder.string());
+  nn::detail::NamedTensorList named;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const SafetensorsFile& f = files[i];
+    const std::filesystem::path& file = wf.files[i];
     for (const SafetensorsView& v : f.views()) {
       if (!wf.weight_map.empty()) {
         auto it = wf.weight_map.find(v.name());
@@ -344,16 +377,14 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
   // have the metadata's shape. A model the tensors cannot fill is refused here when it is large
   // (over 2^24 weights); a smaller one reaches the strict load, which lists every missing tensor.
   const GgufTensorInfo* e = f.find_tensor("token_embd.weight");
-  if (e && e->ne != std::vector<std::int64_t>{cfg.hidden_size, cfg.vocab_size})
-    nn::detail::fail("gguf", f.path(), ": token_embd.weight is ", Shape(e->shape()).str(),
-                     " but the metadata describes (", cfg.vocab_size, ", ", cfg.hidden_size, ")");
   double in_file = 0;
   for (const GgufTensorInfo& t : f.tensors()) in_file += static_cast<double>(t.numel());
-  if (const double needs = cfg.matrix_parameters(); needs > in_file && needs > static_cast<double>(1 << 24))
-    nn::detail::fail("gguf", f.path(), ": the metadata describes at least ", needs, " weights (", cfg.model_type,
-                     ".block_count ", cfg.num_hidden_layers, ", embedding_length ", cfg.hidden_size,
-                     ", feed_forward_length ", cfg.intermediate_size, ", vocabulary ", cfg.vocab_size,
-                     ") but the file's tensors hold ", in_file);
+  detail::check_weights_fit(cfg, e ? std::optional<Shape>(Shape(e->shape())) : std::nullopt, "token_embd.weight",
+                            in_file, "gguf", f.path(),
+                            cfg.model_type + ".block_count " + std::to_string(cfg.num_hidden_layers) +
+                                ", embedding_length " + std::to_string(cfg.hidden_size) + ", feed_forward_length " +
+                                std::to_string(cfg.intermediate_size) + ", vocabulary " +
+                                std::to_string(cfg.vocab_size));
   CausalLM m = detail::allocate(cfg, dtype, f.path());
   nn::detail::NamedTensorList named;
   named.reserve(f.tensors().size());

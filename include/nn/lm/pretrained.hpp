@@ -22,23 +22,8 @@ struct Pretrained {
 /// The tokenizer a GGUF file carries (tokenizer.ggml.*), built by Tokenizer::from_gguf.
 inline Tokenizer gguf_tokenizer(const GgufFile& f) {
   GgufTokenizerMetadata m = f.tokenizer();
-  GgufTokenizerData d;
-  d.model = m.model;
-  d.pre = m.pre;
-  d.tokens = std::move(m.tokens);
-  d.merges = std::move(m.merges);
-  d.token_types = std::move(m.token_types);
-  auto id = [](const std::optional<std::int64_t>& v) -> std::optional<std::int32_t> {
-    if (!v) return std::nullopt;
-    return static_cast<std::int32_t>(*v);
-  };
-  d.bos_id = id(m.bos_id);
-  d.eos_id = id(m.eot_id ? m.eot_id : m.eos_id);  // chat models end a turn with EOT
-  d.pad_id = id(m.pad_id);
-  d.unk_id = id(m.unk_id);
-  d.add_bos = m.add_bos;
-  d.add_eos = m.add_eos;
-  return Tokenizer::from_gguf(d, f.path());
+  if (m.eot_id) m.eos_id = m.eot_id;  // chat models end a turn with EOT
+  return Tokenizer::from_gguf_metadata(m, f.path());  // ids range-checked at their 64-bit width
 }
 
 /// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)

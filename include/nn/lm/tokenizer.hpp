@@ -876,8 +876,24 @@ class Tokenizer {
     id_to_token_.reserve(d.tokens.size());
     for (std::size_t i = 0; i < d.tokens.size(); ++i) {
       const auto id = static_cast<std::int32_t>(i);
-      const auto type = d.token_types.empty() ? TokenType::normal : static_cast<TokenType>(d.token_types[i]);
-      set_token(id, d.tokens[i]);
+      const std::string field = "tokenizer.ggml.tokens[" + std::to_string(i) + "]";
+      const std::string& tok = d.tokens[i];
+      // Byte-level tokens are printable code points, each standing for one byte: valid UTF-8.
+      for (std::size_t k = 0; k < tok.size();) {
+        const std::size_t at = k;
+        if (utf8_next(tok, k) == kInvalidByte)
+          fail(field, "not valid UTF-8 (byte " + std::to_string(static_cast<unsigned char>(tok[at])) + " at offset " +
+                          std::to_string(at) + ")");
+      }
+      if (auto it = token_to_id_.find(tok); it != token_to_id_.end())
+        fail(field, "token \"" + tok + "\" is already tokens[" + std::to_string(it->second) +
+                        "] (llama.cpp would map it to one id only)");
+      const std::int32_t raw_type = d.token_types.empty() ? 1 : d.token_types[i];
+      if (raw_type < 0 || raw_type > static_cast<std::int32_t>(TokenType::byte))
+        fail("tokenizer.ggml.token_type[" + std::to_string(i) + "]",
+             std::to_string(raw_type) + " is not a token type (0 undefined .. 6 byte)");
+      const auto type = static_cast<TokenType>(raw_type);
+      set_token(id, tok);
       if (type == TokenType::control || type == TokenType::user_defined) {
         // llama.cpp splits both out of the raw text; user-defined ones even without
         // parse_special, which is what special=false gives here.
