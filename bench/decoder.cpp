@@ -329,11 +329,12 @@ int main(int argc, char** argv) {
   std::printf(
       "RESULT impl=nn mode=%s threads=%d tok_s=%.1f median_ms=%.2f mean_ms=%.2f min_ms=%.2f cpu_ms=%.2f gflops=%.1f "
       "rss_peak_mb=%.1f rss_start_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld gemm=%s "
-      "precision=%s version=%s\n",
+      "precision=%s version=%s team_reductions=%lld\n",
       mode.c_str(), threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, total_s * 1e3 / steps, sorted[0], cpu_ms,
       flops / (median_ms / 1e3) / 1e9, static_cast<double>(proc_status_kb("VmHWM")) / 1024.0,
       static_cast<double>(rss_start_kb) / 1024.0, first_loss, last_loss, static_cast<long long>(model.num_params()),
       static_cast<long long>(model.num_trainable()),
-      nn::cpu_info().gemm_id.c_str(), precision.c_str(), NN_VERSION_STRING);
+      nn::cpu_info().gemm_id.c_str(), precision.c_str(), NN_VERSION_STRING,
+      static_cast<long long>(nn::detail::TeamLoad::get().reductions()));
   return 0;
 }

@@ -105,12 +105,12 @@ int main(int argc, char** argv) try {
               100.0 * check_us / (median_ms * 1e3), static_cast<unsigned long long>(sink));
   std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
               "rss_start_mb=%.1f rss_now_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld "
-              "precision=%s base=%s\n",
+              "precision=%s base=%s team_reductions=%lld\n",
               threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, ms[0], cpu_ms,
               static_cast<double>(bench::proc_status_kb("VmHWM")) / 1024.0, static_cast<double>(rss_start_kb) / 1024.0,
               static_cast<double>(bench::proc_status_kb("VmRSS")) / 1024.0, first_loss, last_loss,
               static_cast<long long>(model.num_params()), static_cast<long long>(model.num_trainable()),
-              precision.c_str(), base.c_str());
+              precision.c_str(), base.c_str(), static_cast<long long>(nn::detail::TeamLoad::get().reductions()));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());

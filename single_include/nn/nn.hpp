@@ -7,24 +7,24 @@
 //
 // Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/quant.hpp, nn/backend/math.hpp,
 // nn/backend/policy.hpp, nn/random.hpp, nn/backend/cpu.hpp, nn/backend/cpu_info.hpp,
-// nn/backend/cpu/common.hpp, nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp,
-// nn/backend/cpu/matmul.hpp, nn/backend/gemm.hpp, nn/backend/cpu/shape.hpp,
-// nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp,
-// nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp,
-// nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/quantized.hpp,
-// nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp, nn/ops/common.hpp,
-// nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp,
-// nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp, nn/ops/random.hpp,
-// nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp,
-// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
-// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
-// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp,
-// nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp,
-// nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp,
-// nn/modules/quantized.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
-// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
-// nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp,
-// nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp
+// nn/backend/cpu/common.hpp, nn/backend/threads.hpp, nn/backend/cpu/elementwise.hpp,
+// nn/backend/cpu/reduce.hpp, nn/backend/cpu/matmul.hpp, nn/backend/gemm.hpp,
+// nn/backend/cpu/shape.hpp, nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp,
+// nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp,
+// nn/backend/cpu/rope.hpp, nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp,
+// nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp,
+// nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
+// nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
+// nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
+// nn/ops/quantized.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp,
+// nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp,
+// nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp,
+// nn/io/atomic_file.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp,
+// nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
+// nn/modules/dropout.hpp, nn/modules/quantized.hpp, nn/modules/lora.hpp, nn/optim.hpp,
+// nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp,
+// nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp,
+// nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -2216,6 +2216,228 @@ struct CpuInfo {
 #include <immintrin.h>
 #endif
 
+// ---- begin nn/backend/threads.hpp ----
+// nn's thread teams: every parallel region nn opens goes through team(), which runs it on OpenMP
+// threads and notices when the machine's other work keeps those threads from running together.
+//
+// Why: an OpenMP team is as fast as its slowest thread. On a machine doing something else, a
+// thread that shares its core with a busy process is off the CPU half the time, and every region
+// (a step opens thousands) waits for it at its barriers: measured on 2 cores with one busy
+// process at `nice -n 0`, two threads ran the finetune step at 0.07x of their idle speed, where
+// one thread ran at 0.57x (bench/run_contention.sh; PyTorch, whose OpenMP team has the same
+// problem, 0.12x). So nn measures it: at the end of each region every thread of the team asks
+// the kernel how long it waited, runnable, for a core since its last region (its run-queue
+// delay, read only after an involuntary context switch). The longest of those waits stalled the
+// whole team at its barriers; when they add up to more than a fifth of a 50 ms window, the team
+// is too big for the cores free now, and it gets one thread fewer for a back-off period (0.25 s,
+// doubling while the probes at full size that follow find the same, up to 8 s), after which it
+// is allowed its full size again. Neither lateness nor the count of preemptions would do: an
+// idle virtual CPU can take milliseconds to wake a sleeping thread, and an idle machine's
+// kernel threads preempt nn's for microseconds dozens of times a second. An idle machine
+// shrinks nothing, and pays two clock reads per region and one getrusage per thread per region.
+//
+// The results do not depend on it: every parallel product and loop in nn is bit-identical for
+// any team size. NN_ADAPTIVE_THREADS=0 in the environment (or set_adaptive_threads(false)) turns
+// it off: teams are then always omp_get_max_threads() large.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__linux__)
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#endif
+
+namespace nn {
+namespace detail {
+
+/// The shared record of how late teams start, and the current cap on team size (one per process).
+/// Times are steady-clock nanoseconds, passed in so that tests can drive it.
+class TeamLoad {
+ public:
+  static constexpr std::int64_t kWindowNs = 50'000'000;  // judged every 50 ms of regions
+  static constexpr double kLostShare = 0.2;               // more than 20% of it waiting for a core: too big
+  static constexpr std::int64_t kFirstBackoffNs = 250'000'000, kMaxBackoffNs = 8'000'000'000;
+
+  static TeamLoad& get() {
+    static TeamLoad s;
+    return s;
+  }
+  static std::int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  /// How many threads a region may use at `now`, out of `max` (omp_get_max_threads()).
+  int allowed(int max, std::int64_t now = now_ns()) {
+    if (!enabled_.load(std::memory_order_relaxed) || max <= 1) return max;
+    const int cap = cap_.load(std::memory_order_relaxed);
+    if (cap == 0) return max;
+    if (now < until_.load(std::memory_order_relaxed)) return std::min(max, cap);
+    // The back-off is over: probe the full team for one window (a window that loses as much
+    // again doubles the next back-off; a clean one resets it).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cap_.load(std::memory_order_relaxed) != 0) {
+      cap_.store(0, std::memory_order_relaxed);
+      probing_ = true;
+      window_start_ = 0;
+    }
+    return max;
+  }
+
+  /// Records one region of `threads` threads, ending at `now`, that lost `lost_ns` to the
+  /// scheduler (the longest any of its threads waited for a core since its previous region).
+  void observe(int threads, std::int64_t lost_ns, std::int64_t now = now_ns()) {
+    if (threads <= 1 || !enabled_.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (window_start_ == 0) {
+      window_start_ = now;
+      lost_ = 0;
+    }
+    lost_ += lost_ns;
+    const std::int64_t elapsed = now - window_start_;
+    if (elapsed < kWindowNs) return;
+    if (static_cast<double>(lost_) > kLostShare * static_cast<double>(elapsed)) {
+      backoff_ = probing_ ? std::min(backoff_ * 2, kMaxBackoffNs) : kFirstBackoffNs;
+      until_.store(now + backoff_, std::memory_order_relaxed);
+      cap_.store(std::max(1, threads - 1), std::memory_order_relaxed);
+      reductions_.fetch_add(1, std::memory_order_relaxed);
+    } else if (probing_) {
+      backoff_ = kFirstBackoffNs;  // a clean window at full size
+    }
+    probing_ = false;
+    window_start_ = 0;
+  }
+
+  /// Turns it on or off, forgetting what was seen so far.
+  void set_enabled(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    enabled_.store(on, std::memory_order_relaxed);
+    cap_.store(0, std::memory_order_relaxed);
+    probing_ = false;
+    window_start_ = 0;
+    backoff_ = kFirstBackoffNs;
+  }
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  /// How many times a team was made smaller since the process started.
+  std::int64_t reductions() const { return reductions_.load(std::memory_order_relaxed); }
+  /// The current cap on team size (0: none).
+  int cap() const { return cap_.load(std::memory_order_relaxed); }
+
+ private:
+  TeamLoad() {
+    const char* v = std::getenv("NN_ADAPTIVE_THREADS");
+    enabled_.store(!(v && std::strcmp(v, "0") == 0), std::memory_order_relaxed);
+  }
+  // allowed() reads the cap and its end without the lock: a stale read costs at most one region
+  // at the old size.
+  std::atomic<bool> enabled_{true};
+  std::atomic<int> cap_{0};
+  std::atomic<std::int64_t> until_{0}, reductions_{0};
+  std::mutex mu_;  // guards the window below
+  bool probing_ = false;
+  std::int64_t window_start_ = 0, lost_ = 0, backoff_ = kFirstBackoffNs;
+};
+
+/// How long the calling thread waited, runnable, for a core since it last asked (ns): the time
+/// the scheduler kept it off its core for other work. Asked first of getrusage(RUSAGE_THREAD)
+/// (an involuntary context switch since the last call, about 0.3 us), and only then of the
+/// kernel's run-queue delay in /proc/thread-self/schedstat (kept open, one pread); where that
+/// file is missing, each involuntary switch counts as a 3 ms time slice. 0 without either
+/// (teams then keep their size).
+inline std::int64_t waited_since_last_asked() {
+#if defined(__linux__) && defined(RUSAGE_THREAD)
+  struct Mine {
+    long switches = -1;
+    std::int64_t delay = -1;
+    int fd = -2;  // -2: not opened yet, -1: unavailable
+    ~Mine() {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  thread_local Mine m;
+  rusage u{};
+  if (getrusage(RUSAGE_THREAD, &u) != 0) return 0;
+  const long switched = m.switches < 0 ? 0 : u.ru_nivcsw - m.switches;
+  m.switches = u.ru_nivcsw;
+  if (switched <= 0 && m.delay >= 0) return 0;
+  if (m.fd == -2) m.fd = ::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+  if (m.fd < 0) return switched * 3'000'000;
+  char buf[96];
+  const ssize_t n = ::pread(m.fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return switched * 3'000'000;
+  buf[n] = 0;
+  const char* p = std::strchr(buf, ' ');  // "<run time> <run-queue delay> <slices>"
+  if (!p) return switched * 3'000'000;
+  const std::int64_t delay = std::strtoll(p + 1, nullptr, 10);
+  const std::int64_t waited = m.delay < 0 ? 0 : std::max<std::int64_t>(0, delay - m.delay);
+  m.delay = delay;
+  return waited;
+#else
+  return 0;
+#endif
+}
+
+/// How many threads a parallel region may use now: omp_get_max_threads(), less while the
+/// machine's other work keeps a team that size from running together; 1 inside a parallel region
+/// or without OpenMP.
+inline int free_threads() {
+#if defined(_OPENMP)
+  if (omp_in_parallel()) return 1;
+  return TeamLoad::get().allowed(omp_get_max_threads());
+#else
+  return 1;
+#endif
+}
+
+/// body(t, nt) on a team of up to `threads` OpenMP threads (thread t of nt; the body may hold
+/// `#pragma omp for` and `#pragma omp barrier`, which bind to this team), telling TeamLoad
+/// whether the scheduler took one of them off its core. `threads` comes from free_threads() or a size rule capped by it.
+template <class F>
+void team(int threads, F&& body) {
+#if defined(_OPENMP)
+  if (threads > 1) {
+    const std::int64_t t0 = TeamLoad::now_ns();
+    std::atomic<std::int64_t> waited{0};  // the longest any thread of the team waited
+    int size = threads;
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      if (t == 0) size = nt;
+      body(t, nt);
+      // A thread kept off its core stalls the whole team at the region's barriers.
+      const std::int64_t w = waited_since_last_asked();
+      std::int64_t seen = waited.load(std::memory_order_relaxed);
+      while (w > seen && !waited.compare_exchange_weak(seen, w, std::memory_order_relaxed)) {
+      }
+    }
+    const std::int64_t t1 = TeamLoad::now_ns();
+    TeamLoad::get().observe(size, std::min(waited.load(std::memory_order_relaxed), t1 - t0), t1);
+    return;
+  }
+#endif
+  body(0, 1);
+}
+
+}  // namespace detail
+
+/// Whether nn shrinks its thread teams while other processes keep them from running together
+/// (backend/threads.hpp; on by default, NN_ADAPTIVE_THREADS=0 turns it off). Results are the
+/// same either way; only the speed on a shared machine differs.
+inline void set_adaptive_threads(bool on) { detail::TeamLoad::get().set_enabled(on); }
+inline bool adaptive_threads() { return detail::TeamLoad::get().enabled(); }
+
+}  // namespace nn
+// ---- end nn/backend/threads.hpp ----
 
 namespace nn {
 namespace detail {
@@ -2278,10 +2500,12 @@ inline constexpr std::int64_t kParallelGrain = 1 << 15;
 template <class F>
 inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
 #if defined(_OPENMP)
-  if (wide && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-    const std::int64_t share = uneven ? 1 : (n + omp_get_max_threads() - 1) / omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, share)
-    for (std::int64_t i = 0; i < n; ++i) f(i);
+  if (const int threads = wide && n > 1 ? free_threads() : 1; threads > 1) {
+    const std::int64_t share = uneven ? 1 : (n + threads - 1) / threads;
+    team(threads, [&](int, int) {
+#pragma omp for schedule(dynamic, share)
+      for (std::int64_t i = 0; i < n; ++i) f(i);
+    });
     return;
   }
 #else
@@ -3222,9 +3446,8 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
   const index kcap = std::min<index>(S::KC, K);
   const index rows_per = ((M + threads - 1) / threads + MR - 1) / MR * MR;
   T* bbuf = static_cast<T*>(detail::gemm_workspace(static_cast<std::size_t>(nb * kcap) * sizeof(T), 1));
-#pragma omp parallel num_threads(threads)
-  {
-    const index t = omp_get_thread_num(), nt = omp_get_num_threads();
+  detail::team(threads, [&](int thread, int team_size) {
+    const index t = thread, nt = team_size;
     const index r0 = std::min(M, t * rows_per), r1 = std::min(M, r0 + rows_per), mine = r1 - r0;
     const index a_rows_n = std::max<index>((mine + MR - 1) / MR * MR, MR);
     const std::size_t a_bytes = (static_cast<std::size_t>(a_rows_n * kcap) * sizeof(T) + 63) / 64 * 64;
@@ -3247,7 +3470,7 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
 #pragma omp barrier
       }
     }
-  }
+  });
 }
 #endif
 
@@ -3288,7 +3511,7 @@ inline int team_threads(index M, index N, index K) {
 #if defined(_OPENMP)
   if (omp_in_parallel() || M <= 0 || N <= 0 || K <= 0) return 1;
   const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-  return std::max(1, static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+  return std::max(1, static_cast<int>(std::min<double>({static_cast<double>(detail::free_threads()), work / 262144.0,
                                                         static_cast<double>(std::max(M / 24, N / 64))})));
 #else
   (void)M, (void)N, (void)K;
@@ -3300,18 +3523,11 @@ inline int team_threads(index M, index N, index K) {
 /// how a short, wide product (too few rows to share out) is split, each thread packing its own.
 template <class F>
 void split_columns(int threads, index N, F&& part) {
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads)
-  {
-    const index nt = omp_get_num_threads(), t = omp_get_thread_num();
+  detail::team(threads, [&](int t, int nt) {
     const index per = ((N + nt - 1) / nt + 31) / 32 * 32;
     const index d0 = std::min(N, t * per), d1 = std::min(N, d0 + per);
     if (d0 < d1) part(d0, d1);
-  }
-#else
-  (void)threads;
-  part(index(0), N);
-#endif
+  });
 }
 
 /// The same, on a team of OpenMP threads (when not already inside a parallel region, and the
@@ -3356,13 +3572,15 @@ void gemm_batched(Isa isa, index batch, bool ta, bool tb, index M, index N, inde
   if (batch > 1 && team_threads(M, N, K) == 1 && !omp_in_parallel()) {
     const double work = static_cast<double>(batch) * static_cast<double>(M) * static_cast<double>(N) *
                         static_cast<double>(K);
-    threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()),
+    threads = static_cast<int>(std::min<double>({static_cast<double>(detail::free_threads()),
                                                  static_cast<double>(batch), std::max(1.0, work / 262144.0)}));
   }
   if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (index b = 0; b < batch; ++b)
-      gemm_serial<T>(isa, ta, tb, M, N, K, A + b * sa, lda, B + b * sb, ldb, C + b * sc, ldc, acc);
+    detail::team(threads, [&](int, int) {
+#pragma omp for schedule(static)
+      for (index b = 0; b < batch; ++b)
+        gemm_serial<T>(isa, ta, tb, M, N, K, A + b * sa, lda, B + b * sb, ldb, C + b * sc, ldc, acc);
+    });
     return;
   }
 #endif
@@ -3945,22 +4163,21 @@ void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K
   Eigen::Index threads = 1;
   if (!omp_in_parallel()) {
     const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-    threads = std::min<Eigen::Index>({static_cast<Eigen::Index>(Eigen::nbThreads()),
+    threads = std::min<Eigen::Index>({static_cast<Eigen::Index>(std::min(Eigen::nbThreads(), free_threads())),
                                       static_cast<Eigen::Index>(work / 50000.0), std::max(M, N) / 16});
   }
   if (threads > 1) {
     const bool by_rows = M >= N;
     const Eigen::Index D = by_rows ? M : N;
-#pragma omp parallel num_threads(static_cast<int>(threads))
-    {
-      const Eigen::Index nt = omp_get_num_threads(), t = omp_get_thread_num();
+    team(static_cast<int>(threads), [&](int thread, int team_size) {
+      const Eigen::Index nt = team_size, t = thread;
       const Eigen::Index per = ((D + nt - 1) / nt + 15) / 16 * 16;
       const Eigen::Index d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
       if (d0 < d1) {
         if (by_rows) block(d0, d1, 0, N);
         else block(0, M, d0, d1);
       }
-    }
+    });
     return;
   }
 #endif
@@ -4245,23 +4462,22 @@ struct MatmulKernels {
       int threads = 1;
       if (!omp_in_parallel()) {
         const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-        threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+        threads = static_cast<int>(std::min<double>({static_cast<double>(free_threads()), work / 262144.0,
                                                      static_cast<double>(std::max(M, N) / 16)}));
       }
       detail::BlasSerial serial;
       if (threads > 1) {
         const bool by_rows = M >= N;
         const std::int64_t D = by_rows ? M : N;
-#pragma omp parallel num_threads(threads)
-        {
-          const std::int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        team(threads, [&](int thread, int team_size) {
+          const std::int64_t nt = team_size, t = thread;
           const std::int64_t per = ((D + nt - 1) / nt + 15) / 16 * 16;
           const std::int64_t d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
           if (d0 < d1) {
             if (by_rows) detail::gemm_serial<T>(ta, tb, d1 - d0, N, K, A + (ta ? d0 : d0 * lda), lda, Bp, ldb, C + d0 * N, N, acc);
             else detail::gemm_serial<T>(ta, tb, M, d1 - d0, K, A, lda, Bp + (tb ? d0 * ldb : d0), ldb, C + d0, N, acc);
           }
-        }
+        });
         return;
       }
 #endif
@@ -12516,7 +12732,11 @@ template <class M>
 void load_checkpoint_v1(const std::string& source, const NamedTensorList& model_part, const NamedTensorList& opt_part,
                         const Tensor& key, M& model, Optimizer& opt) {
   auto plan = plan_load(model, model_part, true, source, "model.");
-  opt.check_state(opt_part);
+  try {
+    opt.check_state(opt_part);
+  } catch (const Error& e) {  // the optimizer's error names the entry; the file is named here
+    fail("load_into", source, ": optimizer state: ", e.what(), " (nothing was loaded)");
+  }
   apply_load(plan);
   opt.load_state(opt_part);
   random::set_state(key);

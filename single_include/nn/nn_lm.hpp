@@ -1636,8 +1636,14 @@ class GgufFile {
     str("tokenizer.chat_template", m.chat_template);
     if (const GgufValue* v = find("tokenizer.ggml.tokens")) m.tokens = v->strings();
     if (const GgufValue* v = find("tokenizer.ggml.merges")) m.merges = v->strings();
-    if (const GgufValue* v = find("tokenizer.ggml.token_type"))
-      for (std::int64_t x : v->ints()) m.token_types.push_back(static_cast<std::int32_t>(x));
+    if (const GgufValue* v = find("tokenizer.ggml.token_type")) {
+      const std::vector<std::int64_t> types = v->ints();
+      for (std::size_t i = 0; i < types.size(); ++i) {  // read at the file's width: no wrap to a valid type
+        if (types[i] < INT32_MIN || types[i] > INT32_MAX)
+          nn::detail::fail("gguf", "key \"tokenizer.ggml.token_type[", i, "]\": ", types[i], " is not a token type (0..6)");
+        m.token_types.push_back(static_cast<std::int32_t>(types[i]));
+      }
+    }
     if (const GgufValue* v = find("tokenizer.ggml.scores"))
       for (double x : v->floats()) m.scores.push_back(static_cast<float>(x));
     id("tokenizer.ggml.bos_token_id", m.bos_id);
@@ -1750,18 +1756,34 @@ inline HfWeightFiles hf_weight_files(const std::filesystem::path& folder) {
 /// that is still larger than this machine's memory) raised as nn::Error naming the source:
 /// std::bad_alloc and std::length_error never escape a loader.
 inline CausalLM allocate(const ModelConfig& cfg, DType dtype, const std::string& source) {
+  std::string why;
   try {
     return CausalLM::uninitialised(cfg, dtype);
   } catch (const std::bad_alloc&) {
-    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
-                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): out of memory");
+    why = "out of memory";
   } catch (const std::length_error&) {
-    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
-                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): too large");
+    why = "too large";
   } catch (const Error& e) {  // a tensor's allocation failed ("[tensor] out of host memory ...")
-    nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
-                     " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): ", e.what());
+    why = e.what();
   }
+  nn::detail::fail("load", source, ": cannot allocate the model the config describes (", cfg.num_hidden_layers,
+                   " layers of width ", cfg.hidden_size, ", vocabulary ", cfg.vocab_size, "): ", why);
+}
+
+/// A weight file's tensors against its config, before the model is allocated: the embedding (its
+/// shape as stored in the file, (vocab, hidden) once read) must have the config's shape, and a
+/// large model (over 2^24 weights) the file cannot fill is refused here; a smaller one reaches the
+/// strict load, which lists every missing tensor. `sizes` spells the config's sizes as the file
+/// names them.
+inline void check_weights_fit(const ModelConfig& cfg, const std::optional<Shape>& embed, std::string_view embed_name,
+                              double in_file, const std::string& who, const std::string& source,
+                              const std::string& sizes) {
+  if (embed && *embed != Shape{cfg.vocab_size, cfg.hidden_size})
+    nn::detail::fail(who, source, ": ", embed_name, " is ", embed->str(), " but the config describes (",
+                     cfg.vocab_size, ", ", cfg.hidden_size, ")");
+  if (const double needs = cfg.matrix_parameters(); needs > in_file && needs > static_cast<double>(1 << 24))
+    nn::detail::fail(who, source, ": the config describes at least ", needs, " weights (", sizes,
+                     ") but the file's tensors hold ", in_file);
 }
 
 }  // namespace detail
@@ -1774,12 +1796,29 @@ inline CausalLM allocate(const ModelConfig& cfg, DType dtype, const std::string&
 /// stored lm_head.weight of a tied model are skipped.
 inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType::f32) {
   const ModelConfig cfg = load_config(folder / "config.json");
-  CausalLM m = detail::allocate(cfg, dtype, folder.string());
   detail::HfWeightFiles wf = detail::hf_weight_files(folder);
-  nn::detail::NamedTensorList named;
+  // Every file's header first (no tensor data is read): the tensors are checked against the
+  // config before the model is allocated.
+  std::vector<SafetensorsFile> files;
+  std::optional<Shape> embed;
+  double in_file = 0;
   for (const auto& file : wf.files) {
-    SafetensorsFile f(file);
-    const std::string shard = file.filename().string();
+    files.emplace_back(file);
+    for (const SafetensorsView& v : files.back().views()) {
+      in_file += static_cast<double>(v.numel());
+      if (v.name() == "model.embed_tokens.weight") embed = Shape(v.shape());
+    }
+  }
+  detail::check_weights_fit(cfg, embed, "model.embed_tokens.weight", in_file, "load_hf", folder.string(),
+                            "num_hidden_layers " + std::to_string(cfg.num_hidden_layers) + ", hidden_size " +
+                                std::to_string(cfg.hidden_size) + ", intermediate_size " +
+                                std::to_string(cfg.intermediate_size) + ", vocab_size " +
+                                std::to_string(cfg.vocab_size));
+  CausalLM m = detail::allocate(cfg, dtype, folder.string());
+  nn::detail::NamedTensorList named;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const SafetensorsFile& f = files[i];
+    const std::filesystem::path& file = wf.files[i];
     for (const SafetensorsView& v : f.views()) {
       if (!wf.weight_map.empty()) {
         auto it = wf.weight_map.find(v.name());
@@ -1996,16 +2035,14 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
   // have the metadata's shape. A model the tensors cannot fill is refused here when it is large
   // (over 2^24 weights); a smaller one reaches the strict load, which lists every missing tensor.
   const GgufTensorInfo* e = f.find_tensor("token_embd.weight");
-  if (e && e->ne != std::vector<std::int64_t>{cfg.hidden_size, cfg.vocab_size})
-    nn::detail::fail("gguf", f.path(), ": token_embd.weight is ", Shape(e->shape()).str(),
-                     " but the metadata describes (", cfg.vocab_size, ", ", cfg.hidden_size, ")");
   double in_file = 0;
   for (const GgufTensorInfo& t : f.tensors()) in_file += static_cast<double>(t.numel());
-  if (const double needs = cfg.matrix_parameters(); needs > in_file && needs > static_cast<double>(1 << 24))
-    nn::detail::fail("gguf", f.path(), ": the metadata describes at least ", needs, " weights (", cfg.model_type,
-                     ".block_count ", cfg.num_hidden_layers, ", embedding_length ", cfg.hidden_size,
-                     ", feed_forward_length ", cfg.intermediate_size, ", vocabulary ", cfg.vocab_size,
-                     ") but the file's tensors hold ", in_file);
+  detail::check_weights_fit(cfg, e ? std::optional<Shape>(Shape(e->shape())) : std::nullopt, "token_embd.weight",
+                            in_file, "gguf", f.path(),
+                            cfg.model_type + ".block_count " + std::to_string(cfg.num_hidden_layers) +
+                                ", embedding_length " + std::to_string(cfg.hidden_size) + ", feed_forward_length " +
+                                std::to_string(cfg.intermediate_size) + ", vocabulary " +
+                                std::to_string(cfg.vocab_size));
   CausalLM m = detail::allocate(cfg, dtype, f.path());
   nn::detail::NamedTensorList named;
   named.reserve(f.tensors().size());
@@ -5145,8 +5182,24 @@ class Tokenizer {
     id_to_token_.reserve(d.tokens.size());
     for (std::size_t i = 0; i < d.tokens.size(); ++i) {
       const auto id = static_cast<std::int32_t>(i);
-      const auto type = d.token_types.empty() ? TokenType::normal : static_cast<TokenType>(d.token_types[i]);
-      set_token(id, d.tokens[i]);
+      const std::string field = "tokenizer.ggml.tokens[" + std::to_string(i) + "]";
+      const std::string& tok = d.tokens[i];
+      // Byte-level tokens are printable code points, each standing for one byte: valid UTF-8.
+      for (std::size_t k = 0; k < tok.size();) {
+        const std::size_t at = k;
+        if (utf8_next(tok, k) == kInvalidByte)
+          fail(field, "not valid UTF-8 (byte " + std::to_string(static_cast<unsigned char>(tok[at])) + " at offset " +
+                          std::to_string(at) + ")");
+      }
+      if (auto it = token_to_id_.find(tok); it != token_to_id_.end())
+        fail(field, "token \"" + tok + "\" is already tokens[" + std::to_string(it->second) +
+                        "] (llama.cpp would map it to one id only)");
+      const std::int32_t raw_type = d.token_types.empty() ? 1 : d.token_types[i];
+      if (raw_type < 0 || raw_type > static_cast<std::int32_t>(TokenType::byte))
+        fail("tokenizer.ggml.token_type[" + std::to_string(i) + "]",
+             std::to_string(raw_type) + " is not a token type (0 undefined .. 6 byte)");
+      const auto type = static_cast<TokenType>(raw_type);
+      set_token(id, tok);
       if (type == TokenType::control || type == TokenType::user_defined) {
         // llama.cpp splits both out of the raw text; user-defined ones even without
         // parse_special, which is what special=false gives here.
@@ -6053,23 +6106,8 @@ struct Pretrained {
 /// The tokenizer a GGUF file carries (tokenizer.ggml.*), built by Tokenizer::from_gguf.
 inline Tokenizer gguf_tokenizer(const GgufFile& f) {
   GgufTokenizerMetadata m = f.tokenizer();
-  GgufTokenizerData d;
-  d.model = m.model;
-  d.pre = m.pre;
-  d.tokens = std::move(m.tokens);
-  d.merges = std::move(m.merges);
-  d.token_types = std::move(m.token_types);
-  auto id = [](const std::optional<std::int64_t>& v) -> std::optional<std::int32_t> {
-    if (!v) return std::nullopt;
-    return static_cast<std::int32_t>(*v);
-  };
-  d.bos_id = id(m.bos_id);
-  d.eos_id = id(m.eot_id ? m.eot_id : m.eos_id);  // chat models end a turn with EOT
-  d.pad_id = id(m.pad_id);
-  d.unk_id = id(m.unk_id);
-  d.add_bos = m.add_bos;
-  d.add_eos = m.add_eos;
-  return Tokenizer::from_gguf(d, f.path());
+  if (m.eot_id) m.eos_id = m.eot_id;  // chat models end a turn with EOT
+  return Tokenizer::from_gguf_metadata(m, f.path());  // ids range-checked at their 64-bit width
 }
 
 /// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)

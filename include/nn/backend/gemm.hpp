@@ -32,6 +32,7 @@
 
 #include "../tensor.hpp"
 #include "cpu_info.hpp"
+#include "threads.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -520,9 +521,8 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
   const index kcap = std::min<index>(S::KC, K);
   const index rows_per = ((M + threads - 1) / threads + MR - 1) / MR * MR;
   T* bbuf = static_cast<T*>(detail::gemm_workspace(static_cast<std::size_t>(nb * kcap) * sizeof(T), 1));
-#pragma omp parallel num_threads(threads)
-  {
-    const index t = omp_get_thread_num(), nt = omp_get_num_threads();
+  detail::team(threads, [&](int thread, int team_size) {
+    const index t = thread, nt = team_size;
     const index r0 = std::min(M, t * rows_per), r1 = std::min(M, r0 + rows_per), mine = r1 - r0;
     const index a_rows_n = std::max<index>((mine + MR - 1) / MR * MR, MR);
     const std::size_t a_bytes = (static_cast<std::size_t>(a_rows_n * kcap) * sizeof(T) + 63) / 64 * 64;
@@ -545,7 +545,7 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
 #pragma omp barrier
       }
     }
-  }
+  });
 }
 #endif
 
@@ -586,7 +586,7 @@ inline int team_threads(index M, index N, index K) {
 #if defined(_OPENMP)
   if (omp_in_parallel() || M <= 0 || N <= 0 || K <= 0) return 1;
   const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-  return std::max(1, static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+  return std::max(1, static_cast<int>(std::min<double>({static_cast<double>(detail::free_threads()), work / 262144.0,
                                                         static_cast<double>(std::max(M / 24, N / 64))})));
 #else
   (void)M, (void)N, (void)K;
@@ -598,18 +598,11 @@ inline int team_threads(index M, index N, index K) {
 /// how a short, wide product (too few rows to share out) is split, each thread packing its own.
 template <class F>
 void split_columns(int threads, index N, F&& part) {
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads)
-  {
-    const index nt = omp_get_num_threads(), t = omp_get_thread_num();
+  detail::team(threads, [&](int t, int nt) {
     const index per = ((N + nt - 1) / nt + 31) / 32 * 32;
     const index d0 = std::min(N, t * per), d1 = std::min(N, d0 + per);
     if (d0 < d1) part(d0, d1);
-  }
-#else
-  (void)threads;
-  part(index(0), N);
-#endif
+  });
 }
 
 /// The same, on a team of OpenMP threads (when not already inside a parallel region, and the
@@ -654,13 +647,15 @@ void gemm_batched(Isa isa, index batch, bool ta, bool tb, index M, index N, inde
   if (batch > 1 && team_threads(M, N, K) == 1 && !omp_in_parallel()) {
     const double work = static_cast<double>(batch) * static_cast<double>(M) * static_cast<double>(N) *
                         static_cast<double>(K);
-    threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()),
+    threads = static_cast<int>(std::min<double>({static_cast<double>(detail::free_threads()),
                                                  static_cast<double>(batch), std::max(1.0, work / 262144.0)}));
   }
   if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (index b = 0; b < batch; ++b)
-      gemm_serial<T>(isa, ta, tb, M, N, K, A + b * sa, lda, B + b * sb, ldb, C + b * sc, ldc, acc);
+    detail::team(threads, [&](int, int) {
+#pragma omp for schedule(static)
+      for (index b = 0; b < batch; ++b)
+        gemm_serial<T>(isa, ta, tb, M, N, K, A + b * sa, lda, B + b * sb, ldb, C + b * sc, ldc, acc);
+    });
     return;
   }
 #endif

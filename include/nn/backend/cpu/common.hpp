@@ -20,6 +20,7 @@
 
 #include "../math.hpp"
 #include "../policy.hpp"
+#include "../threads.hpp"
 
 namespace nn {
 namespace detail {
@@ -82,10 +83,12 @@ inline constexpr std::int64_t kParallelGrain = 1 << 15;
 template <class F>
 inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
 #if defined(_OPENMP)
-  if (wide && n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-    const std::int64_t share = uneven ? 1 : (n + omp_get_max_threads() - 1) / omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, share)
-    for (std::int64_t i = 0; i < n; ++i) f(i);
+  if (const int threads = wide && n > 1 ? free_threads() : 1; threads > 1) {
+    const std::int64_t share = uneven ? 1 : (n + threads - 1) / threads;
+    team(threads, [&](int, int) {
+#pragma omp for schedule(dynamic, share)
+      for (std::int64_t i = 0; i < n; ++i) f(i);
+    });
     return;
   }
 #else

@@ -79,22 +79,21 @@ void eigen_gemm(bool ta, bool tb, Eigen::Index M, Eigen::Index N, Eigen::Index K
   Eigen::Index threads = 1;
   if (!omp_in_parallel()) {
     const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-    threads = std::min<Eigen::Index>({static_cast<Eigen::Index>(Eigen::nbThreads()),
+    threads = std::min<Eigen::Index>({static_cast<Eigen::Index>(std::min(Eigen::nbThreads(), free_threads())),
                                       static_cast<Eigen::Index>(work / 50000.0), std::max(M, N) / 16});
   }
   if (threads > 1) {
     const bool by_rows = M >= N;
     const Eigen::Index D = by_rows ? M : N;
-#pragma omp parallel num_threads(static_cast<int>(threads))
-    {
-      const Eigen::Index nt = omp_get_num_threads(), t = omp_get_thread_num();
+    team(static_cast<int>(threads), [&](int thread, int team_size) {
+      const Eigen::Index nt = team_size, t = thread;
       const Eigen::Index per = ((D + nt - 1) / nt + 15) / 16 * 16;
       const Eigen::Index d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
       if (d0 < d1) {
         if (by_rows) block(d0, d1, 0, N);
         else block(0, M, d0, d1);
       }
-    }
+    });
     return;
   }
 #endif
@@ -379,23 +378,22 @@ struct MatmulKernels {
       int threads = 1;
       if (!omp_in_parallel()) {
         const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-        threads = static_cast<int>(std::min<double>({static_cast<double>(omp_get_max_threads()), work / 262144.0,
+        threads = static_cast<int>(std::min<double>({static_cast<double>(free_threads()), work / 262144.0,
                                                      static_cast<double>(std::max(M, N) / 16)}));
       }
       detail::BlasSerial serial;
       if (threads > 1) {
         const bool by_rows = M >= N;
         const std::int64_t D = by_rows ? M : N;
-#pragma omp parallel num_threads(threads)
-        {
-          const std::int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        team(threads, [&](int thread, int team_size) {
+          const std::int64_t nt = team_size, t = thread;
           const std::int64_t per = ((D + nt - 1) / nt + 15) / 16 * 16;
           const std::int64_t d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
           if (d0 < d1) {
             if (by_rows) detail::gemm_serial<T>(ta, tb, d1 - d0, N, K, A + (ta ? d0 : d0 * lda), lda, Bp, ldb, C + d0 * N, N, acc);
             else detail::gemm_serial<T>(ta, tb, M, d1 - d0, K, A, lda, Bp + (tb ? d0 * ldb : d0), ldb, C + d0, N, acc);
           }
-        }
+        });
         return;
       }
 #endif
