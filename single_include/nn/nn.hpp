@@ -4462,14 +4462,14 @@ struct MatmulKernels {
       int threads = 1;
       if (!omp_in_parallel()) {
         const double work = static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-        threads = static_cast<int>(std::min<double>({static_cast<double>(free_threads()), work / 262144.0,
+        threads = static_cast<int>(std::min<double>({static_cast<double>(detail::free_threads()), work / 262144.0,
                                                      static_cast<double>(std::max(M, N) / 16)}));
       }
       detail::BlasSerial serial;
       if (threads > 1) {
         const bool by_rows = M >= N;
         const std::int64_t D = by_rows ? M : N;
-        team(threads, [&](int thread, int team_size) {
+        detail::team(threads, [&](int thread, int team_size) {
           const std::int64_t nt = team_size, t = thread;
           const std::int64_t per = ((D + nt - 1) / nt + 15) / 16 * 16;
           const std::int64_t d0 = std::min(D, t * per), d1 = std::min(D, d0 + per);
