@@ -2260,7 +2260,8 @@ struct CpuInfo {
 namespace nn {
 namespace detail {
 
-/// The shared record of how late teams start, and the current cap on team size (one per process).
+/// The shared record of how long teams lose to the scheduler, and the current cap on team size
+/// (one per process).
 /// Times are steady-clock nanoseconds, passed in so that tests can drive it.
 class TeamLoad {
  public:
@@ -2400,8 +2401,9 @@ inline int free_threads() {
 }
 
 /// body(t, nt) on a team of up to `threads` OpenMP threads (thread t of nt; the body may hold
-/// `#pragma omp for` and `#pragma omp barrier`, which bind to this team), telling TeamLoad
-/// whether the scheduler took one of them off its core. `threads` comes from free_threads() or a size rule capped by it.
+/// `#pragma omp for` and `#pragma omp barrier`, which bind to this team), telling TeamLoad how
+/// long the scheduler kept one of them off its core. `threads` comes from free_threads() or a
+/// size rule capped by it.
 template <class F>
 void team(int threads, F&& body) {
 #if defined(_OPENMP)
