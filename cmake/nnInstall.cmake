@@ -8,13 +8,14 @@ include(CMakePackageConfigHelpers)
 # nlohmann_json's does.
 set(NN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_DATADIR}/cmake/nn CACHE STRING "Where nnConfig.cmake is installed")
 
-install(TARGETS nn EXPORT nnTargets)
+install(TARGETS nn nn_distributed EXPORT nnTargets)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/nn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT nnTargets NAMESPACE nn:: DESTINATION ${NN_INSTALL_CMAKEDIR})
 
 # nnConfig.cmake re-finds exactly the dependencies this build linked nn against.
 set(NN_CONFIG_USES_OPENMP ${OpenMP_CXX_FOUND})
 set(NN_CONFIG_USES_BLAS ${NN_USE_BLAS})
+set(NN_CONFIG_USES_MPI ${MPI_CXX_FOUND})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/nnConfig.cmake.in
   ${PROJECT_BINARY_DIR}/nnConfig.cmake
   INSTALL_DESTINATION ${NN_INSTALL_CMAKEDIR})

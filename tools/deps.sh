@@ -5,8 +5,10 @@
 set -euo pipefail
 
 # make: cmake only *recommends* it. dataset-fashion-mnist: the example's data (and its CTest run).
-# python3: tools/amalgamate --check and tools/check_readme run as tests.
-pkgs=(cmake make g++ libeigen3-dev nlohmann-json3-dev doctest-dev libopenblas-dev python3 dataset-fashion-mnist)
+# python3: tools/amalgamate --check and tools/check_readme run as tests. libopenmpi-dev +
+# openmpi-bin: nn::distributed's MPI and the mpirun data-parallel tests.
+pkgs=(cmake make g++ libeigen3-dev nlohmann-json3-dev doctest-dev libopenblas-dev python3 dataset-fashion-mnist
+      libopenmpi-dev openmpi-bin)
 
 missing=()
 for p in "${pkgs[@]}"; do

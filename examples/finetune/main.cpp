@@ -1,7 +1,11 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // finetune: LoRA-finetunes a Llama / Qwen2 / SmolLM model from Hugging Face or GGUF files on
-// JSONL data (mlx-lm's formats) and writes adapters that mlx-lm and PEFT load.
+// JSONL data (mlx-lm's formats) and writes adapters that mlx-lm and PEFT load. Under mpirun
+// (`mpirun -np 2 finetune ...`) it trains data-parallel: each global batch of --batch rows is
+// shared out strided over the ranks (rows r, r + N, ...; mlx-lm's rule), gradients are averaged
+// token-weighted (nn/distributed.hpp), and rank 0 alone prints, logs and writes files.
 #include <nn/nn.hpp>
+#include <nn/distributed.hpp>
 #include <nn/lm/pretrained.hpp>
 #include <nn/lm/gguf_export.hpp>
 
@@ -175,16 +179,28 @@ std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string&
   return tok.decode(generate_ids(m, tok, tok.encode(text), max_tokens), true);
 }
 
-/// Mean next-token loss over up to `batches` validation batches (token-weighted).
-double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int seq) {
+/// This rank's rows of a global batch: rank, rank + size, ... (mlx-lm's strided shard).
+std::vector<std::size_t> my_rows(std::span<const std::size_t> rows, const nn::distributed::Group& g) {
+  std::vector<std::size_t> mine;
+  for (std::size_t i = static_cast<std::size_t>(g.rank()); i < rows.size(); i += static_cast<std::size_t>(g.size()))
+    mine.push_back(rows[i]);
+  return mine;
+}
+
+/// Mean next-token loss over up to `batches` validation batches (token-weighted), each batch's
+/// rows shared out over the group and the sums added up.
+double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int seq,
+                const nn::distributed::Group& g) {
   if (data.empty()) return NAN;
   double sum = 0;
   std::int64_t count = 0;
   for (int b = 0; b < batches; ++b) {
-    std::vector<std::size_t> rows;
+    std::vector<std::size_t> all;
     for (int i = 0; i < batch && static_cast<std::size_t>(b * batch + i) < data.size(); ++i)
-      rows.push_back(static_cast<std::size_t>(b * batch + i));
-    if (rows.empty()) break;
+      all.push_back(static_cast<std::size_t>(b * batch + i));
+    if (all.empty()) break;
+    const std::vector<std::size_t> rows = my_rows(all, g);
+    if (rows.empty()) continue;
     Batch bt = make_batch(data, rows, seq + 1, seq, m.dtype());
     if (bt.tokens == 0) continue;
     GTape<cpu> tp;
@@ -193,7 +209,8 @@ double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches
     sum += tp.value(loss).item();
     count += bt.tokens;
   }
-  return count ? sum / static_cast<double>(count) : NAN;
+  const double total = g.sum(static_cast<double>(count));
+  return total > 0 ? g.sum(sum) / total : NAN;
 }
 
 Schedule make_schedule(const Args& a) {
@@ -204,6 +221,12 @@ Schedule make_schedule(const Args& a) {
 }
 
 int run(const Args& a) {
+  const nn::distributed::Group world = nn::distributed::init();  // size 1 without mpirun
+  const bool lead = world.rank() == 0;                           // prints, logs and writes files
+  if (!lead) std::freopen("/dev/null", "w", stdout);             // errors still reach stderr
+  if (a.batch % world.size() != 0)
+    nn::detail::fail("finetune", "--batch ", a.batch, " (the global batch) must be a multiple of the ", world.size(),
+                     " ranks");
 #if defined(_OPENMP)
   if (a.threads > 0) omp_set_num_threads(a.threads);
 #endif
@@ -212,6 +235,8 @@ int run(const Args& a) {
 #endif
   random::seed(a.seed);
   std::printf("%s\n", nn::cpu_info().line().c_str());
+  if (world.size() > 1) std::printf("data parallel: %d ranks, %d rows each per global batch of %d\n", world.size(),
+                                    a.batch / world.size(), a.batch);
   std::printf("loading %s\n", a.model.c_str());
   Pretrained pt = load_pretrained(a.model, DType::f32, !a.dequantize);
   CausalLM& model = pt.model;
@@ -238,7 +263,7 @@ int run(const Args& a) {
   const bool chat = !data.train.empty() && data.train.front().offset > 0;
   const std::string prompt = a.prompt.empty() ? "" : chat ? ChatML{}.render({{"user", a.prompt}}, true) : a.prompt;
 
-  const std::string before = generate(model, tok, prompt, a.max_tokens);
+  const std::string before = lead ? generate(model, tok, prompt, a.max_tokens) : std::string();
 
   model.freeze();
   const int converted = apply_lora(model, a.lora);
@@ -252,9 +277,15 @@ int run(const Args& a) {
                 cpu_info().bf16.c_str());
   }
 
+  // Every rank starts from rank 0's trainable weights (the LoRA matrices; the frozen base came
+  // from the same file everywhere), after checking that all ranks built the same tree. Then each
+  // rank draws its own dropout masks: nn::random seeded with --seed + rank.
+  nn::distributed::broadcast_parameters(model, world, 0, /*trainable_only=*/true);
+  if (world.size() > 1) nn::distributed::seed(world, a.seed);
+
   Adam opt(make_schedule(a));
   opt.init(model);
-  fs::create_directories(a.adapter_path);
+  if (lead) fs::create_directories(a.adapter_path);
   const fs::path ckpt = fs::path(a.adapter_path) / "checkpoint.safetensors";
   BatchOrder order(data.train, static_cast<std::size_t>(a.batch), a.seed);
   if (a.resume) {
@@ -273,16 +304,19 @@ int run(const Args& a) {
     return cross_entropy(tp, m.logits(tp, ids), targets, mask, Reduction::mean);
   };
   auto step = compile<3>(model, opt, loss_fn);
+  nn::distributed::GradientAverager avg(world);  // token-weighted: each rank's weight is its real targets
+  if (world.size() > 1) step.reduce_gradients(avg);
   auto save_all = [&]() {
+    if (!lead) return;
     save_mlx_adapters(a.adapter_path, model, a.lora);
     if (a.peft) save_peft_adapters(fs::path(a.adapter_path) / "peft", model, a.lora, a.model);
     save(ckpt, model, opt);
   };
 
-  finetune::Progress progress(a.iters, (fs::path(a.adapter_path) / "metrics.jsonl").string());
+  finetune::Progress progress(a.iters, lead ? (fs::path(a.adapter_path) / "metrics.jsonl").string() : std::string());
   finetune::Series train_curve, val_curve;
   if (!a.resume) {
-    const double v0 = evaluate(model, data.valid, a.val_batches, a.batch, a.seq);
+    const double v0 = evaluate(model, data.valid, a.val_batches, a.batch, a.seq, world);
     if (!std::isnan(v0)) {
       progress.validation(0, v0);
       val_curve.emplace_back(0, v0);
@@ -291,18 +325,23 @@ int run(const Args& a) {
   for (int it = static_cast<int>(opt.step()) + 1; it <= a.iters; ++it) {
     double loss = 0;
     std::int64_t tokens = 0;
+    // The loss logged is the global batch's (token-weighted over the ranks); tokens count every rank's.
     if (a.grad_accum == 1) {
-      Batch b = make_batch(data.train, order.next(), a.seq + 1, a.seq, model.dtype());
-      loss = step(b.inputs, b.targets, b.mask).item();
+      Batch b = make_batch(data.train, my_rows(order.next(), world), a.seq + 1, a.seq, model.dtype());
+      avg.set_weight(static_cast<double>(b.tokens));
+      loss = nn::distributed::weighted_mean(world, step(b.inputs, b.targets, b.mask).item(), static_cast<double>(b.tokens));
       tokens = b.inputs.numel();
     } else {  // several micro-batches per update: eager gradients, summed, then one update
       std::optional<CausalLM> sum;
       for (int k = 0; k < a.grad_accum; ++k) {
-        Batch b = make_batch(data.train, order.next(), a.seq + 1, a.seq, model.dtype());
+        Batch b = make_batch(data.train, my_rows(order.next(), world), a.seq + 1, a.seq, model.dtype());
         auto [l, g] = value_and_grad(model, [&](GTape<cpu>& tp, const CausalLM& m) {
           return loss_fn(tp, m, tp.constant(b.inputs), tp.constant(b.targets), tp.constant(b.mask));
         });
-        loss += l.item() / a.grad_accum;
+        // each micro-batch's gradient is the global micro-batch's, as one process computes it
+        avg.set_weight(static_cast<double>(b.tokens));
+        if (world.size() > 1) avg.average(g);
+        loss += nn::distributed::weighted_mean(world, l.item(), static_cast<double>(b.tokens)) / a.grad_accum;
         tokens += b.inputs.numel();
         if (!sum) sum = std::move(g);
         else nn::tree_add(*sum, g);
@@ -310,10 +349,11 @@ int run(const Args& a) {
       nn::tree_scale(*sum, 1.0 / a.grad_accum);
       opt.update(model, *sum);
     }
+    tokens = static_cast<std::int64_t>(world.sum(static_cast<double>(tokens)));
     train_curve.emplace_back(it, loss);
     progress.step(it, loss, opt.learning_rate(), tokens, std::max(1, a.iters / 20));
     if (a.val_every > 0 && (it % a.val_every == 0 || it == a.iters)) {
-      const double v = evaluate(model, data.valid, a.val_batches, a.batch, a.seq);
+      const double v = evaluate(model, data.valid, a.val_batches, a.batch, a.seq, world);
       if (!std::isnan(v)) {
         progress.validation(it, v);
         val_curve.emplace_back(it, v);
@@ -322,6 +362,7 @@ int run(const Args& a) {
     if (a.save_every > 0 && it % a.save_every == 0) save_all();
   }
   save_all();
+  if (!lead) return 0;  // the rest (curve, samples, exports) is rank 0's
   const fs::path svg = fs::path(a.adapter_path) / "loss.svg";
   finetune::write_loss_svg(svg.string(), train_curve, val_curve);
   std::printf("adapters: %s (mlx-lm)%s; loss curve: %s; %.1f s\n", a.adapter_path.c_str(),

