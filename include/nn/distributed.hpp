@@ -20,7 +20,10 @@
 // MPI only where this header is included: a target that links nn::distributed (CMake) is built
 // with NN_WITH_MPI and MPI::MPI_CXX. Without NN_WITH_MPI every group is a single process (size
 // 1, every collective the identity), so the same program builds and runs without MPI.
-// Collectives run on host tensors, from the thread that called init() (MPI_THREAD_FUNNELED).
+// Collectives run from the thread that called init() (MPI_THREAD_FUNNELED): host tensors through
+// MPI; device tensors (nn::cuda) through NCCL where the program is built with NN_WITH_NCCL
+// (nvcc, -lnccl), on a communicator of the group's ranks made at the first device collective
+// (each rank uses the GPU current when it makes it: cudaSetDevice(local rank) first).
 #pragma once
 
 #include <algorithm>
@@ -49,6 +52,12 @@
 #endif
 #include <mpi.h>
 #endif
+#if defined(NN_WITH_NCCL)
+// Device tensors (nn::cuda) are reduced by NCCL on the group's ranks; its unique id travels by the
+// group's own broadcast (MPI, or nothing for one process), as llm.c does.
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
 
 namespace nn::distributed {
 
@@ -72,9 +81,48 @@ inline std::string describe(const Tensor& t) {
   return std::string(dtype_name(t.dtype())) + " " + t.shape().str();
 }
 
+inline bool on_device(const Tensor& t) { return t.defined() && t.device() != Device::cpu; }
+
+#if defined(NN_WITH_NCCL)
+inline void nccl_check(ncclResult_t rc, const char* op) {
+  if (rc != ncclSuccess) fail(op, "NCCL error ", static_cast<int>(rc), ": ", ncclGetErrorString(rc));
+}
+inline void cuda_check(cudaError_t rc, const char* op) {
+  if (rc != cudaSuccess) fail(op, "CUDA error: ", cudaGetErrorString(rc));
+}
+inline ncclDataType_t nccl_type(DType dt, const char* op) {
+  switch (dt) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::u32: return ncclUint32;
+    case DType::u8: return ncclUint8;
+  }
+  fail(op, "no NCCL type for ", dtype_name(dt));
+}
+/// A group's NCCL communicator, made at its first device collective and shared by its copies.
+struct NcclComm {
+  ncclComm_t comm = nullptr;
+  NcclComm() = default;
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+  ~NcclComm() {
+    if (comm) ncclCommDestroy(comm);
+  }
+};
+#endif
+
 inline void require_host(const Tensor& t, const char* op) {
-  if (t.defined() && t.device() != Device::cpu)
-    fail(op, "the tensor lives on device '", t.device(), "'; MPI collectives take host tensors (NCCL for device tensors is not built yet)");
+#if defined(NN_WITH_NCCL)
+  (void)t, (void)op;  // device tensors go to NCCL
+#else
+  if (on_device(t))
+    fail(op, "the tensor lives on device '", t.device(),
+         "'; build with NN_WITH_NCCL (nvcc, -lnccl) to reduce device tensors, or copy it to the host");
+#endif
 }
 }  // namespace detail
 
@@ -107,6 +155,7 @@ class Group {
   /// bf16/f16 are summed in float32 and rounded once, as MPI has no half-precision sum.
   void all_sum(Tensor& t) const {
     detail::require_host(t, "all_sum");
+    if (detail::on_device(t)) return device_all_sum(t);
     if (size_ == 1 || !t.defined()) return;
     agree(detail::describe(t), "all_sum");
     sum_in_place(t.raw(), static_cast<std::size_t>(t.numel()), t.dtype(), "all_sum");
@@ -115,7 +164,7 @@ class Group {
   /// The tensors of every rank stacked along a new leading axis: (size, ...t's shape). Every rank
   /// passes the same dtype and shape.
   Tensor all_gather(const Tensor& t) const {
-    detail::require_host(t, "all_gather");
+    if (detail::on_device(t)) detail::fail("all_gather", "takes host tensors (a device tensor: copy it to the host)");
     std::vector<std::int64_t> dims{size_};
     for (std::int64_t d : t.shape()) dims.push_back(d);
     Tensor out = Tensor::empty(Shape(dims), t.dtype());
@@ -135,8 +184,9 @@ class Group {
   /// t = root's t on every rank, in place. Every rank passes the same dtype and shape.
   void broadcast(Tensor& t, int root = 0) const {
     detail::require_host(t, "broadcast");
-    if (size_ == 1 || !t.defined()) return;
     if (root < 0 || root >= size_) detail::fail("broadcast", "root ", root, " is not a rank of this group of ", size_);
+    if (detail::on_device(t)) return device_broadcast(t, root);
+    if (size_ == 1 || !t.defined()) return;
     agree(detail::describe(t), "broadcast");
 #if defined(NN_WITH_MPI)
     bytes_in_chunks(t.raw(), t.nbytes(), [&](void* p, int n) {
@@ -239,6 +289,54 @@ class Group {
 #endif
   }
 
+  /// Device tensors (NCCL): t = sum over ranks in place, and root's t everywhere. Every rank
+  /// passes the same dtype and shape (checked on the host first). NCCL is used at every group
+  /// size, one rank included, so a 1-rank run exercises the same path.
+  void device_all_sum(Tensor& t) const {
+    agree(detail::describe(t), "all_sum");
+#if defined(NN_WITH_NCCL)
+    device_sync("all_sum");
+    detail::nccl_check(ncclAllReduce(t.raw(), t.raw(), static_cast<std::size_t>(t.numel()),
+                                     detail::nccl_type(t.dtype(), "all_sum"), ncclSum, nccl("all_sum"), nullptr),
+                       "all_sum");
+    device_sync("all_sum");
+#else
+    if (size_ > 1) detail::fail("all_sum", "device tensors need NN_WITH_NCCL");
+#endif
+  }
+  void device_broadcast(Tensor& t, int root) const {
+    agree(detail::describe(t), "broadcast");
+#if defined(NN_WITH_NCCL)
+    device_sync("broadcast");
+    detail::nccl_check(ncclBroadcast(t.raw(), t.raw(), static_cast<std::size_t>(t.numel()),
+                                     detail::nccl_type(t.dtype(), "broadcast"), root, nccl("broadcast"), nullptr),
+                       "broadcast");
+    device_sync("broadcast");
+#else
+    (void)root;
+    if (size_ > 1) detail::fail("broadcast", "device tensors need NN_WITH_NCCL");
+#endif
+  }
+
+#if defined(NN_WITH_NCCL)
+  /// The group's NCCL communicator: made on first use (rank 0's unique id broadcast to the
+  /// others), on the GPU current on each rank at that moment.
+  ncclComm_t nccl(const char* op) const {
+    if (!nccl_->comm) {
+      ncclUniqueId id{};
+      if (rank_ == 0) detail::nccl_check(ncclGetUniqueId(&id), op);
+#if defined(NN_WITH_MPI)
+      if (comm_) check(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, *comm_), op);
+#endif
+      detail::nccl_check(ncclCommInitRank(&nccl_->comm, size_, id, rank_), op);
+    }
+    return nccl_->comm;
+  }
+  // Kernels queued on any stream (nn::cuda's own included) finish before NCCL reads, and NCCL's
+  // result is complete before the caller goes on.
+  static void device_sync(const char* op) { detail::cuda_check(cudaDeviceSynchronize(), op); }
+#endif
+
 #if defined(NN_WITH_MPI)
   /// The group of an existing communicator (not freed by nn). Errors on it return codes, which
   /// nn turns into nn::Error.
@@ -292,6 +390,9 @@ class Group {
  private:
 #endif
   int rank_ = 0, size_ = 1;
+#if defined(NN_WITH_NCCL)
+  std::shared_ptr<detail::NcclComm> nccl_ = std::make_shared<detail::NcclComm>();
+#endif
 
   friend Group init();
 };
@@ -409,7 +510,13 @@ class GradientAverager {
 
   void reduce(std::span<const GradBuffer> slots) {
     for (const GradBuffer& s : slots) detail::require_host(*s.grad, "average_gradients");
-    if (!same_layout(slots)) plan(slots);
+    const bool device = !slots.empty() && detail::on_device(*slots.front().grad);
+    for (const GradBuffer& s : slots)
+      if (detail::on_device(*s.grad) != device)
+        nn::detail::fail("average_gradients", "'", s.path, "' is on ", s.grad->device(), " but '", slots.front().path,
+                         "' on ", slots.front().grad->device(), ": one reduction takes one device's gradients");
+    if (!same_layout(slots)) plan(slots, device);
+    if (device) return reduce_device(slots);
     if (g_.size() == 1) {
       total_ = weight_;
       return;
@@ -445,6 +552,42 @@ class GradientAverager {
     }
   }
 
+  // Device gradients: one NCCL allreduce per leaf, grouped into one launch, each with NCCL's
+  // pre-multiplied sum (sum_r f_r x_r, f_r = w_r / sum w) -- no packing, no scratch buffer. Runs
+  // at one rank too (f = 1), so a 1-rank NCCL group must equal no group bit for bit.
+  void reduce_device(std::span<const GradBuffer> slots) {
+    g_.agree(layout_, "average_gradients", fingerprint_);
+    total_ = g_.sum(weight_);
+    if (total_ == 0) nn::detail::fail("average_gradients", "the ranks' weights sum to 0 (no rank had a real token)");
+#if defined(NN_WITH_NCCL)
+    const char* op = "average_gradients";
+    ncclComm_t comm = g_.nccl(op);
+    const double f64 = weight_ / total_;
+    const float f32 = static_cast<float>(f64);
+    ncclRedOp_t sum32, sum64;
+    detail::nccl_check(ncclRedOpCreatePreMulSum(&sum32, const_cast<float*>(&f32), ncclFloat32, ncclScalarHostImmediate, comm), op);
+    detail::nccl_check(ncclRedOpCreatePreMulSum(&sum64, const_cast<double*>(&f64), ncclFloat64, ncclScalarHostImmediate, comm), op);
+    Group::device_sync(op);
+    detail::nccl_check(ncclGroupStart(), op);
+    for (const GradBuffer& s : slots) {
+      Tensor& t = *s.grad;
+      if (t.dtype() != DType::f32 && t.dtype() != DType::f64)
+        nn::detail::fail(op, "'", s.path, "': gradients of dtype ", dtype_name(t.dtype()), " are not averaged (f32 and f64 are)");
+      const bool single = t.dtype() == DType::f32;
+      detail::nccl_check(ncclAllReduce(t.raw(), t.raw(), static_cast<std::size_t>(t.numel()), single ? ncclFloat32 : ncclFloat64,
+                                       single ? sum32 : sum64, comm, nullptr),
+                         op);
+    }
+    detail::nccl_check(ncclGroupEnd(), op);
+    Group::device_sync(op);
+    ncclRedOpDestroy(sum32, comm);
+    ncclRedOpDestroy(sum64, comm);
+#else
+    (void)slots;
+    if (g_.size() > 1) nn::detail::fail("average_gradients", "device gradients need NN_WITH_NCCL");
+#endif
+  }
+
   // x *= f; f == 0 (a rank without real tokens) writes zeros, so its 0/0 NaNs do not spread.
   static void scale(void* p, std::size_t n, DType dt, double f) {
     if (f == 1.0) return;
@@ -473,7 +616,7 @@ class GradientAverager {
 
   // The buckets for this layout, and its fingerprint (paths, dtypes and shapes; the pointers are
   // this process's own and stay out of it). A mismatch names the first differing path.
-  void plan(std::span<const GradBuffer> slots) {
+  void plan(std::span<const GradBuffer> slots, bool device) {
     seen_.clear();
     plan_.clear();
     std::string layout;
@@ -496,7 +639,7 @@ class GradientAverager {
     }
     fingerprint_ = detail::fnv1a(layout);
     layout_ = std::move(layout);
-    buffer_.assign(largest, 0);
+    buffer_.assign(device ? 0 : largest, 0);  // device gradients are reduced where they lie
   }
 
   Group g_;

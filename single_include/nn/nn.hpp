@@ -2426,6 +2426,8 @@ void team(int threads, F&& body) {
     TeamLoad::get().observe(size, std::min(waited.load(std::memory_order_relaxed), t1 - t0), t1);
     return;
   }
+#else
+  (void)threads;  // without OpenMP every team is the calling thread
 #endif
   body(0, 1);
 }

@@ -54,6 +54,16 @@ flags=(-std=c++20 -O2 $gencode --threads 2 --expt-relaxed-constexpr --diag-suppr
        -Xcompiler=-fopenmp,-Wall,-Wextra,-Wno-unknown-pragmas
        -I"$root/include" -I"$root/tests" -I"$EIGEN_INCLUDE" -I"$JSON_INCLUDE" -I"$DOCTEST_INCLUDE"
        "-DNN_FIXTURES_DIR=\"$root/tests/fixtures\"")
+# NCCL (nn::distributed's device collectives) where the toolkit has it: the 1-rank NCCL checks.
+nvcc_dir=$(dirname "$(command -v "$NVCC")")/..
+libs=(-lcublas)
+if [ -f "$nvcc_dir/include/nccl.h" ] || [ -f /usr/include/nccl.h ] || [ -f /usr/local/include/nccl.h ]; then
+  flags+=(-DNN_WITH_NCCL)
+  libs+=(-lnccl)
+  echo "== NCCL found: the distributed checks run through it"
+else
+  echo "== no nccl.h: the distributed checks run without NCCL (identity at one rank)"
+fi
 srcs=("$root/tests/cuda/cuda_main.cu" "$root"/tests/cuda/*.test.cu)
 pids=()
 for s in "${srcs[@]}"; do
@@ -64,7 +74,7 @@ done
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
 [ $ok = 1 ] || die "build failed"
-"$NVCC" $gencode -o "$build/test_cuda" "$build"/*.o -lcublas -Xcompiler=-fopenmp > "$build/link.log" 2>&1 \
+"$NVCC" $gencode -o "$build/test_cuda" "$build"/*.o "${libs[@]}" -Xcompiler=-fopenmp > "$build/link.log" 2>&1 \
   || { cat "$build/link.log"; die "link failed"; }
 t1=$(date +%s)
 echo "== built test_cuda in $((t1 - t0)) s"
