@@ -122,13 +122,13 @@ struct NcclComm {
 };
 #endif
 
-inline void require_host(const Tensor& t, const char* op) {
-#if defined(NN_WITH_NCCL)
-  (void)t, (void)op;  // device tensors go to NCCL
+/// Without NCCL a device tensor can only be "reduced" over one rank (the identity).
+inline void require_nccl(int group_size, const char* op) {
+#if !defined(NN_WITH_NCCL)
+  if (group_size > 1)
+    fail(op, "device tensors over ", group_size, " ranks need NCCL: build with NN_WITH_NCCL (nvcc, -lnccl), or copy them to the host");
 #else
-  if (on_device(t))
-    fail(op, "the tensor lives on device '", t.device(),
-         "'; build with NN_WITH_NCCL (nvcc, -lnccl) to reduce device tensors, or copy it to the host");
+  (void)group_size, (void)op;
 #endif
 }
 }  // namespace detail
@@ -161,7 +161,6 @@ class Group {
   /// dtype and element count (checked: a mismatch is an nn::Error on every rank, not a hang).
   /// bf16/f16 are summed in float32 and rounded once, as MPI has no half-precision sum.
   void all_sum(Tensor& t) const {
-    detail::require_host(t, "all_sum");
     if (detail::on_device(t)) return device_all_sum(t);
     if (size_ == 1 || !t.defined()) return;
     agree(detail::describe(t), "all_sum");
@@ -190,7 +189,6 @@ class Group {
 
   /// t = root's t on every rank, in place. Every rank passes the same dtype and shape.
   void broadcast(Tensor& t, int root = 0) const {
-    detail::require_host(t, "broadcast");
     if (root < 0 || root >= size_) detail::fail("broadcast", "root ", root, " is not a rank of this group of ", size_);
     if (detail::on_device(t)) return device_broadcast(t, root);
     if (size_ == 1 || !t.defined()) return;
@@ -308,7 +306,7 @@ class Group {
                        "all_sum");
     device_sync("all_sum");
 #else
-    if (size_ > 1) detail::fail("all_sum", "device tensors need NN_WITH_NCCL");
+    detail::require_nccl(size_, "all_sum");
 #endif
   }
   void device_broadcast(Tensor& t, int root) const {
@@ -321,7 +319,7 @@ class Group {
     device_sync("broadcast");
 #else
     (void)root;
-    if (size_ > 1) detail::fail("broadcast", "device tensors need NN_WITH_NCCL");
+    detail::require_nccl(size_, "broadcast");
 #endif
   }
 
@@ -516,7 +514,6 @@ class GradientAverager {
   };
 
   void reduce(std::span<const GradBuffer> slots) {
-    for (const GradBuffer& s : slots) detail::require_host(*s.grad, "average_gradients");
     const bool device = !slots.empty() && detail::on_device(*slots.front().grad);
     for (const GradBuffer& s : slots)
       if (detail::on_device(*s.grad) != device)
@@ -591,7 +588,7 @@ class GradientAverager {
     ncclRedOpDestroy(sum64, comm);
 #else
     (void)slots;
-    if (g_.size() > 1) nn::detail::fail("average_gradients", "device gradients need NN_WITH_NCCL");
+    detail::require_nccl(g_.size(), "average_gradients");
 #endif
   }
 
