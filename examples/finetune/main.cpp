@@ -60,7 +60,7 @@ const char* kUsage =
     "                        llama.cpp (the metadata and tokenizer of the .gguf or Hugging Face --model carry over)\n"
     "  --outtype f16         the GGUF's types: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m (llama-quantize's mixtures), same\n"
     "  --export-adapter OUT.gguf  the LoRA as a llama.cpp GGUF adapter (llama-cli --lora OUT.gguf)\n"
-    "  --dequantize          a quantized GGUF base (Q4_0..Q8_0, Q2_K..Q6_K) in float32 (by default it stays quantized: QLoRA)\n"
+    "  --dequantize          a quantized base (GGUF Q4_0..Q8_0, Q2_K..Q6_K; an mlx-lm -q folder) in float32 (by default it stays quantized: QLoRA)\n"
     "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
     "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
     "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
@@ -253,7 +253,7 @@ int run(const Args& a) {
     model.map_modules<QuantizedLinear>([](const std::string&) { return true; }, count);
     model.map_modules<QuantizedEmbedding>([](const std::string&) { return true; }, count);
     if (quantized > 0)
-      std::printf("base: %d matrices kept quantized (GGUF blocks as affine groups; --dequantize for float32)\n",
+      std::printf("base: %d matrices kept quantized (GGUF blocks as affine groups, or mlx-lm's; --dequantize for float32)\n",
                   quantized);
   }
 

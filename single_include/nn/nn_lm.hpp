@@ -1786,6 +1786,100 @@ inline void check_weights_fit(const ModelConfig& cfg, const std::optional<Shape>
                      ") but the file's tensors hold ", in_file);
 }
 
+/// mlx-lm's "quantization" block of config.json (mlx_lm.convert -q writes it, and a copy as
+/// "quantization_config"): the default format, and the per-layer entries a mixed recipe writes
+/// ("model.layers.1.mlp.down_proj": {"group_size": 32, "bits": 6, "mode": "affine"}, or false
+/// for a layer left in full precision).
+struct MlxQuantization {
+  bool present = false;
+  std::map<std::string, std::optional<Quant>> layers;  // nullopt: the layer is not quantized
+};
+
+/// One {"group_size", "bits", "mode"} object as a Quant; `where` names it in errors.
+inline Quant mlx_quant_from_json(const nlohmann::json& j, const std::string& where) {
+  auto num = [&](const char* k) -> int {
+    const auto it = j.find(k);
+    if (it == j.end() || !it->is_number_integer())
+      nn::detail::fail("load_hf", where, ": \"", k, "\" must be an integer, got ", it == j.end() ? "nothing" : it->dump());
+    return it->get<int>();
+  };
+  const std::string mode = j.contains("mode") ? (j["mode"].is_string() ? j["mode"].get<std::string>() : j["mode"].dump()) : "affine";
+  Quant q;
+  if (mode == "affine") q = Quant::affine(num("group_size"), num("bits"));
+  else if (mode == "mxfp4") q = Quant::mxfp4();
+  else
+    nn::detail::fail("load_hf", where, ": quantization mode \"", mode,
+                     "\" is not supported (nn reads MLX's affine and mxfp4 formats)");
+  if (q.mode == QuantMode::mxfp4 && ((j.contains("group_size") && num("group_size") != 32) || (j.contains("bits") && num("bits") != 4)))
+    nn::detail::fail("load_hf", where, ": mxfp4 needs group_size 32 and bits 4, got ", j.dump());
+  try {
+    nn::detail::check_quant(q, "load_hf");
+  } catch (const Error&) {
+    nn::detail::fail("load_hf", where, ": group_size ", q.group, " with ", q.bits,
+                     " bits is not a format MLX defines (affine: groups 32, 64, 128; bits 2, 3, 4, 5, 6, 8)");
+  }
+  return q;
+}
+
+/// Reads config.json's quantization. A Hugging Face "quantization_config" of another method
+/// (GPTQ, AWQ, bitsandbytes, fp8: "quant_method") is refused by name: nn reads mlx-lm's format.
+inline MlxQuantization mlx_quantization(const nlohmann::json& cfg, const std::string& file) {
+  MlxQuantization out;
+  const nlohmann::json* q = nullptr;
+  if (cfg.contains("quantization")) q = &cfg["quantization"];
+  else if (cfg.contains("quantization_config")) {
+    const nlohmann::json& hf = cfg["quantization_config"];
+    if (hf.is_object() && hf.contains("quant_method"))
+      nn::detail::fail("load_hf", file, ": quantization_config.quant_method ", hf["quant_method"].dump(),
+                       " is not supported: nn loads mlx-lm's quantized folders (\"quantization\": group_size, bits, "
+                       "mode) and GGUF files; dequantize the checkpoint, or convert it with mlx_lm.convert -q");
+    q = &hf;
+  }
+  if (!q || q->is_null()) return out;
+  if (!q->is_object()) nn::detail::fail("load_hf", file, ": \"quantization\" must be an object, got ", q->dump());
+  out.present = true;
+  for (auto it = q->begin(); it != q->end(); ++it) {
+    if (it.key() == "group_size" || it.key() == "bits" || it.key() == "mode") continue;
+    const std::string where = file + ": quantization[\"" + it.key() + "\"]";
+    if (it->is_boolean()) {
+      if (it->get<bool>()) nn::detail::fail("load_hf", where, ": true names no format (mlx-lm writes an object or false)");
+      out.layers.emplace(it.key(), std::nullopt);
+    } else if (it->is_object()) {
+      out.layers.emplace(it.key(), mlx_quant_from_json(*it, where));
+    } else {
+      nn::detail::fail("load_hf", where, ": must be an object {group_size, bits, mode} or false, got ", it->dump());
+    }
+  }
+  return out;
+}
+
+/// The format of the layer at `path` whose in_features is `in`: its config entry, else (as
+/// mlx-lm's load_model does) the group and bits the stored shapes imply, affine unless the scales
+/// are u8 (mxfp4 then; mxfp8 and nvfp4 are refused by name).
+inline Quant mlx_layer_quant(const MlxQuantization& mq, const std::string& path, std::int64_t in,
+                             const SafetensorsView& w, const SafetensorsView& scales) {
+  const std::string where = scales.file() + ": \"" + path + "\"";
+  if (!mq.present)
+    nn::detail::fail("load_hf", where, ".scales is stored but config.json has no \"quantization\" block (mlx-lm would "
+                     "not quantize this layer either)");
+  if (auto it = mq.layers.find(path); it != mq.layers.end()) {
+    if (!it->second)
+      nn::detail::fail("load_hf", where, ": config.json's quantization marks it false (full precision), but the file stores ",
+                       path, ".scales");
+    return *it->second;
+  }
+  if (w.shape().size() != 2 || scales.shape().size() != 2 || scales.shape()[1] <= 0 || in % scales.shape()[1] != 0 ||
+      w.shape()[1] * 32 % in != 0)
+    nn::detail::fail("load_hf", where, ": cannot infer a format from weight ", Shape(w.shape()).str(), " and scales ",
+                     Shape(scales.shape()).str(), " for ", in, " input features");
+  const int group = static_cast<int>(in / scales.shape()[1]), bits = static_cast<int>(w.shape()[1] * 32 / in);
+  if (scales.dtype() != SafetensorsDtype::U8) return Quant::affine(group, bits);
+  if (bits == 4 && group == 32) return Quant::mxfp4();
+  nn::detail::fail("load_hf", where, ": u8 scales with group ", group, " and ", bits, " bits (",
+                   bits == 8 ? "mxfp8" : bits == 4 && group == 16 ? "nvfp4" : "an unknown mode",
+                   ") is a format nn does not support (affine and mxfp4)");
+}
+
 }  // namespace detail
 
 /// Loads a Hugging Face checkpoint folder (config.json plus model.safetensors or a sharded
@@ -1794,21 +1888,43 @@ inline void check_weights_fit(const ModelConfig& cfg, const std::optional<Shape>
 /// a weight it needs that is absent, or a shape that differs raises nn::Error listing every
 /// such name, and no model is returned. As transformers does, rotary_emb.inv_freq buffers and a
 /// stored lm_head.weight of a tied model are skipped.
+///
+/// An mlx-lm quantized folder (mlx_lm.convert -q: config.json's "quantization", per-layer
+/// overrides included) loads quantized, as mlx_lm.load does: every Linear / Embedding whose
+/// `<path>.scales` is stored becomes a QuantizedLinear / QuantizedEmbedding holding the stored
+/// codes, scales and biases as they are (no float copy of the matrix; scales keep their dtype,
+/// and widen to f64 for an f64 model). Its format is the layer's config entry, else the one the
+/// shapes imply. dequantize_layers(model) turns them back into float layers.
 inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType::f32) {
-  const ModelConfig cfg = load_config(folder / "config.json");
+  const std::filesystem::path config_file = folder / "config.json";
+  const ModelConfig cfg = load_config(config_file);
+  const detail::MlxQuantization mq =
+      detail::mlx_quantization(detail::read_json_file(config_file, "load_hf"), config_file.string());
   detail::HfWeightFiles wf = detail::hf_weight_files(folder);
   // Every file's header first (no tensor data is read): the tensors are checked against the
   // config before the model is allocated.
   std::vector<SafetensorsFile> files;
-  std::optional<Shape> embed;
-  double in_file = 0;
+  std::map<std::string, SafetensorsView> scales;  // quantized layer path -> its stored scales
   for (const auto& file : wf.files) {
     files.emplace_back(file);
-    for (const SafetensorsView& v : files.back().views()) {
-      in_file += static_cast<double>(v.numel());
-      if (v.name() == "model.embed_tokens.weight") embed = Shape(v.shape());
-    }
+    for (const SafetensorsView& v : files.back().views())
+      if (v.name().ends_with(".scales")) scales.emplace(v.name().substr(0, v.name().size() - 7), v);
   }
+  auto quantized_part = [&](const std::string& name) {  // "<layer>.{weight,scales,biases}" of a quantized layer
+    const std::size_t dot = name.rfind('.');
+    if (dot == std::string::npos) return false;
+    const std::string leaf = name.substr(dot + 1);
+    return (leaf == "weight" || leaf == "scales" || leaf == "biases") && scales.count(name.substr(0, dot)) > 0;
+  };
+  std::optional<Shape> embed;
+  double in_file = 0;
+  for (const SafetensorsFile& f : files)
+    for (const SafetensorsView& v : f.views()) {
+      // A u32 word holds up to 16 codes (2 bits): the bound on what a quantized matrix can hold.
+      const bool codes = quantized_part(v.name()) && v.dtype() == SafetensorsDtype::U32;
+      in_file += static_cast<double>(v.numel()) * (codes ? 16.0 : 1.0);
+      if (v.name() == "model.embed_tokens.weight" && !codes) embed = Shape(v.shape());
+    }
   detail::check_weights_fit(cfg, embed, "model.embed_tokens.weight", in_file, "load_hf", folder.string(),
                             "num_hidden_layers " + std::to_string(cfg.num_hidden_layers) + ", hidden_size " +
                                 std::to_string(cfg.hidden_size) + ", intermediate_size " +
@@ -1816,6 +1932,7 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
                                 std::to_string(cfg.vocab_size));
   CausalLM m = detail::allocate(cfg, dtype, folder.string());
   nn::detail::NamedTensorList named;
+  std::map<std::string, std::map<std::string, SafetensorsView>> parts;  // layer path -> leaf -> view
   for (std::size_t i = 0; i < files.size(); ++i) {
     const SafetensorsFile& f = files[i];
     const std::filesystem::path& file = wf.files[i];
@@ -1829,12 +1946,19 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
       }
       if (v.name().ends_with(".rotary_emb.inv_freq")) continue;  // a derived buffer
       if (cfg.tie_word_embeddings && v.name() == "lm_head.weight") continue;  // the embedding is the head
+      if (quantized_part(v.name())) {
+        const std::size_t dot = v.name().rfind('.');
+        parts[v.name().substr(0, dot)].emplace(v.name().substr(dot + 1), v);
+        continue;
+      }
       named.emplace_back(v.name(), detail::float_tensor(v, dtype));
     }
   }
   if (!wf.weight_map.empty()) {
     std::set<std::string> got;
     for (const auto& [n, t] : named) got.insert(n);
+    for (const auto& [p, leaves] : parts)
+      for (const auto& [leaf, v] : leaves) got.insert(p + "." + leaf);
     for (const auto& [n, shard] : wf.weight_map) {
       const bool skipped = n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == "lm_head.weight");
       if (!skipped && !got.count(n))
@@ -1842,6 +1966,60 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
                          shard, "\", which does not hold it");
     }
   }
+  for (const auto& [p, q] : mq.layers)
+    if (q && !parts.count(p) && (p.starts_with("model.") || p == "lm_head"))
+      nn::detail::fail("load_hf", config_file.string(), ": quantization[\"", p, "\"] quantizes a layer whose ", p,
+                       ".scales no weight file stores");
+  // A stored quantized layer, checked against the float layer it replaces: (out, in) as the
+  // config makes it. Its tensors join `named`, so the strict load still checks every name.
+  auto matrix = [&](const std::string& p, const Shape& float_shape) {
+    const auto& leaves = parts.at(p);
+    const auto w = leaves.find("weight");
+    if (w == leaves.end())
+      nn::detail::fail("load_hf", leaves.at("scales").file(), ": stores \"", p, ".scales\" but no \"", p, ".weight\"");
+    const Quant q = detail::mlx_layer_quant(mq, p, float_shape[1], w->second, leaves.at("scales"));
+    QuantizedMatrix qm{w->second.to_tensor(), leaves.at("scales").to_tensor(), Tensor(), q};
+    if (auto b = leaves.find("biases"); b != leaves.end()) qm.biases = b->second.to_tensor();
+    std::int64_t cols = 0;
+    try {
+      cols = nn::detail::check_quantized(qm.weight, qm.scales, qm.biases, q, "quantized layer");
+    } catch (const Error& e) {
+      nn::detail::fail("load_hf", w->second.file(), ": \"", p, "\" (", quant_mode_name(q.mode), ", group ", q.group, ", ",
+                       q.bits, " bits): ", e.what());
+    }
+    if (qm.rows() != float_shape[0] || cols != float_shape[1])
+      nn::detail::fail("load_hf", w->second.file(), ": \"", p, "\" holds a (", qm.rows(), ", ", cols, ") matrix in ",
+                       quant_mode_name(q.mode), " ", q.group, "/", q.bits, " but the config makes it ", float_shape.str());
+    if (dtype == DType::f64 && q.mode == QuantMode::affine) {  // an f64 oracle model: its scales in f64 (exact)
+      qm.scales = qm.scales.to(DType::f64);
+      qm.biases = qm.biases.to(DType::f64);
+    }
+    named.emplace_back(p + ".weight", qm.weight);
+    named.emplace_back(p + ".scales", qm.scales);
+    if (qm.biases.defined()) named.emplace_back(p + ".biases", qm.biases);
+    return qm;
+  };
+  auto stored = [&](const std::string& p) { return parts.count(p) > 0; };
+  m.map_modules<Linear>(stored, [&](const std::string& p, const Linear& l) {
+    QuantizedMatrix qm = matrix(p, l.weight.value.shape());
+    std::optional<Tensor> bias;
+    if (l.bias) bias = Tensor::empty(l.bias->shape(), l.bias->dtype());
+    return QuantizedLinear::from_quantized(std::move(qm), bias);
+  });
+  m.map_modules<Embedding>(stored, [&](const std::string& p, const Embedding& e) {
+    QuantizedMatrix qm = matrix(p, e.weight.value.shape());
+    if (dtype == DType::f64 && qm.q.mode == QuantMode::mxfp4)  // its rows would gather in float32
+      nn::detail::fail("load_hf", folder.string(), ": \"", p, "\" is mxfp4, which a float64 model cannot keep "
+                       "quantized (an mxfp4 embedding gathers float32); load in float32, or dequantize_layers");
+    return QuantizedEmbedding::from_quantized(std::move(qm));
+  });
+  // Parts of a path the model has no Linear / Embedding at reach the strict load as they are,
+  // which names them as unknown.
+  std::set<std::string> listed;
+  for (const auto& [n, t] : named) listed.insert(n);
+  for (const auto& [p, leaves] : parts)
+    for (const auto& [leaf, v] : leaves)
+      if (!listed.count(p + "." + leaf)) named.emplace_back(p + "." + leaf, v.to_tensor());
   detail::load_named(m, named, folder.string());
   return m;
 }
@@ -6094,6 +6272,7 @@ LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
 // tokenizer.json) or a GGUF file (weights, hyperparameters and tokenizer in its metadata).
 
 #include <filesystem>
+#include <optional>
 
 
 namespace nn::lm {
@@ -6110,16 +6289,42 @@ inline Tokenizer gguf_tokenizer(const GgufFile& f) {
   return Tokenizer::from_gguf_metadata(m, f.path());  // ids range-checked at their 64-bit width
 }
 
+/// Replaces every QuantizedLinear / QuantizedEmbedding of `model` by its full-precision layer
+/// (mx.dequantize of the weight, in the scales' dtype, or in `dtype` when given). Returns how
+/// many were replaced.
+template <class M>
+int dequantize_layers(M& model, std::optional<DType> dtype = std::nullopt) {
+  auto all = [](const std::string&) { return true; };
+  auto cast = [&](Param& p) {
+    if (dtype && p.value.dtype() != *dtype) p.value = p.value.to(*dtype);
+  };
+  int n = model.template map_modules<QuantizedLinear>(all, [&](const std::string&, const QuantizedLinear& q) {
+    Linear l = q.dequantized();
+    cast(l.weight);
+    if (l.bias) cast(*l.bias);
+    return l;
+  });
+  n += model.template map_modules<QuantizedEmbedding>(all, [&](const std::string&, const QuantizedEmbedding& q) {
+    Embedding e = q.dequantized();
+    cast(e.weight);
+    return e;
+  });
+  return n;
+}
+
 /// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)
-/// or a .gguf file. Weights are converted to `dtype`; with keep_quantized a GGUF's Q4_0 / Q4_1 /
-/// Q8_0 matrices stay quantized (load_gguf).
+/// or a .gguf file. Weights are converted to `dtype`. With keep_quantized, a GGUF's quantized
+/// matrices (load_gguf) and an mlx-lm quantized folder's layers (load_hf) stay quantized;
+/// without it both come back as `dtype` layers.
 inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32,
                                   bool keep_quantized = false) {
   if (!std::filesystem::exists(path)) nn::detail::fail("load_pretrained", path.string(), ": no such file or folder");
   if (std::filesystem::is_directory(path)) {
     const auto tok = path / "tokenizer.json";
     if (!std::filesystem::exists(tok)) nn::detail::fail("load_pretrained", tok.string(), ": missing (a byte-level BPE tokenizer.json)");
-    return {load_hf(path, dtype), Tokenizer::from_file(tok.string())};
+    CausalLM m = load_hf(path, dtype);
+    if (!keep_quantized) dequantize_layers(m, dtype);
+    return {std::move(m), Tokenizer::from_file(tok.string())};
   }
   GgufFile f(path);
   return {load_gguf(f, dtype, keep_quantized), gguf_tokenizer(f)};
@@ -6128,20 +6333,6 @@ inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype
 /// Writes `model` as a Hugging Face folder: config.json and model.safetensors (its dtype), so
 /// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused),
 /// and a quantized one dequantized (dequantize_layers).
-/// Replaces every QuantizedLinear / QuantizedEmbedding of `model` by its full-precision layer
-/// (mx.dequantize of the weight). Returns how many were replaced.
-template <class M>
-int dequantize_layers(M& model) {
-  auto all = [](const std::string&) { return true; };
-  int n = model.template map_modules<QuantizedLinear>(all, [](const std::string&, const QuantizedLinear& q) {
-    return q.dequantized();
-  });
-  n += model.template map_modules<QuantizedEmbedding>(all, [](const std::string&, const QuantizedEmbedding& q) {
-    return q.dequantized();
-  });
-  return n;
-}
-
 inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) {
   const ModelConfig& c = model.config();
   std::filesystem::create_directories(folder);

@@ -11,6 +11,10 @@ with transformers and a byte-level BPE tokenizer trained here with tokenizers, t
   2. loads the PEFT directory over the base model with peft.PeftModel (torch, float32);
   3. loads the mlx-lm directory with mlx_lm.utils.load_model + load_adapters (MLX, float32);
   4. loads the fused folder with transformers;
+  5. (QLoRA) converts each model with mlx_lm.convert -q (affine, group 64, 4 bits; the down
+     projections' 160 inputs are not a multiple of 64, so mlx-lm leaves them float32), finetunes
+     over that folder kept quantized, loads the adapters over the same 4-bit folder in mlx-lm,
+     and the fused folder (dequantized base + merged LoRA) in transformers;
 and compares each one's logits for the prompt's tokens with the program's: max |a - b| / max |b|.
 It also prints how far the adapters moved the logits from the base model's, so a no-op adapter
 cannot pass. Exit status 1 when any comparison is above 1e-4 (float32, different summation
@@ -116,7 +120,8 @@ def mlx_logits(base_dir, adapter_dir, ids):
     from mlx_lm.utils import load_adapters, load_model
 
     model, _ = load_model(Path(base_dir))
-    model = load_adapters(model, adapter_dir)
+    if adapter_dir is not None:
+        model = load_adapters(model, adapter_dir)
     model.eval()
     out = model(mx.array(np.asarray(ids, dtype=np.int32)))
     mx.eval(out)
@@ -146,10 +151,16 @@ def main():
     for arch in ("llama", "qwen2"):
         base = os.path.join(work, arch)
         make_model(base, arch, texts)
-        for variant, extra in (("lora", []), ("rslora", ["--rslora", "--dropout", "0.1"])):
+        q4 = base + "-q4"
+        shutil.rmtree(q4, ignore_errors=True)
+        from mlx_lm import convert
+        convert(base, q4, quantize=True, dtype="float32")
+        for variant, extra in (("lora", []), ("rslora", ["--rslora", "--dropout", "0.1"]), ("qlora-4bit", [])):
+            quantized = variant.startswith("qlora")
+            model_dir = q4 if quantized else base
             out = os.path.join(work, f"{arch}-{variant}")
             shutil.rmtree(out, ignore_errors=True)
-            cmd = [args.finetune, "--model", base, "--data", data, "--iters", "12", "--batch", "4", "--seq", "24",
+            cmd = [args.finetune, "--model", model_dir, "--data", data, "--iters", "12", "--batch", "4", "--seq", "24",
                    "--lr", "3e-2", "--schedule", "constant", "--rank", "4", "--scale", "2",
                    "--keys", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--val-every", "0",
                    "--save-every", "0", "--adapter-path", out, "--prompt", "The wise son shall hear instruction",
@@ -158,13 +169,17 @@ def main():
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             ours = load_file(os.path.join(out, "logits.safetensors"))
             ids, mine = ours["ids"].astype(np.int64), ours["logits"]
-            p, plain = peft_logits(base, os.path.join(out, "peft"), ids)
-            m = mlx_logits(base, out, ids)
+            m = mlx_logits(model_dir, out, ids)
             fz = hf_logits(os.path.join(out, "fused"), ids)
+            if quantized:  # PEFT does not read mlx-lm's quantized layers: mlx-lm and the fused folder only
+                plain = mlx_logits(model_dir, None, ids)
+                errs = {"PEFT": float("nan"), "mlx-lm": rel(m, mine), "fused (transformers)": rel(fz, mine)}
+            else:
+                p, plain = peft_logits(base, os.path.join(out, "peft"), ids)
+                errs = {"PEFT": rel(p, mine), "mlx-lm": rel(m, mine), "fused (transformers)": rel(fz, mine)}
             moved = rel(plain, mine)
-            errs = {"PEFT": rel(p, mine), "mlx-lm": rel(m, mine), "fused (transformers)": rel(fz, mine)}
             rows.append((arch, variant, ids.shape[1], moved, errs))
-            worst = max(worst, *errs.values())
+            worst = max(worst, *(e for e in errs.values() if e == e))
             if moved < 1e-2:
                 print(f"{arch} {variant}: the adapters moved the logits by only {moved:.1e}", file=sys.stderr)
                 worst = max(worst, 1.0)
@@ -172,7 +187,8 @@ def main():
     print("| model | adapter | tokens | adapters move logits by | PEFT | mlx-lm | fused in transformers |")
     print("|---|---|---|---|---|---|---|")
     for arch, variant, t, moved, e in rows:
-        print(f"| {arch} | {variant} | {t} | {moved:.2e} | {e['PEFT']:.1e} | {e['mlx-lm']:.1e} | "
+        peft_cell = f"{e['PEFT']:.1e}" if e["PEFT"] == e["PEFT"] else "n/a"
+        print(f"| {arch} | {variant} | {t} | {moved:.2e} | {peft_cell} | {e['mlx-lm']:.1e} | "
               f"{e['fused (transformers)']:.1e} |")
     import mlx.core as mx
     import peft

@@ -2,6 +2,7 @@
 // safetensors: round trips, every dtype, the mmap lifetime, atomic saves, files written by
 // Python's safetensors and by MLX, and a malformed file for every rule the reader enforces.
 #include "support/check.hpp"
+#include "support/temp_dir.hpp"
 
 #include <cstdio>
 #include <filesystem>
@@ -19,36 +20,11 @@
 #endif
 
 using namespace nn;
+using nn::test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
 
-/// A fresh folder per test case, removed when the case ends.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-#if defined(_WIN32)
-    const int pid = 0;
-#else
-    const int pid = static_cast<int>(::getpid());
-#endif
-    path = fs::temp_directory_path() / ("nn_io_test_" + std::to_string(pid) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path / name; }
-  std::vector<std::string> listing() const {
-    std::vector<std::string> v;
-    for (const auto& e : fs::directory_iterator(path)) v.push_back(e.path().filename().string());
-    std::sort(v.begin(), v.end());
-    return v;
-  }
-};
 
 std::string le64(std::uint64_t n) {
   std::string s(8, '\0');

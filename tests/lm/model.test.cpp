@@ -3,19 +3,19 @@
 // logits against Hugging Face transformers in float64 and float32 for three checkpoints (F32,
 // sharded F64, BF16; tests/oracle/gen_lm_models.py), KV-cached decoding against the full
 // forward, LoRA replacement in place, parameter paths, and every config / load error.
-#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
-#include <unistd.h>
 
 #include "support/check.hpp"
+#include "support/temp_dir.hpp"
 
 #include <nn/lm/load.hpp>
 #include <nn/lm/pretrained.hpp>
 
 using namespace nn;
+using nn::test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
@@ -38,20 +38,6 @@ Tensor run_logits(const lm::CausalLM& m) {
   return tp.value(m.logits(tp, ids, fixture_keep())).to(DType::f64);
 }
 
-/// A fresh scratch folder under the system temp dir, removed when the object goes.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static std::atomic<int> n{0};
-    path = fs::temp_directory_path() / ("nn_lm_test_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 void write_text(const fs::path& p, const std::string& s) {
   std::ofstream(p, std::ios::binary) << s;

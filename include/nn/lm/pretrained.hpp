@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 
 #include "adapters.hpp"
 #include "data.hpp"
@@ -26,16 +27,42 @@ inline Tokenizer gguf_tokenizer(const GgufFile& f) {
   return Tokenizer::from_gguf_metadata(m, f.path());  // ids range-checked at their 64-bit width
 }
 
+/// Replaces every QuantizedLinear / QuantizedEmbedding of `model` by its full-precision layer
+/// (mx.dequantize of the weight, in the scales' dtype, or in `dtype` when given). Returns how
+/// many were replaced.
+template <class M>
+int dequantize_layers(M& model, std::optional<DType> dtype = std::nullopt) {
+  auto all = [](const std::string&) { return true; };
+  auto cast = [&](Param& p) {
+    if (dtype && p.value.dtype() != *dtype) p.value = p.value.to(*dtype);
+  };
+  int n = model.template map_modules<QuantizedLinear>(all, [&](const std::string&, const QuantizedLinear& q) {
+    Linear l = q.dequantized();
+    cast(l.weight);
+    if (l.bias) cast(*l.bias);
+    return l;
+  });
+  n += model.template map_modules<QuantizedEmbedding>(all, [&](const std::string&, const QuantizedEmbedding& q) {
+    Embedding e = q.dequantized();
+    cast(e.weight);
+    return e;
+  });
+  return n;
+}
+
 /// Loads `path`: a folder (config.json + model.safetensors or a sharded index + tokenizer.json)
-/// or a .gguf file. Weights are converted to `dtype`; with keep_quantized a GGUF's Q4_0 / Q4_1 /
-/// Q8_0 matrices stay quantized (load_gguf).
+/// or a .gguf file. Weights are converted to `dtype`. With keep_quantized, a GGUF's quantized
+/// matrices (load_gguf) and an mlx-lm quantized folder's layers (load_hf) stay quantized;
+/// without it both come back as `dtype` layers.
 inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype = DType::f32,
                                   bool keep_quantized = false) {
   if (!std::filesystem::exists(path)) nn::detail::fail("load_pretrained", path.string(), ": no such file or folder");
   if (std::filesystem::is_directory(path)) {
     const auto tok = path / "tokenizer.json";
     if (!std::filesystem::exists(tok)) nn::detail::fail("load_pretrained", tok.string(), ": missing (a byte-level BPE tokenizer.json)");
-    return {load_hf(path, dtype), Tokenizer::from_file(tok.string())};
+    CausalLM m = load_hf(path, dtype);
+    if (!keep_quantized) dequantize_layers(m, dtype);
+    return {std::move(m), Tokenizer::from_file(tok.string())};
   }
   GgufFile f(path);
   return {load_gguf(f, dtype, keep_quantized), gguf_tokenizer(f)};
@@ -44,20 +71,6 @@ inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype
 /// Writes `model` as a Hugging Face folder: config.json and model.safetensors (its dtype), so
 /// transformers' from_pretrained loads it. A LoRA model should be fused first (LoraLinear::fused),
 /// and a quantized one dequantized (dequantize_layers).
-/// Replaces every QuantizedLinear / QuantizedEmbedding of `model` by its full-precision layer
-/// (mx.dequantize of the weight). Returns how many were replaced.
-template <class M>
-int dequantize_layers(M& model) {
-  auto all = [](const std::string&) { return true; };
-  int n = model.template map_modules<QuantizedLinear>(all, [](const std::string&, const QuantizedLinear& q) {
-    return q.dequantized();
-  });
-  n += model.template map_modules<QuantizedEmbedding>(all, [](const std::string&, const QuantizedEmbedding& q) {
-    return q.dequantized();
-  });
-  return n;
-}
-
 inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) {
   const ModelConfig& c = model.config();
   std::filesystem::create_directories(folder);
