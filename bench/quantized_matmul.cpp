@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // quantized_matmul beside the float32 GEMM of the same dequantized matrix, on the finetune's real
 // product shapes (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49152), x @ W^T and x @ W (the
-// forward and x's gradient), at batches of 1, 8, 64 and 256 tokens, affine 64/4, both through the
+// forward and x's gradient), at batches of 1, 2, 4, 8, 64 and 256 tokens, affine 64/4, both through the
 // tape's kernels (B::quantized_matmul, B::matmul) on the same threads. Prints the ratio
 // f32 time / quantized time (> 1: the quantized product is faster).
 //
@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
     const nn::QuantizedMatrix q = nn::quantize(w, nn::Quant::affine(64, 4));
     const nn::Tensor wd = nn::dequantize(q);
     for (const bool transpose : {true, false}) {
-      for (const std::int64_t M : {1, 8, 64, 256}) {
+      for (const std::int64_t M : {1, 2, 4, 8, 64, 256}) {
         const std::int64_t K = transpose ? in : out, N = transpose ? out : in;
         const nn::Tensor x = nn::random::normal({M, K});
         nn::Tensor y = nn::Tensor::zeros({M, N});

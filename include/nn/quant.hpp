@@ -19,8 +19,13 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
 
+#include "backend/cpu_info.hpp"
 #include "backend/math.hpp"
 
 namespace nn {
@@ -112,6 +117,52 @@ inline T widen_scale(const void* p, DType t, std::int64_t i) {
   }
 }
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__CUDACC__)
+#define NN_QUANT_AVX2 1
+/// Whether this CPU runs the AVX2 decoders below (checked once; NN_CPU_ISA=generic turns them off
+/// with the GEMM's kernels).
+inline bool quant_avx2() {
+  static const bool yes = choose_isa(detect_cpu_features()) != Isa::generic;
+  return yes;
+}
+
+/// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
+/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's s * E2M1[q] (b
+/// unused). The same arithmetic as the scalar reader: the product is rounded before the bias is
+/// added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
+[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, int bits, bool fp4, std::int64_t c0, std::int64_t n,
+                                            float s, float b, float* out) {
+  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+  const __m128i nib = _mm_set1_epi8(0x0f);
+  // E2M1 in two halves of 8 (codes 0-7 positive, 8-15 their negatives, 8 being -0).
+  const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  for (std::int64_t i = 0; i < n; i += 8) {
+    const std::int64_t c = c0 + i;
+    __m128i bytes;
+    if (bits == 4) {  // 8 codes in 4 bytes, low nibble first
+      std::uint32_t w;
+      std::memcpy(&w, row + c / 2, 4);
+      const __m128i v = _mm_cvtsi32_si128(static_cast<int>(w));
+      bytes = _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+    } else {
+      bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
+    }
+    const __m256i q = _mm256_cvtepu8_epi32(bytes);
+    __m256 v;
+    if (fp4) {
+      const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
+      v = _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28))));
+    } else {
+      __m256 p = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(q));
+      asm("" : "+x"(p));
+      v = _mm256_add_ps(p, vb);
+    }
+    _mm256_storeu_ps(out + i, v);
+  }
+}
+#endif
+
 /// Reads a quantized matrix's values in T: the decoding every CPU quantized kernel shares.
 /// Values are scale * q + bias (affine) or 2^(e-127) * E2M1[q] (mxfp4), in T's arithmetic.
 template <class T>
@@ -136,16 +187,29 @@ struct QuantReader {
   void run(std::int64_t r, std::int64_t c0, std::int64_t n, T* out, std::int64_t stride) const {
     const std::uint8_t* row = codes + r * row_bytes;
     const std::int64_t end = c0 + n;
+#if defined(NN_QUANT_AVX2)
+    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time.
+    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && quant_avx2();
+#endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
       const std::int64_t si = r * groups_per_row + g;
-      if (q.mode == QuantMode::mxfp4) {
-        const T s = QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]);
-        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
-        continue;
+      const bool fp4 = q.mode == QuantMode::mxfp4;
+      const T s = fp4 ? QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]) : widen_scale<T>(scales, sdt, si);
+      const T b = fp4 ? T(0) : widen_scale<T>(biases, sdt, si);
+#if defined(NN_QUANT_AVX2)
+      if (wide && c % 8 == 0 && gend - c >= 8) {
+        if constexpr (std::is_same_v<T, float>) {
+          const std::int64_t n8 = (gend - c) / 8 * 8;
+          decode8(row, q.bits, fp4, c, n8, s, b, out);
+          c += n8;
+          out += n8;
+        }
       }
-      const T s = widen_scale<T>(scales, sdt, si), b = widen_scale<T>(biases, sdt, si);
-      if (q.bits == 4) {  // the common case: two codes a byte
+#endif
+      if (fp4) {
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
+      } else if (q.bits == 4) {  // the common case: two codes a byte
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>((row[c >> 1] >> ((c & 1) * 4)) & 15u) + b;
       } else if (q.bits == 8) {
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(row[c]) + b;

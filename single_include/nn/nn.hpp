@@ -5,15 +5,15 @@
 // amalgamate_fresh (tools/amalgamate --check) fails while this file is stale.
 // Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
 //
-// Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/quant.hpp, nn/backend/math.hpp,
-// nn/backend/policy.hpp, nn/random.hpp, nn/backend/cpu.hpp, nn/backend/cpu_info.hpp,
-// nn/backend/cpu/common.hpp, nn/backend/threads.hpp, nn/backend/cpu/elementwise.hpp,
-// nn/backend/cpu/reduce.hpp, nn/backend/cpu/matmul.hpp, nn/backend/gemm.hpp,
-// nn/backend/cpu/shape.hpp, nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp,
-// nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp,
-// nn/backend/cpu/rope.hpp, nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp,
-// nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp,
-// nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
+// Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/quant.hpp,
+// nn/backend/cpu_info.hpp, nn/backend/math.hpp, nn/backend/policy.hpp, nn/random.hpp,
+// nn/backend/cpu.hpp, nn/backend/cpu/common.hpp, nn/backend/threads.hpp,
+// nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp, nn/backend/cpu/matmul.hpp,
+// nn/backend/gemm.hpp, nn/backend/cpu/shape.hpp, nn/backend/cpu/index.hpp,
+// nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp,
+// nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp, nn/backend/cpu/attention.hpp,
+// nn/backend/cpu/glu.hpp, nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp,
+// nn/anomaly.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
 // nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
 // nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
 // nn/ops/quantized.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp,
@@ -638,8 +638,195 @@ inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
 
+// ---- begin nn/backend/cpu_info.hpp ----
+// nn::cpu_info(): what this x86 CPU can run, read from CPUID feature bits and the OS's XCR0 state
+// mask -- never from a table of model names -- and which GEMM kernel nn runs on it.
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define NN_X86_CPUID 1
+#endif
+
+namespace nn {
+
+/// The instruction sets nn's own kernels are compiled for, best last. A kernel set runs only
+/// where every instruction it uses is both present (CPUID) and enabled by the OS (XCR0).
+enum class Isa : std::uint8_t {
+  generic,  ///< the compiler's baseline (SSE2 on x86-64): portable vector code, no feature test
+  avx2,     ///< AVX2 + FMA3, 16 ymm registers
+  avx512,   ///< AVX-512 F/BW/DQ/VL + FMA3, 32 zmm registers
+};
+
+constexpr const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::generic: return "generic";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+/// Feature bits of the running CPU (all false off x86), plus its vendor and brand strings.
+struct CpuFeatures {
+  std::string vendor;  ///< "GenuineIntel", "AuthenticAMD", ...
+  std::string brand;   ///< the CPUID brand string, e.g. "Intel(R) Xeon(R) Processor"
+  int family = 0, model = 0;  ///< display family and model: printed, never used to choose a kernel
+  bool sse2 = false, avx = false, fma = false, avx2 = false, f16c = false;
+  bool avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false;
+  bool avx512_vnni = false, avx512_bf16 = false, avx512_fp16 = false;
+  bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
+
+  /// The best kernel set this CPU (and OS) can run.
+  Isa best_isa() const {
+    if (avx512f && avx512dq && avx512bw && avx512vl && fma && avx2) return Isa::avx512;
+    if (avx2 && fma) return Isa::avx2;
+    return Isa::generic;
+  }
+};
+
+namespace detail {
+
+#if defined(NN_X86_CPUID)
+struct CpuidRegs {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+};
+inline CpuidRegs cpuid(unsigned leaf, unsigned sub = 0) {
+  CpuidRegs r;
+  if (!__get_cpuid_count(leaf, sub, &r.a, &r.b, &r.c, &r.d)) r = {};
+  return r;
+}
+/// XCR0: which register states the OS saves on a context switch (AVX needs bits 1-2, AVX-512
+/// bits 5-7, AMX bits 17-18). Read with the raw opcode so no -mxsave is needed.
+inline std::uint64_t xcr0() {
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<std::uint64_t>(hi) << 32) | lo;
+}
+#endif
+
+inline CpuFeatures detect_cpu_features() {
+  CpuFeatures f;
+#if defined(NN_X86_CPUID)
+  const auto bit = [](unsigned reg, int n) { return ((reg >> n) & 1u) != 0; };
+  const CpuidRegs l0 = cpuid(0);
+  char vendor[13] = {};
+  std::memcpy(vendor + 0, &l0.b, 4);
+  std::memcpy(vendor + 4, &l0.d, 4);
+  std::memcpy(vendor + 8, &l0.c, 4);
+  f.vendor = vendor;
+  const CpuidRegs l1 = l0.a >= 1 ? cpuid(1) : CpuidRegs{};
+  const unsigned base_family = (l1.a >> 8) & 0xf, base_model = (l1.a >> 4) & 0xf;
+  f.family = static_cast<int>(base_family == 0xf ? base_family + ((l1.a >> 20) & 0xff) : base_family);
+  f.model = static_cast<int>((base_family == 0x6 || base_family == 0xf) ? (((l1.a >> 16) & 0xf) << 4) + base_model
+                                                                        : base_model);
+  f.sse2 = bit(l1.d, 26);
+  const bool osxsave = bit(l1.c, 27);
+  const std::uint64_t xcr = osxsave ? xcr0() : 0;
+  const bool os_avx = (xcr & 0x6) == 0x6;
+  const bool os_avx512 = os_avx && (xcr & 0xe0) == 0xe0;
+  const bool os_amx = (xcr & 0x60000) == 0x60000;
+  f.avx = os_avx && bit(l1.c, 28);
+  f.fma = f.avx && bit(l1.c, 12);
+  f.f16c = f.avx && bit(l1.c, 29);
+  if (l0.a >= 7) {
+    const CpuidRegs l7 = cpuid(7, 0), l71 = cpuid(7, 1);
+    f.avx2 = f.avx && bit(l7.b, 5);
+    f.avx512f = os_avx512 && bit(l7.b, 16);
+    f.avx512dq = f.avx512f && bit(l7.b, 17);
+    f.avx512bw = f.avx512f && bit(l7.b, 30);
+    f.avx512vl = f.avx512f && bit(l7.b, 31);
+    f.avx512_vnni = f.avx512f && bit(l7.c, 11);
+    f.avx512_fp16 = f.avx512f && bit(l7.d, 23);
+    f.avx512_bf16 = f.avx512f && bit(l71.a, 5);
+    f.amx_bf16 = os_amx && bit(l7.d, 22);
+    f.amx_tile = os_amx && bit(l7.d, 24);
+    f.amx_int8 = os_amx && bit(l7.d, 25);
+  }
+  if (cpuid(0x80000000).a >= 0x80000004) {
+    char brand[49] = {};
+    for (unsigned i = 0; i < 3; ++i) {
+      const CpuidRegs r = cpuid(0x80000002 + i);
+      std::memcpy(brand + 16 * i + 0, &r.a, 4);
+      std::memcpy(brand + 16 * i + 4, &r.b, 4);
+      std::memcpy(brand + 16 * i + 8, &r.c, 4);
+      std::memcpy(brand + 16 * i + 12, &r.d, 4);
+    }
+    std::string_view s(brand);
+    while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+    while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
+    f.brand = std::string(s);
+  }
+#endif
+  return f;
+}
+
+/// The kernel set nn's GEMM runs: the CPU's best, unless NN_CPU_ISA (generic | avx2 | avx512)
+/// asks for a lower one -- a way to run and test every kernel set on one machine. Asking for
+/// one the CPU lacks keeps the CPU's best (running it would fault).
+inline Isa choose_isa(const CpuFeatures& f) {
+  const Isa best = f.best_isa();
+  const char* env = std::getenv("NN_CPU_ISA");
+  if (!env || !*env) return best;
+  const std::string_view want(env);
+  Isa asked = best;
+  if (want == "generic") asked = Isa::generic;
+  else if (want == "avx2") asked = Isa::avx2;
+  else if (want == "avx512") asked = Isa::avx512;
+  return static_cast<int>(asked) <= static_cast<int>(best) ? asked : best;
+}
+
+}  // namespace detail
+
+/// What nn detected and what it runs, read once per process by nn::cpu_info() (defined in
+/// backend/cpu.hpp, where the GEMM engine is chosen).
+struct CpuInfo {
+  CpuFeatures features;
+  Isa isa = Isa::generic;  ///< the kernel set nn's GEMM uses (see NN_CPU_ISA)
+  std::string gemm;        ///< the GEMM engine and micro-kernels in use, e.g. "nn avx512 12x32 f32 / 12x16 f64"
+  std::string gemm_id;     ///< the same as one word: "nn-avx512", "nn-avx2", "nn-generic", "cblas" or "eigen"
+  std::string note;        ///< why an external BLAS is or is not used (empty when none is linked)
+  std::string bf16;        ///< how bf16 products run: "amx tdpbf16ps", "native vdpbf16ps" or "emulated (f32 kernels)"
+
+  /// One line for logs: "cpu: <brand> (<vendor> family F model M) | avx2 fma avx512f ... | gemm: ...".
+  std::string line() const {
+    const CpuFeatures& f = features;
+    std::string s = "cpu: " + (f.brand.empty() ? std::string("unknown CPU") : f.brand);
+    if (!f.vendor.empty())
+      s += " (" + f.vendor + " family " + std::to_string(f.family) + " model " + std::to_string(f.model) + ")";
+    s += " | features:";
+    const std::pair<bool, const char*> bits[] = {
+        {f.avx2, "avx2"},           {f.fma, "fma"},         {f.avx512f, "avx512f"},         {f.avx512bw, "avx512bw"},
+        {f.avx512vl, "avx512vl"},   {f.avx512dq, "avx512dq"}, {f.avx512_vnni, "avx512_vnni"}, {f.avx512_bf16, "avx512_bf16"},
+        {f.avx512_fp16, "avx512_fp16"}, {f.amx_tile, "amx_tile"}, {f.amx_bf16, "amx_bf16"},   {f.amx_int8, "amx_int8"}};
+    bool any = false;
+    for (const auto& [on, name] : bits)
+      if (on) {
+        s += ' ';
+        s += name;
+        any = true;
+      }
+    if (!any) s += " (baseline only)";
+    s += " | gemm: " + gemm;
+    if (!note.empty()) s += " (" + note + ")";
+    if (!bf16.empty()) s += " | bf16: " + bf16;
+    return s;
+  }
+};
+
+}  // namespace nn
+// ---- end nn/backend/cpu_info.hpp ----
 // ---- begin nn/backend/math.hpp ----
 // The math of every elementwise primitive, forward and derivative side by side, and the
 // per-element math of the fused primitives and the optimizer updates, compiled for the host and
@@ -1403,6 +1590,52 @@ inline T widen_scale(const void* p, DType t, std::int64_t i) {
   }
 }
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__CUDACC__)
+#define NN_QUANT_AVX2 1
+/// Whether this CPU runs the AVX2 decoders below (checked once; NN_CPU_ISA=generic turns them off
+/// with the GEMM's kernels).
+inline bool quant_avx2() {
+  static const bool yes = choose_isa(detect_cpu_features()) != Isa::generic;
+  return yes;
+}
+
+/// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
+/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's s * E2M1[q] (b
+/// unused). The same arithmetic as the scalar reader: the product is rounded before the bias is
+/// added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
+[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, int bits, bool fp4, std::int64_t c0, std::int64_t n,
+                                            float s, float b, float* out) {
+  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+  const __m128i nib = _mm_set1_epi8(0x0f);
+  // E2M1 in two halves of 8 (codes 0-7 positive, 8-15 their negatives, 8 being -0).
+  const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  for (std::int64_t i = 0; i < n; i += 8) {
+    const std::int64_t c = c0 + i;
+    __m128i bytes;
+    if (bits == 4) {  // 8 codes in 4 bytes, low nibble first
+      std::uint32_t w;
+      std::memcpy(&w, row + c / 2, 4);
+      const __m128i v = _mm_cvtsi32_si128(static_cast<int>(w));
+      bytes = _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+    } else {
+      bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
+    }
+    const __m256i q = _mm256_cvtepu8_epi32(bytes);
+    __m256 v;
+    if (fp4) {
+      const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
+      v = _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28))));
+    } else {
+      __m256 p = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(q));
+      asm("" : "+x"(p));
+      v = _mm256_add_ps(p, vb);
+    }
+    _mm256_storeu_ps(out + i, v);
+  }
+}
+#endif
+
 /// Reads a quantized matrix's values in T: the decoding every CPU quantized kernel shares.
 /// Values are scale * q + bias (affine) or 2^(e-127) * E2M1[q] (mxfp4), in T's arithmetic.
 template <class T>
@@ -1427,16 +1660,29 @@ struct QuantReader {
   void run(std::int64_t r, std::int64_t c0, std::int64_t n, T* out, std::int64_t stride) const {
     const std::uint8_t* row = codes + r * row_bytes;
     const std::int64_t end = c0 + n;
+#if defined(NN_QUANT_AVX2)
+    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time.
+    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && quant_avx2();
+#endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
       const std::int64_t si = r * groups_per_row + g;
-      if (q.mode == QuantMode::mxfp4) {
-        const T s = QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]);
-        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
-        continue;
+      const bool fp4 = q.mode == QuantMode::mxfp4;
+      const T s = fp4 ? QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]) : widen_scale<T>(scales, sdt, si);
+      const T b = fp4 ? T(0) : widen_scale<T>(biases, sdt, si);
+#if defined(NN_QUANT_AVX2)
+      if (wide && c % 8 == 0 && gend - c >= 8) {
+        if constexpr (std::is_same_v<T, float>) {
+          const std::int64_t n8 = (gend - c) / 8 * 8;
+          decode8(row, q.bits, fp4, c, n8, s, b, out);
+          c += n8;
+          out += n8;
+        }
       }
-      const T s = widen_scale<T>(scales, sdt, si), b = widen_scale<T>(biases, sdt, si);
-      if (q.bits == 4) {  // the common case: two codes a byte
+#endif
+      if (fp4) {
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
+      } else if (q.bits == 4) {  // the common case: two codes a byte
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>((row[c >> 1] >> ((c & 1) * 4)) & 15u) + b;
       } else if (q.bits == 8) {
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(row[c]) + b;
@@ -2014,189 +2260,6 @@ inline LoraInit lora(std::int64_t in, std::int64_t out, std::int64_t r) {
 // backends share is in backend/math.hpp. nn::cpu gathers the families by inheritance, so
 // `cpu::matmul(...)` and `B::matmul(...)` in a template both find them.
 
-// ---- begin nn/backend/cpu_info.hpp ----
-// nn::cpu_info(): what this x86 CPU can run, read from CPUID feature bits and the OS's XCR0 state
-// mask -- never from a table of model names -- and which GEMM kernel nn runs on it.
-
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <string_view>
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
-#define NN_X86_CPUID 1
-#endif
-
-namespace nn {
-
-/// The instruction sets nn's own kernels are compiled for, best last. A kernel set runs only
-/// where every instruction it uses is both present (CPUID) and enabled by the OS (XCR0).
-enum class Isa : std::uint8_t {
-  generic,  ///< the compiler's baseline (SSE2 on x86-64): portable vector code, no feature test
-  avx2,     ///< AVX2 + FMA3, 16 ymm registers
-  avx512,   ///< AVX-512 F/BW/DQ/VL + FMA3, 32 zmm registers
-};
-
-constexpr const char* isa_name(Isa i) {
-  switch (i) {
-    case Isa::generic: return "generic";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-  }
-  return "?";
-}
-
-/// Feature bits of the running CPU (all false off x86), plus its vendor and brand strings.
-struct CpuFeatures {
-  std::string vendor;  ///< "GenuineIntel", "AuthenticAMD", ...
-  std::string brand;   ///< the CPUID brand string, e.g. "Intel(R) Xeon(R) Processor"
-  int family = 0, model = 0;  ///< display family and model: printed, never used to choose a kernel
-  bool sse2 = false, avx = false, fma = false, avx2 = false, f16c = false;
-  bool avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false;
-  bool avx512_vnni = false, avx512_bf16 = false, avx512_fp16 = false;
-  bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
-
-  /// The best kernel set this CPU (and OS) can run.
-  Isa best_isa() const {
-    if (avx512f && avx512dq && avx512bw && avx512vl && fma && avx2) return Isa::avx512;
-    if (avx2 && fma) return Isa::avx2;
-    return Isa::generic;
-  }
-};
-
-namespace detail {
-
-#if defined(NN_X86_CPUID)
-struct CpuidRegs {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-};
-inline CpuidRegs cpuid(unsigned leaf, unsigned sub = 0) {
-  CpuidRegs r;
-  if (!__get_cpuid_count(leaf, sub, &r.a, &r.b, &r.c, &r.d)) r = {};
-  return r;
-}
-/// XCR0: which register states the OS saves on a context switch (AVX needs bits 1-2, AVX-512
-/// bits 5-7, AMX bits 17-18). Read with the raw opcode so no -mxsave is needed.
-inline std::uint64_t xcr0() {
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (static_cast<std::uint64_t>(hi) << 32) | lo;
-}
-#endif
-
-inline CpuFeatures detect_cpu_features() {
-  CpuFeatures f;
-#if defined(NN_X86_CPUID)
-  const auto bit = [](unsigned reg, int n) { return ((reg >> n) & 1u) != 0; };
-  const CpuidRegs l0 = cpuid(0);
-  char vendor[13] = {};
-  std::memcpy(vendor + 0, &l0.b, 4);
-  std::memcpy(vendor + 4, &l0.d, 4);
-  std::memcpy(vendor + 8, &l0.c, 4);
-  f.vendor = vendor;
-  const CpuidRegs l1 = l0.a >= 1 ? cpuid(1) : CpuidRegs{};
-  const unsigned base_family = (l1.a >> 8) & 0xf, base_model = (l1.a >> 4) & 0xf;
-  f.family = static_cast<int>(base_family == 0xf ? base_family + ((l1.a >> 20) & 0xff) : base_family);
-  f.model = static_cast<int>((base_family == 0x6 || base_family == 0xf) ? (((l1.a >> 16) & 0xf) << 4) + base_model
-                                                                        : base_model);
-  f.sse2 = bit(l1.d, 26);
-  const bool osxsave = bit(l1.c, 27);
-  const std::uint64_t xcr = osxsave ? xcr0() : 0;
-  const bool os_avx = (xcr & 0x6) == 0x6;
-  const bool os_avx512 = os_avx && (xcr & 0xe0) == 0xe0;
-  const bool os_amx = (xcr & 0x60000) == 0x60000;
-  f.avx = os_avx && bit(l1.c, 28);
-  f.fma = f.avx && bit(l1.c, 12);
-  f.f16c = f.avx && bit(l1.c, 29);
-  if (l0.a >= 7) {
-    const CpuidRegs l7 = cpuid(7, 0), l71 = cpuid(7, 1);
-    f.avx2 = f.avx && bit(l7.b, 5);
-    f.avx512f = os_avx512 && bit(l7.b, 16);
-    f.avx512dq = f.avx512f && bit(l7.b, 17);
-    f.avx512bw = f.avx512f && bit(l7.b, 30);
-    f.avx512vl = f.avx512f && bit(l7.b, 31);
-    f.avx512_vnni = f.avx512f && bit(l7.c, 11);
-    f.avx512_fp16 = f.avx512f && bit(l7.d, 23);
-    f.avx512_bf16 = f.avx512f && bit(l71.a, 5);
-    f.amx_bf16 = os_amx && bit(l7.d, 22);
-    f.amx_tile = os_amx && bit(l7.d, 24);
-    f.amx_int8 = os_amx && bit(l7.d, 25);
-  }
-  if (cpuid(0x80000000).a >= 0x80000004) {
-    char brand[49] = {};
-    for (unsigned i = 0; i < 3; ++i) {
-      const CpuidRegs r = cpuid(0x80000002 + i);
-      std::memcpy(brand + 16 * i + 0, &r.a, 4);
-      std::memcpy(brand + 16 * i + 4, &r.b, 4);
-      std::memcpy(brand + 16 * i + 8, &r.c, 4);
-      std::memcpy(brand + 16 * i + 12, &r.d, 4);
-    }
-    std::string_view s(brand);
-    while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-    while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
-    f.brand = std::string(s);
-  }
-#endif
-  return f;
-}
-
-/// The kernel set nn's GEMM runs: the CPU's best, unless NN_CPU_ISA (generic | avx2 | avx512)
-/// asks for a lower one -- a way to run and test every kernel set on one machine. Asking for
-/// one the CPU lacks keeps the CPU's best (running it would fault).
-inline Isa choose_isa(const CpuFeatures& f) {
-  const Isa best = f.best_isa();
-  const char* env = std::getenv("NN_CPU_ISA");
-  if (!env || !*env) return best;
-  const std::string_view want(env);
-  Isa asked = best;
-  if (want == "generic") asked = Isa::generic;
-  else if (want == "avx2") asked = Isa::avx2;
-  else if (want == "avx512") asked = Isa::avx512;
-  return static_cast<int>(asked) <= static_cast<int>(best) ? asked : best;
-}
-
-}  // namespace detail
-
-/// What nn detected and what it runs, read once per process by nn::cpu_info() (defined in
-/// backend/cpu.hpp, where the GEMM engine is chosen).
-struct CpuInfo {
-  CpuFeatures features;
-  Isa isa = Isa::generic;  ///< the kernel set nn's GEMM uses (see NN_CPU_ISA)
-  std::string gemm;        ///< the GEMM engine and micro-kernels in use, e.g. "nn avx512 12x32 f32 / 12x16 f64"
-  std::string gemm_id;     ///< the same as one word: "nn-avx512", "nn-avx2", "nn-generic", "cblas" or "eigen"
-  std::string note;        ///< why an external BLAS is or is not used (empty when none is linked)
-  std::string bf16;        ///< how bf16 products run: "amx tdpbf16ps", "native vdpbf16ps" or "emulated (f32 kernels)"
-
-  /// One line for logs: "cpu: <brand> (<vendor> family F model M) | avx2 fma avx512f ... | gemm: ...".
-  std::string line() const {
-    const CpuFeatures& f = features;
-    std::string s = "cpu: " + (f.brand.empty() ? std::string("unknown CPU") : f.brand);
-    if (!f.vendor.empty())
-      s += " (" + f.vendor + " family " + std::to_string(f.family) + " model " + std::to_string(f.model) + ")";
-    s += " | features:";
-    const std::pair<bool, const char*> bits[] = {
-        {f.avx2, "avx2"},           {f.fma, "fma"},         {f.avx512f, "avx512f"},         {f.avx512bw, "avx512bw"},
-        {f.avx512vl, "avx512vl"},   {f.avx512dq, "avx512dq"}, {f.avx512_vnni, "avx512_vnni"}, {f.avx512_bf16, "avx512_bf16"},
-        {f.avx512_fp16, "avx512_fp16"}, {f.amx_tile, "amx_tile"}, {f.amx_bf16, "amx_bf16"},   {f.amx_int8, "amx_int8"}};
-    bool any = false;
-    for (const auto& [on, name] : bits)
-      if (on) {
-        s += ' ';
-        s += name;
-        any = true;
-      }
-    if (!any) s += " (baseline only)";
-    s += " | gemm: " + gemm;
-    if (!note.empty()) s += " (" + note + ")";
-    if (!bf16.empty()) s += " | bf16: " + bf16;
-    return s;
-  }
-};
-
-}  // namespace nn
-// ---- end nn/backend/cpu_info.hpp ----
 // ---- begin nn/backend/cpu/common.hpp ----
 // What every family of nn::cpu's kernels shares: dtype dispatch, the OpenMP loop helpers,
 // broadcasting strides, and the vectorised row math (Eigen array maps, exp, exact sqrt).
@@ -5358,8 +5421,19 @@ struct QuantPackB {
   bool trans;
   index j_off = 0;  // the first column of op(B) this product sees (a column split's share)
   void operator()(T* dst, index j0, index nc, index k0, index kc) const {
+    // trans: the panel's columns are rows of W. Decoding each row into a contiguous run and then
+    // transposing the runs (pack_panel: 16 x 16 in registers) beats writing the decoded values
+    // NR apart, and lets the decoder run eight codes at a time.
+    alignas(64) static thread_local unsigned char rows_buf[49152];
+    const bool staged = trans && sizeof(T) * static_cast<std::size_t>(NR * kc) <= sizeof(rows_buf);
     for (index q = 0; q < nc; q += NR, dst += kc * NR) {
       const index cols = std::min<index>(NR, nc - q), j = j_off + j0 + q;
+      if (staged) {
+        T* rows = reinterpret_cast<T*>(rows_buf);
+        for (index l = 0; l < cols; ++l) rd->run(j + l, k0, kc, rows + l * kc, 1);
+        pack_panel<NR>(static_cast<const T*>(rows), kc, false, cols, kc, dst);
+        continue;
+      }
       if (trans)
         for (index l = 0; l < cols; ++l) rd->run(j + l, k0, kc, dst + l, NR);
       else
@@ -5373,9 +5447,99 @@ struct QuantPackB {
 }  // namespace gemm
 #endif
 
+namespace detail {
+
+/// sum_k a[k] * b[k] in T over two 32-byte vectors of partial sums (a fixed order: the compiler
+/// may not reassociate a plain loop's reduction to vectorise it).
+template <class T>
+[[gnu::always_inline]] inline T dot_lanes(const T* a, const T* b, std::int64_t n) {
+  typedef T V __attribute__((vector_size(32)));
+  constexpr std::int64_t L = 32 / sizeof(T);
+  V s0 = {}, s1 = {};
+  std::int64_t k = 0;
+  for (; k + 2 * L <= n; k += 2 * L) {
+    V a0, a1, b0, b1;
+    __builtin_memcpy(&a0, a + k, sizeof(V));
+    __builtin_memcpy(&a1, a + k + L, sizeof(V));
+    __builtin_memcpy(&b0, b + k, sizeof(V));
+    __builtin_memcpy(&b1, b + k + L, sizeof(V));
+    s0 += a0 * b0;
+    s1 += a1 * b1;
+  }
+  s0 += s1;
+  T t = 0;
+  for (std::int64_t l = 0; l < L; ++l) t += s0[l];
+  for (; k < n; ++k) t += a[k] * b[k];
+  return t;
+}
+#if defined(NN_QUANT_AVX2)
+[[gnu::target("avx2,fma")]] inline float dot_lanes_avx2(const float* a, const float* b, std::int64_t n) {
+  return dot_lanes(a, b, n);
+}
+[[gnu::target("avx2,fma")]] inline void axpy_avx2(float* y, float a, const float* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+#endif
+template <class T>
+inline T dot_fast(const T* a, const T* b, std::int64_t n) {
+#if defined(NN_QUANT_AVX2)
+  if constexpr (std::is_same_v<T, float>)
+    if (quant_avx2()) return dot_lanes_avx2(a, b, n);
+#endif
+  return dot_lanes(a, b, n);
+}
+template <class T>
+inline void axpy_fast(T* y, T a, const T* x, std::int64_t n) {
+#if defined(NN_QUANT_AVX2)
+  if constexpr (std::is_same_v<T, float>)
+    if (quant_avx2()) return axpy_avx2(y, a, x, n);
+#endif
+  for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+/// y (M, N) (+)= x (M, K) @ op(W) for few rows of x (a decode step, a short prompt), columns
+/// [n0, n1) of y: W is streamed once, a row (x @ W^T: one output column) or a row segment (x @ W:
+/// one depth) at a time, decoded into a small buffer that every row of x then reads. No packing,
+/// and no padding of x to the micro-kernel's MR rows. False when a row does not fit the buffer
+/// (the caller takes the GEMM path).
+template <class T>
+inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N, std::int64_t K,
+                           std::int64_t n0, std::int64_t n1, bool transpose, bool acc) {
+  alignas(64) static thread_local T buf[8192];
+  constexpr std::int64_t cap = 8192;
+  if (transpose) {
+    if (K > cap) return false;
+    for (std::int64_t j = n0; j < n1; ++j) {
+      rd.run(j, 0, K, buf, 1);
+      for (std::int64_t m = 0; m < M; ++m) {
+        const T v = dot_fast(X + m * K, static_cast<const T*>(buf), K);
+        Y[m * N + j] = acc ? Y[m * N + j] + v : v;
+      }
+    }
+    return true;
+  }
+  for (std::int64_t c0 = n0; c0 < n1; c0 += cap) {  // a block of y's columns stays in cache over all of K
+    const std::int64_t nc = std::min(cap, n1 - c0);
+    if (!acc)
+      for (std::int64_t m = 0; m < M; ++m) std::fill_n(Y + m * N + c0, nc, T(0));
+    for (std::int64_t k = 0; k < K; ++k) {
+      rd.run(k, c0, nc, buf, 1);
+      for (std::int64_t m = 0; m < M; ++m) axpy_fast(Y + m * N + c0, X[m * K + k], static_cast<const T*>(buf), nc);
+    }
+  }
+  return true;
+}
+
+}  // namespace detail
+
 namespace cpu_kernels {
 
 struct QuantizedKernels {
+  /// Up to this many rows of x, products stream W once (detail::quantized_rows) instead of
+  /// packing it for the GEMM: x @ W^T computes a dot product per output, x @ W an axpy per
+  /// depth, which holds its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
+  static constexpr std::int64_t kFewRows = 4, kFewRowsAxpy = 8;
+
   /// y (M, N) (+)= x (M, K) @ op(W): W^T when a.transpose (W (N, K)), else W (K, N); W given
   /// as codes, scales and biases (undefined for mxfp4) in format a.q. T = y's dtype = x's;
   /// scales of another float dtype are widened to T.
@@ -5388,6 +5552,16 @@ struct QuantizedKernels {
       T* Y = y.data<T>();
       if (M == 0 || N == 0) return;
 #if defined(NN_OWN_GEMM)
+      if (a.transpose ? M <= kFewRows && K <= 8192 : M <= kFewRowsAxpy) {
+        const int threads = gemm::team_threads(M, N, K);
+        if (threads > 1)
+          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+            detail::quantized_rows(rd, X, Y, M, N, K, d0, d1, a.transpose, acc);
+          });
+        else
+          detail::quantized_rows(rd, X, Y, M, N, K, 0, N, a.transpose, acc);
+        return;
+      }
       gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
         using S = gemm::Shape<T, I>;
         const auto kern = gemm::micro_kernels<T, I>();

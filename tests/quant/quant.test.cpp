@@ -163,6 +163,63 @@ TEST_CASE("quantized_matmul: one row (decode), float32 against float64, bf16 sca
   CHECK(rel_err(run(x.to(DType::f32), mb), tp.value(yr)) < 1e-6);
 }
 
+TEST_CASE("the vector decoder equals the scalar one and MLX's dequantize, bit for bit (float32)") {
+  // QuantReader::run decodes 8 codes at a time into a contiguous float32 run (AVX2) and one at a
+  // time otherwise (a strided run takes the scalar loop): both must give dequantize()'s values,
+  // which are MLX's. Runs start and end off group and 8-code boundaries.
+  for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::affine(128, 4), Quant::mxfp4(),
+                        Quant::affine(64, 3)}) {
+    const std::string name = std::string(quant_mode_name(q.mode)) + " " + std::to_string(q.group) + "/" + std::to_string(q.bits);
+    CAPTURE(name);
+    const Tensor raw = nn::test::random_tensor(Shape{5, 256}, DType::f32, 21, -3, 3);
+    const QuantizedMatrix m = quantize(raw, q);
+    const Tensor want = dequantize(m);
+    const detail::QuantReader<float> rd(m.weight, m.scales, m.biases, q);
+    for (const auto& [c0, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 256}, {3, 250}, {8, 61}, {64, 64}, {40, 9}}) {
+      for (std::int64_t r = 0; r < 5; ++r) {
+        std::vector<float> fast(static_cast<std::size_t>(n)), slow(static_cast<std::size_t>(2 * n));
+        rd.run(r, c0, n, fast.data(), 1);
+        rd.run(r, c0, n, slow.data(), 2);
+        const float* w = want.data<float>() + r * 256 + c0;
+        int diffs = 0;
+        for (std::int64_t i = 0; i < n; ++i) {
+          diffs += std::memcmp(&fast[static_cast<std::size_t>(i)], w + i, 4) != 0;
+          diffs += std::memcmp(&slow[static_cast<std::size_t>(2 * i)], w + i, 4) != 0;
+        }
+        CHECK_MESSAGE(diffs == 0, "row " << r << " from " << c0 << " for " << n);
+      }
+    }
+  }
+}
+
+TEST_CASE("quantized_matmul on few rows (streamed W) and many (packed W) equals float64 dequantize-then-matmul") {
+  // The 1-8 row products stream W (a dot per output for x @ W^T, an axpy per depth for x @ W);
+  // more rows pack it for the GEMM. Both against the float64 product of the dequantized matrix.
+  for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::mxfp4(), Quant::affine(32, 2)}) {
+    for (const bool transpose : {true, false}) {
+      for (const std::int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
+        CAPTURE(quant_mode_name(q.mode));
+        CAPTURE(q.bits);
+        CAPTURE(transpose);
+        CAPTURE(M);
+        const std::int64_t rows = 200, cols = 448;  // N ragged against the 32-column splits
+        const Tensor raw = nn::test::random_tensor(Shape{rows, cols}, DType::f32, 5 + static_cast<std::uint64_t>(M), -2, 2);
+        const QuantizedMatrix m = quantize(raw, q);
+        const Tensor w64 = dequantize(m).to(DType::f64);
+        const std::int64_t K = transpose ? cols : rows;
+        const Tensor x = nn::test::random_tensor(Shape{M, K}, DType::f32, 8);
+        GTape<cpu> tp;
+        std::optional<GVar> b;
+        if (m.biases.defined()) b = tp.constant(m.biases);
+        GVar y = quantized_matmul(tp, tp.input(x), tp.constant(m.weight), tp.constant(m.scales), b, q, transpose);
+        GTape<cpu> tr;
+        GVar yr = matmul(tr, tr.input(x.to(DType::f64)), tr.constant(w64), false, transpose);
+        CHECK(rel_err(tp.value(y), tr.value(yr)) < 2e-6);
+      }
+    }
+  }
+}
+
 TEST_CASE("quantized_gather returns the dequantized rows; bad ids and bad matrices are refused") {
   const Sample s = sample(10, 64, Quant::affine(32, 4), 21);
   GTape<cpu> tp;

@@ -22,8 +22,19 @@ struct QuantPackB {
   bool trans;
   index j_off = 0;  // the first column of op(B) this product sees (a column split's share)
   void operator()(T* dst, index j0, index nc, index k0, index kc) const {
+    // trans: the panel's columns are rows of W. Decoding each row into a contiguous run and then
+    // transposing the runs (pack_panel: 16 x 16 in registers) beats writing the decoded values
+    // NR apart, and lets the decoder run eight codes at a time.
+    alignas(64) static thread_local unsigned char rows_buf[49152];
+    const bool staged = trans && sizeof(T) * static_cast<std::size_t>(NR * kc) <= sizeof(rows_buf);
     for (index q = 0; q < nc; q += NR, dst += kc * NR) {
       const index cols = std::min<index>(NR, nc - q), j = j_off + j0 + q;
+      if (staged) {
+        T* rows = reinterpret_cast<T*>(rows_buf);
+        for (index l = 0; l < cols; ++l) rd->run(j + l, k0, kc, rows + l * kc, 1);
+        pack_panel<NR>(static_cast<const T*>(rows), kc, false, cols, kc, dst);
+        continue;
+      }
       if (trans)
         for (index l = 0; l < cols; ++l) rd->run(j + l, k0, kc, dst + l, NR);
       else
@@ -37,9 +48,99 @@ struct QuantPackB {
 }  // namespace gemm
 #endif
 
+namespace detail {
+
+/// sum_k a[k] * b[k] in T over two 32-byte vectors of partial sums (a fixed order: the compiler
+/// may not reassociate a plain loop's reduction to vectorise it).
+template <class T>
+[[gnu::always_inline]] inline T dot_lanes(const T* a, const T* b, std::int64_t n) {
+  typedef T V __attribute__((vector_size(32)));
+  constexpr std::int64_t L = 32 / sizeof(T);
+  V s0 = {}, s1 = {};
+  std::int64_t k = 0;
+  for (; k + 2 * L <= n; k += 2 * L) {
+    V a0, a1, b0, b1;
+    __builtin_memcpy(&a0, a + k, sizeof(V));
+    __builtin_memcpy(&a1, a + k + L, sizeof(V));
+    __builtin_memcpy(&b0, b + k, sizeof(V));
+    __builtin_memcpy(&b1, b + k + L, sizeof(V));
+    s0 += a0 * b0;
+    s1 += a1 * b1;
+  }
+  s0 += s1;
+  T t = 0;
+  for (std::int64_t l = 0; l < L; ++l) t += s0[l];
+  for (; k < n; ++k) t += a[k] * b[k];
+  return t;
+}
+#if defined(NN_QUANT_AVX2)
+[[gnu::target("avx2,fma")]] inline float dot_lanes_avx2(const float* a, const float* b, std::int64_t n) {
+  return dot_lanes(a, b, n);
+}
+[[gnu::target("avx2,fma")]] inline void axpy_avx2(float* y, float a, const float* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+#endif
+template <class T>
+inline T dot_fast(const T* a, const T* b, std::int64_t n) {
+#if defined(NN_QUANT_AVX2)
+  if constexpr (std::is_same_v<T, float>)
+    if (quant_avx2()) return dot_lanes_avx2(a, b, n);
+#endif
+  return dot_lanes(a, b, n);
+}
+template <class T>
+inline void axpy_fast(T* y, T a, const T* x, std::int64_t n) {
+#if defined(NN_QUANT_AVX2)
+  if constexpr (std::is_same_v<T, float>)
+    if (quant_avx2()) return axpy_avx2(y, a, x, n);
+#endif
+  for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+/// y (M, N) (+)= x (M, K) @ op(W) for few rows of x (a decode step, a short prompt), columns
+/// [n0, n1) of y: W is streamed once, a row (x @ W^T: one output column) or a row segment (x @ W:
+/// one depth) at a time, decoded into a small buffer that every row of x then reads. No packing,
+/// and no padding of x to the micro-kernel's MR rows. False when a row does not fit the buffer
+/// (the caller takes the GEMM path).
+template <class T>
+inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N, std::int64_t K,
+                           std::int64_t n0, std::int64_t n1, bool transpose, bool acc) {
+  alignas(64) static thread_local T buf[8192];
+  constexpr std::int64_t cap = 8192;
+  if (transpose) {
+    if (K > cap) return false;
+    for (std::int64_t j = n0; j < n1; ++j) {
+      rd.run(j, 0, K, buf, 1);
+      for (std::int64_t m = 0; m < M; ++m) {
+        const T v = dot_fast(X + m * K, static_cast<const T*>(buf), K);
+        Y[m * N + j] = acc ? Y[m * N + j] + v : v;
+      }
+    }
+    return true;
+  }
+  for (std::int64_t c0 = n0; c0 < n1; c0 += cap) {  // a block of y's columns stays in cache over all of K
+    const std::int64_t nc = std::min(cap, n1 - c0);
+    if (!acc)
+      for (std::int64_t m = 0; m < M; ++m) std::fill_n(Y + m * N + c0, nc, T(0));
+    for (std::int64_t k = 0; k < K; ++k) {
+      rd.run(k, c0, nc, buf, 1);
+      for (std::int64_t m = 0; m < M; ++m) axpy_fast(Y + m * N + c0, X[m * K + k], static_cast<const T*>(buf), nc);
+    }
+  }
+  return true;
+}
+
+}  // namespace detail
+
 namespace cpu_kernels {
 
 struct QuantizedKernels {
+  /// Up to this many rows of x, products stream W once (detail::quantized_rows) instead of
+  /// packing it for the GEMM: x @ W^T computes a dot product per output, x @ W an axpy per
+  /// depth, which holds its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
+  static constexpr std::int64_t kFewRows = 4, kFewRowsAxpy = 8;
+
   /// y (M, N) (+)= x (M, K) @ op(W): W^T when a.transpose (W (N, K)), else W (K, N); W given
   /// as codes, scales and biases (undefined for mxfp4) in format a.q. T = y's dtype = x's;
   /// scales of another float dtype are widened to T.
@@ -52,6 +153,16 @@ struct QuantizedKernels {
       T* Y = y.data<T>();
       if (M == 0 || N == 0) return;
 #if defined(NN_OWN_GEMM)
+      if (a.transpose ? M <= kFewRows && K <= 8192 : M <= kFewRowsAxpy) {
+        const int threads = gemm::team_threads(M, N, K);
+        if (threads > 1)
+          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+            detail::quantized_rows(rd, X, Y, M, N, K, d0, d1, a.transpose, acc);
+          });
+        else
+          detail::quantized_rows(rd, X, Y, M, N, K, 0, N, a.transpose, acc);
+        return;
+      }
       gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
         using S = gemm::Shape<T, I>;
         const auto kern = gemm::micro_kernels<T, I>();
