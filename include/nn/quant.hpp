@@ -8,10 +8,14 @@
 //                                        at bits [j*bits, (j+1)*bits) of the row's little-endian
 //                                        bytes (8 x 4-bit or 4 x 8-bit per word; 3/5/6-bit codes
 //                                        straddle bytes, as MLX packs them)
-//   scales (rows, cols / group)          the weight's float dtype (affine), or u8 E8M0 (mxfp4)
+//   scales (rows, cols / group)          the weight's float dtype (affine), or u8: E8M0 (mxfp4,
+//                                        mxfp8), E4M3 (nvfp4)
 //   biases (rows, cols / group)          affine only
 // affine:  w = scale * q + bias,  q in [0, 2^bits - 1]               (groups 32/64/128, bits 2-8)
 // mxfp4:   w = 2^(e - 127) * E2M1[q], E2M1 = {0, .5, 1, 1.5, 2, 3, 4, 6} with the sign in bit 3
+//                                                                     (group 32, 4 bits)
+// mxfp8:   w = 2^(e - 127) * E4M3[q]                                  (group 32, 8 bits)
+// nvfp4:   w = E4M3[s] * E2M1[q]                                      (group 16, 4 bits)
 #pragma once
 
 #include <cmath>
@@ -30,13 +34,13 @@
 
 namespace nn {
 
-/// A quantized matrix: packed codes, scales, biases (undefined for mxfp4) and the format.
+/// A quantized matrix: packed codes, scales, biases (undefined for the fp modes) and the format.
 struct QuantizedMatrix {
   Tensor weight, scales, biases;
   Quant q;
   std::int64_t rows() const { return weight.dim(0); }
   std::int64_t cols() const { return weight.dim(-1) * 32 / q.bits; }
-  /// The float dtype the matrix dequantizes to: the scales' (affine), float32 (mxfp4).
+  /// The float dtype the matrix dequantizes to: the scales' (affine), float32 (the fp modes).
   DType dtype() const { return q.mode == QuantMode::affine ? scales.dtype() : DType::f32; }
   /// Bytes held: codes, scales and biases.
   std::size_t nbytes() const { return weight.nbytes() + scales.nbytes() + (biases.defined() ? biases.nbytes() : 0); }
@@ -45,11 +49,14 @@ struct QuantizedMatrix {
 namespace detail {
 
 /// Refuses a format MLX does not define: affine groups 32/64/128 with bits 2/3/4/5/6/8 (and the
-/// GGUF-style groups 16 and 256), mxfp4 with group 32 and 4 bits.
+/// GGUF-style groups 16 and 256), mxfp4 and mxfp8 with group 32 (4 and 8 bits), nvfp4 with
+/// group 16 and 4 bits.
 inline void check_quant(const Quant& q, const char* op) {
-  if (q.mode == QuantMode::mxfp4) {
-    if (q.group != 32 || q.bits != 4)
-      fail(op, "mxfp4 needs group size 32 and 4 bits, got group ", q.group, " and ", q.bits, " bits");
+  if (quant_fp(q.mode)) {
+    const Quant want = q.mode == QuantMode::mxfp4 ? Quant::mxfp4() : q.mode == QuantMode::mxfp8 ? Quant::mxfp8() : Quant::nvfp4();
+    if (q.group != want.group || q.bits != want.bits)
+      fail(op, quant_mode_name(q.mode), " needs group size ", want.group, " and ", want.bits, " bits, got group ", q.group,
+           " and ", q.bits, " bits");
     return;
   }
   if (q.bits < 2 || q.bits > 8 || q.bits == 7)
@@ -84,9 +91,11 @@ inline std::int64_t check_quantized(const QuantPart& wq, const QuantPart& scales
   if (!scales.defined || scales.shape != s)
     fail(op, "scales must be ", s.str(), " for a weight of ", wq.shape.str(), " (", quant_mode_name(q.mode), ", group ",
          q.group, ", ", q.bits, " bits), got ", scales.str());
-  if (q.mode == QuantMode::mxfp4) {
-    if (scales.dtype != DType::u8) fail(op, "mxfp4 scales must be uint8 (E8M0), got ", scales.str());
-    if (biases.defined) fail(op, "mxfp4 has no biases, got ", biases.str());
+  if (quant_fp(q.mode)) {
+    if (scales.dtype != DType::u8)
+      fail(op, quant_mode_name(q.mode), " scales must be uint8 (", q.mode == QuantMode::nvfp4 ? "E4M3" : "E8M0", "), got ",
+           scales.str());
+    if (biases.defined) fail(op, quant_mode_name(q.mode), " has no biases, got ", biases.str());
   } else {
     const DType t = scales.dtype;
     if (t != DType::f32 && t != DType::f64 && t != DType::bf16 && t != DType::f16)
@@ -127,7 +136,7 @@ inline bool quant_avx2() {
 }
 
 /// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
-/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's s * E2M1[q] (b
+/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's / nvfp4's s * E2M1[q] (b
 /// unused). The same arithmetic as the scalar reader: the product is rounded before the bias is
 /// added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
 [[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, int bits, bool fp4, std::int64_t c0, std::int64_t n,
@@ -164,7 +173,8 @@ inline bool quant_avx2() {
 #endif
 
 /// Reads a quantized matrix's values in T: the decoding every CPU quantized kernel shares.
-/// Values are scale * q + bias (affine) or 2^(e-127) * E2M1[q] (mxfp4), in T's arithmetic.
+/// Values are scale * q + bias (affine) or scale * E2M1[q] / E4M3[q] (the fp modes), in T's
+/// arithmetic.
 template <class T>
 struct QuantReader {
   const std::uint8_t* codes;  // row r's bit stream at codes + r * row_bytes
@@ -189,14 +199,18 @@ struct QuantReader {
     const std::int64_t end = c0 + n;
 #if defined(NN_QUANT_AVX2)
     // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time.
-    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && quant_avx2();
+    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && q.mode != QuantMode::mxfp8 &&
+                      quant_avx2();
 #endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
       const std::int64_t si = r * groups_per_row + g;
-      const bool fp4 = q.mode == QuantMode::mxfp4;
-      const T s = fp4 ? QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]) : widen_scale<T>(scales, sdt, si);
-      const T b = fp4 ? T(0) : widen_scale<T>(biases, sdt, si);
+      const bool fp = quant_fp(q.mode), fp4 = fp && q.bits == 4;
+      const std::uint8_t sb = fp ? static_cast<const std::uint8_t*>(scales)[si] : 0;
+      const T s = !fp                          ? widen_scale<T>(scales, sdt, si)
+                  : q.mode == QuantMode::nvfp4 ? static_cast<T>(QuantMath::e4m3(sb))
+                                               : QuantMath::e8m0<T>(sb);
+      const T b = fp ? T(0) : widen_scale<T>(biases, sdt, si);
 #if defined(NN_QUANT_AVX2)
       if (wide && c % 8 == 0 && gend - c >= 8) {
         if constexpr (std::is_same_v<T, float>) {
@@ -209,6 +223,8 @@ struct QuantReader {
 #endif
       if (fp4) {
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
+      } else if (fp) {  // mxfp8: a byte per code
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e4m3(row[c]));
       } else if (q.bits == 4) {  // the common case: two codes a byte
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>((row[c >> 1] >> ((c & 1) * 4)) & 15u) + b;
       } else if (q.bits == 8) {
@@ -247,8 +263,11 @@ inline T rounded(T v) {
 ///   edge = min or max (whichever is larger in magnitude); q0 = rint(edge / scale);
 ///   if q0 != 0: scale = edge / q0, bias = edge (so the edge value is exact), else bias = 0;
 ///   q = clamp(rint((w - bias) / scale), 0, 2^bits - 1); scales and biases stored in w's dtype.
-/// mxfp4: e = rint(log2(amax / 6)) (0 for a zero group), codes the nearest E2M1 value of w / 2^e
-/// (the first in {+0, .5, ..., 6, -0, -.5, ..., -6} on a tie), scale byte e + 127.
+/// mxfp4: e = the smallest integer with 2^e >= amax / 6 (0 for a zero group), codes the nearest
+/// E2M1 value of w / 2^e (the first in {+0, .5, ..., 6, -0, -.5, ..., -6} on a tie), scale byte
+/// e + 127. mxfp8: the same with amax / 448 and E4M3 codes (round to nearest even, saturating).
+/// nvfp4: scale = E4M3(amax / 6), codes the nearest E2M1 value of w / scale (MLX's global scale
+/// is not supported). The fp modes' divisions are computed in w's dtype, as MLX does.
 inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
   detail::check_quant(q, "quantize");
   if (!w.defined() || w.rank() != 2)
@@ -267,7 +286,7 @@ inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
   out.q = q;
   out.weight = Tensor::zeros(Shape{rows, cols * q.bits / 32}, DType::u32);
   const std::int64_t groups = cols / q.group;
-  out.scales = Tensor::empty(Shape{rows, groups}, q.mode == QuantMode::mxfp4 ? DType::u8 : dt);
+  out.scales = Tensor::empty(Shape{rows, groups}, quant_fp(q.mode) ? DType::u8 : dt);
   if (q.mode == QuantMode::affine) out.biases = Tensor::empty(Shape{rows, groups}, dt);
   auto* codes = static_cast<std::uint8_t*>(out.weight.raw());
   const std::int64_t row_bytes = cols * q.bits / 8;
@@ -280,11 +299,23 @@ inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
     for (std::int64_t gi = 0; gi < groups; ++gi) {
       for (std::int64_t j = 0; j < q.group; ++j) g[static_cast<std::size_t>(j)] = detail::load_as_double(w.raw(), dt, r * cols + gi * q.group + j);
       const std::int64_t si = r * groups + gi;
-      if (q.mode == QuantMode::mxfp4) {
-        const std::int32_t e = detail::QuantMath::mxfp4_exponent(g.data(), q.group, dt);
-        static_cast<std::uint8_t*>(out.scales.raw())[si] = detail::QuantMath::mxfp4_byte(e);
-        for (std::int64_t j = 0; j < q.group; ++j)
-          put_code(r, gi * q.group + j, detail::QuantMath::mxfp4_code(g[static_cast<std::size_t>(j)], e, dt));
+      if (quant_fp(q.mode)) {
+        using M = detail::QuantMath;
+        std::uint8_t& byte = static_cast<std::uint8_t*>(out.scales.raw())[si];
+        double p = 0;  // the divisor of an E2M1 code
+        if (q.mode == QuantMode::nvfp4) {
+          byte = M::nvfp4_scale_byte(g.data(), q.group, dt);
+          p = dt == DType::f64 ? static_cast<double>(M::e4m3(byte)) : M::in(dt, M::e4m3(byte));
+        } else {
+          const std::int32_t e = M::mx_exponent(g.data(), q.group, dt, q.mode == QuantMode::mxfp8 ? 448.0f : 6.0f);
+          byte = M::mxfp4_byte(e);
+          if (q.mode == QuantMode::mxfp8) {
+            for (std::int64_t j = 0; j < q.group; ++j) put_code(r, gi * q.group + j, M::mxfp8_code(g[static_cast<std::size_t>(j)], e, dt));
+            continue;
+          }
+          p = dt == DType::f64 ? std::ldexp(1.0, e) : M::in(dt, std::ldexp(1.0f, e));
+        }
+        for (std::int64_t j = 0; j < q.group; ++j) put_code(r, gi * q.group + j, M::e2m1_code(g[static_cast<std::size_t>(j)], p, dt));
         continue;
       }
       if (dt == DType::f64) {
@@ -312,15 +343,17 @@ inline QuantizedMatrix quantize(const Tensor& w, int group, int bits, QuantMode 
 }
 
 /// mx.dequantize, bit for bit: affine gives the scales' dtype, computed as MLX does in it
-/// (scale * q rounded to that dtype, then + bias rounded); mxfp4 gives `out` (float32 by default)
-/// = E2M1[q] * 2^(e - 127). float64 scales dequantize in double.
+/// (scale * q rounded to that dtype, then + bias rounded); the fp modes give `out` (float32 by
+/// default; MLX's is bfloat16) = code value * scale, the scale first rounded to `out`: E2M1[q] *
+/// 2^(e - 127) (mxfp4), E4M3[q] * 2^(e - 127) (mxfp8), E2M1[q] * E4M3[s] (nvfp4). float64
+/// scales dequantize in double.
 inline Tensor dequantize(const Tensor& wq, const Tensor& scales, const Tensor& biases, Quant q,
                          DType out = DType::f32) {
   const std::int64_t cols = detail::check_quantized(wq, scales, biases, q, "dequantize");
   const std::int64_t rows = wq.dim(0);
   if (q.mode == QuantMode::affine) out = scales.dtype();
   else if (out != DType::f32 && out != DType::f64 && out != DType::bf16 && out != DType::f16)
-    detail::fail("dequantize", "mxfp4 dequantizes to a float dtype, not ", dtype_name(out));
+    detail::fail("dequantize", quant_mode_name(q.mode), " dequantizes to a float dtype, not ", dtype_name(out));
   Tensor y = Tensor::empty(Shape{rows, cols}, out);
   if (out == DType::f64) {
     detail::QuantReader<double> rd(wq, scales, biases, q);
@@ -334,9 +367,12 @@ inline Tensor dequantize(const Tensor& wq, const Tensor& scales, const Tensor& b
       const std::uint32_t code = detail::QuantMath::code(codes + r * row_bytes, c, q.bits, row_bytes);
       const std::int64_t si = r * groups + c / q.group;
       float v;
-      if (q.mode == QuantMode::mxfp4) {
-        const float s = detail::round_to(out, detail::QuantMath::e8m0<float>(scales.data<std::uint8_t>()[si]));
-        v = detail::round_to(out, detail::rounded(detail::QuantMath::e2m1(code) * s));
+      if (quant_fp(q.mode)) {
+        using M = detail::QuantMath;
+        const std::uint8_t sb = scales.data<std::uint8_t>()[si];
+        const float s = detail::round_to(out, q.mode == QuantMode::nvfp4 ? M::e4m3(sb) : M::e8m0<float>(sb));
+        const float c = q.mode == QuantMode::mxfp8 ? M::e4m3(code) : M::e2m1(code);
+        v = detail::round_to(out, detail::rounded(c * s));
       } else {
         const float s = detail::widen_scale<float>(scales.raw(), out, si), b = detail::widen_scale<float>(biases.raw(), out, si);
         const float p = detail::round_to(out, detail::rounded(static_cast<float>(code) * s));

@@ -628,10 +628,14 @@ inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
 //                                        at bits [j*bits, (j+1)*bits) of the row's little-endian
 //                                        bytes (8 x 4-bit or 4 x 8-bit per word; 3/5/6-bit codes
 //                                        straddle bytes, as MLX packs them)
-//   scales (rows, cols / group)          the weight's float dtype (affine), or u8 E8M0 (mxfp4)
+//   scales (rows, cols / group)          the weight's float dtype (affine), or u8: E8M0 (mxfp4,
+//                                        mxfp8), E4M3 (nvfp4)
 //   biases (rows, cols / group)          affine only
 // affine:  w = scale * q + bias,  q in [0, 2^bits - 1]               (groups 32/64/128, bits 2-8)
 // mxfp4:   w = 2^(e - 127) * E2M1[q], E2M1 = {0, .5, 1, 1.5, 2, 3, 4, 6} with the sign in bit 3
+//                                                                     (group 32, 4 bits)
+// mxfp8:   w = 2^(e - 127) * E4M3[q]                                  (group 32, 8 bits)
+// nvfp4:   w = E4M3[s] * E2M1[q]                                      (group 16, 4 bits)
 
 #include <cmath>
 #include <cstdint>
@@ -971,10 +975,22 @@ struct RopeArgs {
 };
 
 /// A quantized matrix's format (quant.hpp): MLX's affine (w = scale * q + bias per group of
-/// `group` values along a row, `bits`-bit codes) or mxfp4 (E2M1 codes, an E8M0 scale per 32).
-enum class QuantMode : std::uint8_t { affine, mxfp4 };
+/// `group` values along a row, `bits`-bit codes), or one of its floating-point modes: mxfp4 (E2M1
+/// codes, an E8M0 scale per 32), mxfp8 (E4M3 codes, an E8M0 scale per 32), nvfp4 (E2M1 codes, an
+/// E4M3 scale per 16).
+enum class QuantMode : std::uint8_t { affine, mxfp4, mxfp8, nvfp4 };
 
-constexpr const char* quant_mode_name(QuantMode m) { return m == QuantMode::affine ? "affine" : "mxfp4"; }
+constexpr const char* quant_mode_name(QuantMode m) {
+  switch (m) {
+    case QuantMode::affine: return "affine";
+    case QuantMode::mxfp4: return "mxfp4";
+    case QuantMode::mxfp8: return "mxfp8";
+    case QuantMode::nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+/// The floating-point modes: u8 scales, no biases, E2M1 or E4M3 codes.
+constexpr bool quant_fp(QuantMode m) { return m != QuantMode::affine; }
 
 struct Quant {
   QuantMode mode = QuantMode::affine;
@@ -983,6 +999,8 @@ struct Quant {
   /// MLX's default: affine, groups of 64, 4 bits.
   static constexpr Quant affine(int group = 64, int bits = 4) { return {QuantMode::affine, group, bits}; }
   static constexpr Quant mxfp4() { return {QuantMode::mxfp4, 32, 4}; }
+  static constexpr Quant mxfp8() { return {QuantMode::mxfp8, 32, 8}; }
+  static constexpr Quant nvfp4() { return {QuantMode::nvfp4, 16, 4}; }
   friend constexpr bool operator==(const Quant&, const Quant&) = default;
 };
 
@@ -1416,6 +1434,46 @@ struct QuantMath {
     const float v = lut[c & 7u];
     return (c & 8u) ? -v : v;
   }
+  /// E4M3 (fn: no infinities; 0x7f / 0xff are NaN) byte -> its value: sign, 4 exponent bits
+  /// (bias 7), 3 mantissa bits; exponent 0 is subnormal (m / 8 * 2^-6).
+  NN_HD static float e4m3(std::uint32_t b) {
+    const std::uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    float v;
+    if (e == 15 && m == 7) {
+      const std::uint32_t nan_bits = 0x7fc00000u;
+      __builtin_memcpy(&v, &nan_bits, 4);
+    }
+    else if (e == 0) v = static_cast<float>(m) * 0.001953125f;  // m / 8 * 2^-6
+    else v = ::ldexpf(1.0f + static_cast<float>(m) * 0.125f, static_cast<int>(e) - 7);
+    return (b & 0x80u) ? -v : v;
+  }
+  /// float -> E4M3 byte, rounding to nearest even and saturating to +-448 (0x7e) as PyTorch's
+  /// c10::Float8_e4m3fn and MLX's fp8_e4m3 do (bit manipulation on the float's encoding).
+  NN_HD static std::uint8_t e4m3_byte(float f) {
+    std::uint32_t fb;
+    __builtin_memcpy(&fb, &f, 4);
+    const std::uint32_t sign = fb & 0x80000000u;
+    fb ^= sign;
+    std::uint8_t bits;
+    if (fb >= (543u << 21)) {
+      bits = 0x7e;
+    } else if (fb < (121u << 23)) {  // below 2^-6: subnormal; adding 2^-6 rounds the mantissa (RNE)
+      const std::uint32_t denorm = 141u << 23;
+      float x, d;
+      __builtin_memcpy(&x, &fb, 4);
+      __builtin_memcpy(&d, &denorm, 4);
+      x += d;
+      std::uint32_t xb;
+      __builtin_memcpy(&xb, &x, 4);
+      bits = static_cast<std::uint8_t>(xb - denorm);
+    } else {
+      const std::uint32_t mant_odd = (fb >> 20) & 1u;
+      fb += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7ffffu;
+      fb += mant_odd;
+      bits = static_cast<std::uint8_t>(fb >> 20);
+    }
+    return static_cast<std::uint8_t>(bits | (sign >> 24));
+  }
   /// E8M0 scale byte -> 2^(e - 127) (255 gives infinity in float, as MLX's bf16 scale does).
   template <class T>
   NN_HD static T e8m0(std::uint8_t e) {
@@ -1464,13 +1522,14 @@ struct QuantMath {
     if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(f));
     return f;
   }
-  /// mxfp4's scale exponent of a group of n values of dtype t, as MLX 0.32.4 computes it: s =
-  /// amax / 6 rounded to t, e = the smallest integer with 2^e >= s (rounding the scale up, so no
-  /// value saturates), 0 for a zero group. The stored byte is e + 127 (mod 256).
-  static std::int32_t mxfp4_exponent(const double* g, std::int64_t n, DType t) {
+  /// The E8M0 scale exponent of an mxfp4 (elem_max 6) or mxfp8 (elem_max 448) group of n values
+  /// of dtype t, as MLX 0.32.4 computes it: s = amax / elem_max rounded to t, e = the smallest
+  /// integer with 2^e >= s (rounding the scale up, so no value saturates), 0 for a zero group.
+  /// The stored byte is e + 127 (mod 256).
+  static std::int32_t mx_exponent(const double* g, std::int64_t n, DType t, float elem_max) {
     double amax = 0;
     for (std::int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(g[j]));
-    const double s = t == DType::f64 ? amax / 6.0 : in(t, static_cast<float>(amax) / 6.0f);
+    const double s = t == DType::f64 ? amax / elem_max : in(t, static_cast<float>(amax) / elem_max);
     if (s == 0) return 0;
     if (!std::isfinite(s)) return 128;  // 2^128: float's infinity, as MLX stores it
     int k = 0;
@@ -1480,10 +1539,24 @@ struct QuantMath {
   static std::uint8_t mxfp4_byte(std::int32_t e) {
     return static_cast<std::uint8_t>(static_cast<std::uint32_t>(e) + 127u);  // int32 -> uint8 wraps
   }
-  /// The E2M1 code of w in a group of exponent e: the nearest table value to w / 2^e, computed
-  /// in t; the first index wins a tie (MLX's argmin).
-  static std::uint32_t mxfp4_code(double w, std::int32_t e, DType t) {
+  /// nvfp4's scale byte of a group: amax / 6 rounded to t, then to E4M3 (MLX 0.32.4, no global
+  /// scale).
+  static std::uint8_t nvfp4_scale_byte(const double* g, std::int64_t n, DType t) {
+    double amax = 0;
+    for (std::int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(g[j]));
+    return e4m3_byte(static_cast<float>(t == DType::f64 ? amax / 6.0 : in(t, static_cast<float>(amax) / 6.0f)));
+  }
+  /// mxfp8's code of w in a group of exponent e: w / 2^e computed in t, then E4M3.
+  static std::uint8_t mxfp8_code(double w, std::int32_t e, DType t) {
     const double p = t == DType::f64 ? std::ldexp(1.0, e) : in(t, std::ldexp(1.0f, e));
+    const double v = t == DType::f64 ? w / p : in(t, static_cast<float>(w) / static_cast<float>(p));
+    return e4m3_byte(static_cast<float>(v));
+  }
+  /// The E2M1 code of w in a group whose scale is p (mxfp4: 2^e; nvfp4: its E4M3 scale's value;
+  /// zero gives code 0): the nearest table value to w / p, computed in t; the first index wins a
+  /// tie (MLX's argmin).
+  static std::uint32_t e2m1_code(double w, double p, DType t) {
+    if (p == 0) return 0;
     const double v = t == DType::f64 ? w / p : in(t, static_cast<float>(w) / static_cast<float>(p));
     std::uint32_t best = 0;
     double best_d = 0;
@@ -1503,13 +1576,13 @@ struct QuantMath {
 
 namespace nn {
 
-/// A quantized matrix: packed codes, scales, biases (undefined for mxfp4) and the format.
+/// A quantized matrix: packed codes, scales, biases (undefined for the fp modes) and the format.
 struct QuantizedMatrix {
   Tensor weight, scales, biases;
   Quant q;
   std::int64_t rows() const { return weight.dim(0); }
   std::int64_t cols() const { return weight.dim(-1) * 32 / q.bits; }
-  /// The float dtype the matrix dequantizes to: the scales' (affine), float32 (mxfp4).
+  /// The float dtype the matrix dequantizes to: the scales' (affine), float32 (the fp modes).
   DType dtype() const { return q.mode == QuantMode::affine ? scales.dtype() : DType::f32; }
   /// Bytes held: codes, scales and biases.
   std::size_t nbytes() const { return weight.nbytes() + scales.nbytes() + (biases.defined() ? biases.nbytes() : 0); }
@@ -1518,11 +1591,14 @@ struct QuantizedMatrix {
 namespace detail {
 
 /// Refuses a format MLX does not define: affine groups 32/64/128 with bits 2/3/4/5/6/8 (and the
-/// GGUF-style groups 16 and 256), mxfp4 with group 32 and 4 bits.
+/// GGUF-style groups 16 and 256), mxfp4 and mxfp8 with group 32 (4 and 8 bits), nvfp4 with
+/// group 16 and 4 bits.
 inline void check_quant(const Quant& q, const char* op) {
-  if (q.mode == QuantMode::mxfp4) {
-    if (q.group != 32 || q.bits != 4)
-      fail(op, "mxfp4 needs group size 32 and 4 bits, got group ", q.group, " and ", q.bits, " bits");
+  if (quant_fp(q.mode)) {
+    const Quant want = q.mode == QuantMode::mxfp4 ? Quant::mxfp4() : q.mode == QuantMode::mxfp8 ? Quant::mxfp8() : Quant::nvfp4();
+    if (q.group != want.group || q.bits != want.bits)
+      fail(op, quant_mode_name(q.mode), " needs group size ", want.group, " and ", want.bits, " bits, got group ", q.group,
+           " and ", q.bits, " bits");
     return;
   }
   if (q.bits < 2 || q.bits > 8 || q.bits == 7)
@@ -1557,9 +1633,11 @@ inline std::int64_t check_quantized(const QuantPart& wq, const QuantPart& scales
   if (!scales.defined || scales.shape != s)
     fail(op, "scales must be ", s.str(), " for a weight of ", wq.shape.str(), " (", quant_mode_name(q.mode), ", group ",
          q.group, ", ", q.bits, " bits), got ", scales.str());
-  if (q.mode == QuantMode::mxfp4) {
-    if (scales.dtype != DType::u8) fail(op, "mxfp4 scales must be uint8 (E8M0), got ", scales.str());
-    if (biases.defined) fail(op, "mxfp4 has no biases, got ", biases.str());
+  if (quant_fp(q.mode)) {
+    if (scales.dtype != DType::u8)
+      fail(op, quant_mode_name(q.mode), " scales must be uint8 (", q.mode == QuantMode::nvfp4 ? "E4M3" : "E8M0", "), got ",
+           scales.str());
+    if (biases.defined) fail(op, quant_mode_name(q.mode), " has no biases, got ", biases.str());
   } else {
     const DType t = scales.dtype;
     if (t != DType::f32 && t != DType::f64 && t != DType::bf16 && t != DType::f16)
@@ -1600,7 +1678,7 @@ inline bool quant_avx2() {
 }
 
 /// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
-/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's s * E2M1[q] (b
+/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's / nvfp4's s * E2M1[q] (b
 /// unused). The same arithmetic as the scalar reader: the product is rounded before the bias is
 /// added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
 [[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, int bits, bool fp4, std::int64_t c0, std::int64_t n,
@@ -1637,7 +1715,8 @@ inline bool quant_avx2() {
 #endif
 
 /// Reads a quantized matrix's values in T: the decoding every CPU quantized kernel shares.
-/// Values are scale * q + bias (affine) or 2^(e-127) * E2M1[q] (mxfp4), in T's arithmetic.
+/// Values are scale * q + bias (affine) or scale * E2M1[q] / E4M3[q] (the fp modes), in T's
+/// arithmetic.
 template <class T>
 struct QuantReader {
   const std::uint8_t* codes;  // row r's bit stream at codes + r * row_bytes
@@ -1662,14 +1741,18 @@ struct QuantReader {
     const std::int64_t end = c0 + n;
 #if defined(NN_QUANT_AVX2)
     // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time.
-    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && quant_avx2();
+    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && q.mode != QuantMode::mxfp8 &&
+                      quant_avx2();
 #endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
       const std::int64_t si = r * groups_per_row + g;
-      const bool fp4 = q.mode == QuantMode::mxfp4;
-      const T s = fp4 ? QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]) : widen_scale<T>(scales, sdt, si);
-      const T b = fp4 ? T(0) : widen_scale<T>(biases, sdt, si);
+      const bool fp = quant_fp(q.mode), fp4 = fp && q.bits == 4;
+      const std::uint8_t sb = fp ? static_cast<const std::uint8_t*>(scales)[si] : 0;
+      const T s = !fp                          ? widen_scale<T>(scales, sdt, si)
+                  : q.mode == QuantMode::nvfp4 ? static_cast<T>(QuantMath::e4m3(sb))
+                                               : QuantMath::e8m0<T>(sb);
+      const T b = fp ? T(0) : widen_scale<T>(biases, sdt, si);
 #if defined(NN_QUANT_AVX2)
       if (wide && c % 8 == 0 && gend - c >= 8) {
         if constexpr (std::is_same_v<T, float>) {
@@ -1682,6 +1765,8 @@ struct QuantReader {
 #endif
       if (fp4) {
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e2m1(QuantMath::code(row, c, 4, row_bytes)));
+      } else if (fp) {  // mxfp8: a byte per code
+        for (; c < gend; ++c, out += stride) *out = s * static_cast<T>(QuantMath::e4m3(row[c]));
       } else if (q.bits == 4) {  // the common case: two codes a byte
         for (; c < gend; ++c, out += stride) *out = s * static_cast<T>((row[c >> 1] >> ((c & 1) * 4)) & 15u) + b;
       } else if (q.bits == 8) {
@@ -1720,8 +1805,11 @@ inline T rounded(T v) {
 ///   edge = min or max (whichever is larger in magnitude); q0 = rint(edge / scale);
 ///   if q0 != 0: scale = edge / q0, bias = edge (so the edge value is exact), else bias = 0;
 ///   q = clamp(rint((w - bias) / scale), 0, 2^bits - 1); scales and biases stored in w's dtype.
-/// mxfp4: e = rint(log2(amax / 6)) (0 for a zero group), codes the nearest E2M1 value of w / 2^e
-/// (the first in {+0, .5, ..., 6, -0, -.5, ..., -6} on a tie), scale byte e + 127.
+/// mxfp4: e = the smallest integer with 2^e >= amax / 6 (0 for a zero group), codes the nearest
+/// E2M1 value of w / 2^e (the first in {+0, .5, ..., 6, -0, -.5, ..., -6} on a tie), scale byte
+/// e + 127. mxfp8: the same with amax / 448 and E4M3 codes (round to nearest even, saturating).
+/// nvfp4: scale = E4M3(amax / 6), codes the nearest E2M1 value of w / scale (MLX's global scale
+/// is not supported). The fp modes' divisions are computed in w's dtype, as MLX does.
 inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
   detail::check_quant(q, "quantize");
   if (!w.defined() || w.rank() != 2)
@@ -1740,7 +1828,7 @@ inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
   out.q = q;
   out.weight = Tensor::zeros(Shape{rows, cols * q.bits / 32}, DType::u32);
   const std::int64_t groups = cols / q.group;
-  out.scales = Tensor::empty(Shape{rows, groups}, q.mode == QuantMode::mxfp4 ? DType::u8 : dt);
+  out.scales = Tensor::empty(Shape{rows, groups}, quant_fp(q.mode) ? DType::u8 : dt);
   if (q.mode == QuantMode::affine) out.biases = Tensor::empty(Shape{rows, groups}, dt);
   auto* codes = static_cast<std::uint8_t*>(out.weight.raw());
   const std::int64_t row_bytes = cols * q.bits / 8;
@@ -1753,11 +1841,23 @@ inline QuantizedMatrix quantize(const Tensor& w, Quant q = Quant::affine()) {
     for (std::int64_t gi = 0; gi < groups; ++gi) {
       for (std::int64_t j = 0; j < q.group; ++j) g[static_cast<std::size_t>(j)] = detail::load_as_double(w.raw(), dt, r * cols + gi * q.group + j);
       const std::int64_t si = r * groups + gi;
-      if (q.mode == QuantMode::mxfp4) {
-        const std::int32_t e = detail::QuantMath::mxfp4_exponent(g.data(), q.group, dt);
-        static_cast<std::uint8_t*>(out.scales.raw())[si] = detail::QuantMath::mxfp4_byte(e);
-        for (std::int64_t j = 0; j < q.group; ++j)
-          put_code(r, gi * q.group + j, detail::QuantMath::mxfp4_code(g[static_cast<std::size_t>(j)], e, dt));
+      if (quant_fp(q.mode)) {
+        using M = detail::QuantMath;
+        std::uint8_t& byte = static_cast<std::uint8_t*>(out.scales.raw())[si];
+        double p = 0;  // the divisor of an E2M1 code
+        if (q.mode == QuantMode::nvfp4) {
+          byte = M::nvfp4_scale_byte(g.data(), q.group, dt);
+          p = dt == DType::f64 ? static_cast<double>(M::e4m3(byte)) : M::in(dt, M::e4m3(byte));
+        } else {
+          const std::int32_t e = M::mx_exponent(g.data(), q.group, dt, q.mode == QuantMode::mxfp8 ? 448.0f : 6.0f);
+          byte = M::mxfp4_byte(e);
+          if (q.mode == QuantMode::mxfp8) {
+            for (std::int64_t j = 0; j < q.group; ++j) put_code(r, gi * q.group + j, M::mxfp8_code(g[static_cast<std::size_t>(j)], e, dt));
+            continue;
+          }
+          p = dt == DType::f64 ? std::ldexp(1.0, e) : M::in(dt, std::ldexp(1.0f, e));
+        }
+        for (std::int64_t j = 0; j < q.group; ++j) put_code(r, gi * q.group + j, M::e2m1_code(g[static_cast<std::size_t>(j)], p, dt));
         continue;
       }
       if (dt == DType::f64) {
@@ -1785,15 +1885,17 @@ inline QuantizedMatrix quantize(const Tensor& w, int group, int bits, QuantMode 
 }
 
 /// mx.dequantize, bit for bit: affine gives the scales' dtype, computed as MLX does in it
-/// (scale * q rounded to that dtype, then + bias rounded); mxfp4 gives `out` (float32 by default)
-/// = E2M1[q] * 2^(e - 127). float64 scales dequantize in double.
+/// (scale * q rounded to that dtype, then + bias rounded); the fp modes give `out` (float32 by
+/// default; MLX's is bfloat16) = code value * scale, the scale first rounded to `out`: E2M1[q] *
+/// 2^(e - 127) (mxfp4), E4M3[q] * 2^(e - 127) (mxfp8), E2M1[q] * E4M3[s] (nvfp4). float64
+/// scales dequantize in double.
 inline Tensor dequantize(const Tensor& wq, const Tensor& scales, const Tensor& biases, Quant q,
                          DType out = DType::f32) {
   const std::int64_t cols = detail::check_quantized(wq, scales, biases, q, "dequantize");
   const std::int64_t rows = wq.dim(0);
   if (q.mode == QuantMode::affine) out = scales.dtype();
   else if (out != DType::f32 && out != DType::f64 && out != DType::bf16 && out != DType::f16)
-    detail::fail("dequantize", "mxfp4 dequantizes to a float dtype, not ", dtype_name(out));
+    detail::fail("dequantize", quant_mode_name(q.mode), " dequantizes to a float dtype, not ", dtype_name(out));
   Tensor y = Tensor::empty(Shape{rows, cols}, out);
   if (out == DType::f64) {
     detail::QuantReader<double> rd(wq, scales, biases, q);
@@ -1807,9 +1909,12 @@ inline Tensor dequantize(const Tensor& wq, const Tensor& scales, const Tensor& b
       const std::uint32_t code = detail::QuantMath::code(codes + r * row_bytes, c, q.bits, row_bytes);
       const std::int64_t si = r * groups + c / q.group;
       float v;
-      if (q.mode == QuantMode::mxfp4) {
-        const float s = detail::round_to(out, detail::QuantMath::e8m0<float>(scales.data<std::uint8_t>()[si]));
-        v = detail::round_to(out, detail::rounded(detail::QuantMath::e2m1(code) * s));
+      if (quant_fp(q.mode)) {
+        using M = detail::QuantMath;
+        const std::uint8_t sb = scales.data<std::uint8_t>()[si];
+        const float s = detail::round_to(out, q.mode == QuantMode::nvfp4 ? M::e4m3(sb) : M::e8m0<float>(sb));
+        const float c = q.mode == QuantMode::mxfp8 ? M::e4m3(code) : M::e2m1(code);
+        v = detail::round_to(out, detail::rounded(c * s));
       } else {
         const float s = detail::widen_scale<float>(scales.raw(), out, si), b = detail::widen_scale<float>(biases.raw(), out, si);
         const float p = detail::round_to(out, detail::rounded(static_cast<float>(code) * s));
@@ -7812,7 +7917,7 @@ std::int64_t check_quantized_inputs(const GTape<B>& tp, GVar wq, GVar scales, st
 
 /// x @ dequant(W)^T (transpose, MLX's default: W (N, K), a QuantizedLinear's weight) or
 /// x @ dequant(W) (W (K, N)), for x (..., K) float32/float64; W as codes (u32), scales and
-/// biases (affine; std::nullopt for mxfp4) in format q (mx.quantized_matmul). The scales may be
+/// biases (affine; std::nullopt for the fp modes) in format q (mx.quantized_matmul). The scales may be
 /// bfloat16/float16 beside a float32 x (widened). Gradient: x only.
 template <class B>
 GVar quantized_matmul(GTape<B>& tp, GVar x, GVar wq, GVar scales, std::optional<GVar> biases, Quant q,
@@ -11217,7 +11322,7 @@ BoundQuantized<B> bind_quantized(GTape<B>& tp, const Buffer& w, const Buffer& s,
 /// y = x @ dequant(weight)^T + bias for a weight quantized in MLX's format (quant.hpp). Every
 /// tensor is a Buffer: never trained (unfreeze() leaves it so), saved and loaded under MLX's
 /// names: weight (out, in * bits / 32) u32, scales and biases (out, in / group) (no biases for
-/// mxfp4), bias (out) when the Linear had one.
+/// the fp modes), bias (out) when the Linear had one.
 struct QuantizedLinear {
   Buffer weight;
   Buffer scales;
@@ -11245,7 +11350,7 @@ struct QuantizedLinear {
   std::int64_t in_features() const { return weight.value.dim(1) * 32 / bits_; }
   std::int64_t out_features() const { return weight.value.dim(0); }
   QuantizedMatrix matrix() const { return {weight.value, scales.value, biases ? biases->value : Tensor(), quant()}; }
-  /// The full-precision Linear (the scales' dtype; mxfp4: float32): mx.dequantize of the weight.
+  /// The full-precision Linear (the scales' dtype; the fp modes: float32): mx.dequantize of the weight.
   Linear dequantized() const {
     Linear l;
     l.weight = Param(dequantize(matrix()));

@@ -1807,11 +1807,14 @@ inline Quant mlx_quant_from_json(const nlohmann::json& j, const std::string& whe
   Quant q;
   if (mode == "affine") q = Quant::affine(num("group_size"), num("bits"));
   else if (mode == "mxfp4") q = Quant::mxfp4();
+  else if (mode == "mxfp8") q = Quant::mxfp8();
+  else if (mode == "nvfp4") q = Quant::nvfp4();
   else
     nn::detail::fail("load_hf", where, ": quantization mode \"", mode,
-                     "\" is not supported (nn reads MLX's affine and mxfp4 formats)");
-  if (q.mode == QuantMode::mxfp4 && ((j.contains("group_size") && num("group_size") != 32) || (j.contains("bits") && num("bits") != 4)))
-    nn::detail::fail("load_hf", where, ": mxfp4 needs group_size 32 and bits 4, got ", j.dump());
+                     "\" is not supported (nn reads MLX's affine, mxfp4, mxfp8 and nvfp4 formats)");
+  if (quant_fp(q.mode) && ((j.contains("group_size") && num("group_size") != q.group) || (j.contains("bits") && num("bits") != q.bits)))
+    nn::detail::fail("load_hf", where, ": ", quant_mode_name(q.mode), " needs group_size ", q.group, " and bits ", q.bits,
+                     ", got ", j.dump());
   try {
     nn::detail::check_quant(q, "load_hf");
   } catch (const Error&) {
@@ -1855,7 +1858,7 @@ inline MlxQuantization mlx_quantization(const nlohmann::json& cfg, const std::st
 
 /// The format of the layer at `path` whose in_features is `in`: its config entry, else (as
 /// mlx-lm's load_model does) the group and bits the stored shapes imply, affine unless the scales
-/// are u8 (mxfp4 then; mxfp8 and nvfp4 are refused by name).
+/// are u8 (then the fp mode with that group and bits: mxfp4, mxfp8 or nvfp4).
 inline Quant mlx_layer_quant(const MlxQuantization& mq, const std::string& path, std::int64_t in,
                              const SafetensorsView& w, const SafetensorsView& scales) {
   const std::string where = scales.file() + ": \"" + path + "\"";
@@ -1874,10 +1877,10 @@ inline Quant mlx_layer_quant(const MlxQuantization& mq, const std::string& path,
                      Shape(scales.shape()).str(), " for ", in, " input features");
   const int group = static_cast<int>(in / scales.shape()[1]), bits = static_cast<int>(w.shape()[1] * 32 / in);
   if (scales.dtype() != SafetensorsDtype::U8) return Quant::affine(group, bits);
-  if (bits == 4 && group == 32) return Quant::mxfp4();
-  nn::detail::fail("load_hf", where, ": u8 scales with group ", group, " and ", bits, " bits (",
-                   bits == 8 ? "mxfp8" : bits == 4 && group == 16 ? "nvfp4" : "an unknown mode",
-                   ") is a format nn does not support (affine and mxfp4)");
+  for (const Quant q : {Quant::mxfp4(), Quant::mxfp8(), Quant::nvfp4()})  // u8 scales: one (bits, group) per mode
+    if (q.bits == bits && q.group == group) return q;
+  nn::detail::fail("load_hf", where, ": u8 scales with group ", group, " and ", bits,
+                   " bits match none of MLX's fp modes (mxfp4 32/4, mxfp8 32/8, nvfp4 16/4)");
 }
 
 }  // namespace detail
@@ -2008,9 +2011,10 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
   });
   m.map_modules<Embedding>(stored, [&](const std::string& p, const Embedding& e) {
     QuantizedMatrix qm = matrix(p, e.weight.value.shape());
-    if (dtype == DType::f64 && qm.q.mode == QuantMode::mxfp4)  // its rows would gather in float32
-      nn::detail::fail("load_hf", folder.string(), ": \"", p, "\" is mxfp4, which a float64 model cannot keep "
-                       "quantized (an mxfp4 embedding gathers float32); load in float32, or dequantize_layers");
+    if (dtype == DType::f64 && quant_fp(qm.q.mode))  // its rows would gather in float32
+      nn::detail::fail("load_hf", folder.string(), ": \"", p, "\" is ", quant_mode_name(qm.q.mode),
+                       ", which a float64 model cannot keep quantized (an fp-mode embedding gathers float32); load "
+                       "in float32, or dequantize_layers");
     return QuantizedEmbedding::from_quantized(std::move(qm));
   });
   // Parts of a path the model has no Linear / Embedding at reach the strict load as they are,

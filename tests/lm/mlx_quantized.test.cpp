@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // mlx-lm's quantized model folders (mlx_lm.convert -q) loaded by load_hf, kept quantized: logits
 // against mlx-lm's own on the same folders (tests/oracle/gen_mlx_lm_quantized.py: affine 64/4 and
-// 64/8, the mixed_3_6 recipe's per-layer overrides with 3- and 6-bit layers, mxfp4), the f64 load
+// 64/8, the mixed_3_6 recipe's per-layer overrides with 3- and 6-bit layers, mxfp4, mxfp8, nvfp4), the f64 load
 // against the dequantized model, and every way a folder can be wrong.
 #include <filesystem>
 #include <fstream>
@@ -56,7 +56,7 @@ fs::path edited_copy(const TempDir& d, const std::string& name, const std::funct
 
 }  // namespace
 
-TEST_CASE("mlx-lm quantized folders: logits equal mlx-lm's (4 and 8 bits, mixed_3_6 overrides, mxfp4)") {
+TEST_CASE("mlx-lm quantized folders: logits equal mlx-lm's (4 and 8 bits, mixed_3_6 overrides, mxfp4, mxfp8, nvfp4)") {
   struct Case {
     const char* name;
     std::size_t quantized;  // layers kept quantized
@@ -66,7 +66,9 @@ TEST_CASE("mlx-lm quantized folders: logits equal mlx-lm's (4 and 8 bits, mixed_
   const Case cases[] = {{"llama_q4", 16, Quant::affine(64, 4)},
                         {"llama_q8", 16, Quant::affine(64, 8)},
                         {"qwen2_mixed", 15, Quant::affine(32, 3)},
-                        {"llama_mxfp4", 16, Quant::mxfp4()}};
+                        {"llama_mxfp4", 16, Quant::mxfp4()},
+                        {"llama_mxfp8", 16, Quant::mxfp8()},
+                        {"llama_nvfp4", 16, Quant::nvfp4()}};
   for (const Case& c : cases) {
     const std::string name = c.name;
     CAPTURE(name);
@@ -141,9 +143,15 @@ TEST_CASE("mlx-lm quantized folders: errors name the file, the layer and the for
   // Formats nn does not read.
   fails_with(edited_copy(d, "llama_q4",
                          [](auto& j) {
-                           j["quantization"]["lm_head"] = {{"group_size", 32}, {"bits", 8}, {"mode", "mxfp8"}};
+                           j["quantization"]["lm_head"] = {{"group_size", 32}, {"bits", 8}, {"mode", "fp8"}};
                          }),
-             "quantization mode \"mxfp8\" is not supported");
+             "quantization mode \"fp8\" is not supported");
+  // An fp mode with another group size than its one.
+  fails_with(edited_copy(d, "llama_q4",
+                         [](auto& j) {
+                           j["quantization"]["lm_head"] = {{"group_size", 32}, {"bits", 4}, {"mode", "nvfp4"}};
+                         }),
+             "nvfp4 needs group_size 16 and bits 4");
   fails_with(edited_copy(d, "llama_q4", [](auto& j) { j["quantization"]["model.norm"] = {{"group_size", 48}, {"bits", 4}}; }),
              "group_size 48 with 4 bits");
   // Scales stored but no quantization block (mlx-lm would not quantize either).

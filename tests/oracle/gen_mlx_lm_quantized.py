@@ -17,6 +17,8 @@ Each is converted by mlx_lm.convert -- the CLI's own function, --dtype float32 -
                  config.json (3 bits, and 6 bits for layer 1's v_proj / down_proj), 3-bit tied
                  embedding
   llama_mxfp4/   -q --q-mode mxfp4 (group 32, E2M1 codes, u8 E8M0 scales, no biases)
+  llama_mxfp8/   -q --q-mode mxfp8 (group 32, E4M3 codes, u8 E8M0 scales)
+  llama_nvfp4/   -q --q-mode nvfp4 (group 16, E2M1 codes, u8 E4M3 scales, no global scale)
 
 Only config.json and model.safetensors are kept. mlx_lm.utils.load_model then loads each folder (its
 own class_predicate: the per-layer override, else the group and bits inferred from the shapes) and
@@ -86,6 +88,8 @@ def main():
         "llama_q8": ("llama", dict(quantize=True, q_bits=8)),
         "qwen2_mixed": ("qwen2", dict(quantize=True, q_group_size=32, quant_predicate="mixed_3_6")),
         "llama_mxfp4": ("llama", dict(quantize=True, q_mode="mxfp4")),
+        "llama_mxfp8": ("llama", dict(quantize=True, q_mode="mxfp8")),
+        "llama_nvfp4": ("llama", dict(quantize=True, q_mode="nvfp4")),
     }
     if os.path.isdir(OUT):
         shutil.rmtree(OUT)

@@ -38,22 +38,20 @@ std::int64_t first_diff(const Tensor& a, const Tensor& b) {
 
 Quant quant_of(const nlohmann::json& c) {
   const std::string mode = c.at("mode").get<std::string>();
-  return Quant{mode == "mxfp4" ? QuantMode::mxfp4 : QuantMode::affine, c.at("group_size").get<int>(),
-               c.at("bits").get<int>()};
-}
-bool supported(const nlohmann::json& c) {
-  const std::string mode = c.at("mode").get<std::string>();
-  return mode == "affine" || mode == "mxfp4";  // mxfp8 / nvfp4: recorded, not implemented
+  const QuantMode m = mode == "mxfp4"   ? QuantMode::mxfp4
+                      : mode == "mxfp8" ? QuantMode::mxfp8
+                      : mode == "nvfp4" ? QuantMode::nvfp4
+                                        : QuantMode::affine;
+  return Quant{m, c.at("group_size").get<int>(), c.at("bits").get<int>()};
 }
 
 }  // namespace
 
-TEST_CASE("quantize and dequantize equal MLX's bit for bit (affine 2-8 bits, groups 32/64/128, mxfp4)") {
+TEST_CASE("quantize and dequantize equal MLX's bit for bit (affine 2-8 bits, groups 32/64/128, mxfp4, mxfp8, nvfp4)") {
   const auto fx = nn::test::fixture("quant/mlx.json");
   REQUIRE(fx.at("mlx_version").get<std::string>() == "0.32.4");
   int checked = 0;
   for (const auto& c : fx.at("quantize")) {
-    if (!supported(c)) continue;
     const std::string name = c.at("name").get<std::string>();
     const Quant q = quant_of(c);
     const Tensor w = from_hex(c.at("w"));
@@ -69,7 +67,7 @@ TEST_CASE("quantize and dequantize equal MLX's bit for bit (affine 2-8 bits, gro
     CHECK_SAME_BYTES(d, expect, "dequantized");
     ++checked;
   }
-  CHECK(checked == 76);  // 54 random + 16 adversarial affine, 6 mxfp4
+  CHECK(checked == 88);  // 54 random + 16 adversarial affine, 6 each of mxfp4, mxfp8 and nvfp4
 }
 
 TEST_CASE("quantized_matmul equals mx.quantized_matmul (float32, x @ W^T and x @ W, batched x)") {
@@ -110,7 +108,7 @@ Sample sample(std::int64_t rows, std::int64_t cols, Quant q, std::uint64_t seed)
 
 TEST_CASE("quantized_matmul in float64 equals dequantize-then-matmul, values and x's gradient") {
   for (const Quant q : {Quant::affine(32, 2), Quant::affine(64, 3), Quant::affine(), Quant::affine(128, 5),
-                        Quant::affine(32, 6), Quant::affine(64, 8), Quant::mxfp4()}) {
+                        Quant::affine(32, 6), Quant::affine(64, 8), Quant::mxfp4(), Quant::mxfp8(), Quant::nvfp4()}) {
     for (const bool transpose : {true, false}) {
       CAPTURE(quant_mode_name(q.mode));
       CAPTURE(q.bits);
@@ -168,7 +166,7 @@ TEST_CASE("the vector decoder equals the scalar one and MLX's dequantize, bit fo
   // time otherwise (a strided run takes the scalar loop): both must give dequantize()'s values,
   // which are MLX's. Runs start and end off group and 8-code boundaries.
   for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::affine(128, 4), Quant::mxfp4(),
-                        Quant::affine(64, 3)}) {
+                        Quant::affine(64, 3), Quant::mxfp8(), Quant::nvfp4()}) {
     const std::string name = std::string(quant_mode_name(q.mode)) + " " + std::to_string(q.group) + "/" + std::to_string(q.bits);
     CAPTURE(name);
     const Tensor raw = nn::test::random_tensor(Shape{5, 256}, DType::f32, 21, -3, 3);
@@ -195,7 +193,8 @@ TEST_CASE("the vector decoder equals the scalar one and MLX's dequantize, bit fo
 TEST_CASE("quantized_matmul on few rows (streamed W) and many (packed W) equals float64 dequantize-then-matmul") {
   // The 1-8 row products stream W (a dot per output for x @ W^T, an axpy per depth for x @ W);
   // more rows pack it for the GEMM. Both against the float64 product of the dequantized matrix.
-  for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::mxfp4(), Quant::affine(32, 2)}) {
+  for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::mxfp4(), Quant::affine(32, 2), Quant::mxfp8(),
+                        Quant::nvfp4()}) {
     for (const bool transpose : {true, false}) {
       for (const std::int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
         CAPTURE(quant_mode_name(q.mode));
@@ -260,4 +259,8 @@ TEST_CASE("quantized weights never get a gradient; shapes and formats are checke
   check_error([&] { quantize(Tensor::zeros(Shape{4, 64}, DType::i32)); }, {"quantize", "int32"});
   check_error([&] { quantize(nn::test::random_tensor(Shape{4, 64}, DType::f32, 1), Quant{QuantMode::mxfp4, 64, 4}); },
               {"quantize", "mxfp4 needs group size 32"});
+  check_error([&] { quantize(nn::test::random_tensor(Shape{4, 64}, DType::f32, 1), Quant{QuantMode::nvfp4, 32, 4}); },
+              {"quantize", "nvfp4 needs group size 16 and 4 bits"});
+  check_error([&] { quantized_matmul(tp, x, w, tp.constant(Tensor::zeros(Shape{8, 1}, DType::f32)), std::nullopt, Quant::mxfp8()); },
+              {"quantized_matmul", "mxfp8 scales must be uint8 (E8M0)"});
 }

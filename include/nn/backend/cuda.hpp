@@ -716,7 +716,7 @@ struct cuda {
 
   // ---- quantized matrices (quant.hpp, ops/quantized.hpp) --------------------------------------
   // A plain kernel, one thread per output, reading codes through backend/math.hpp's QuantMath as
-  // the CPU does. Scales must have x's dtype (affine) or be E8M0 bytes (mxfp4).
+  // the CPU does. Scales must have x's dtype (affine) or be u8 (the fp modes).
 
   static void check_quant_scales(const Tensor& scales, const Quant& q, DType t, const char* op) {
     if (q.mode == QuantMode::affine && scales.dtype() != t)

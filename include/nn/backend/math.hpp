@@ -362,6 +362,46 @@ struct QuantMath {
     const float v = lut[c & 7u];
     return (c & 8u) ? -v : v;
   }
+  /// E4M3 (fn: no infinities; 0x7f / 0xff are NaN) byte -> its value: sign, 4 exponent bits
+  /// (bias 7), 3 mantissa bits; exponent 0 is subnormal (m / 8 * 2^-6).
+  NN_HD static float e4m3(std::uint32_t b) {
+    const std::uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    float v;
+    if (e == 15 && m == 7) {
+      const std::uint32_t nan_bits = 0x7fc00000u;
+      __builtin_memcpy(&v, &nan_bits, 4);
+    }
+    else if (e == 0) v = static_cast<float>(m) * 0.001953125f;  // m / 8 * 2^-6
+    else v = ::ldexpf(1.0f + static_cast<float>(m) * 0.125f, static_cast<int>(e) - 7);
+    return (b & 0x80u) ? -v : v;
+  }
+  /// float -> E4M3 byte, rounding to nearest even and saturating to +-448 (0x7e) as PyTorch's
+  /// c10::Float8_e4m3fn and MLX's fp8_e4m3 do (bit manipulation on the float's encoding).
+  NN_HD static std::uint8_t e4m3_byte(float f) {
+    std::uint32_t fb;
+    __builtin_memcpy(&fb, &f, 4);
+    const std::uint32_t sign = fb & 0x80000000u;
+    fb ^= sign;
+    std::uint8_t bits;
+    if (fb >= (543u << 21)) {
+      bits = 0x7e;
+    } else if (fb < (121u << 23)) {  // below 2^-6: subnormal; adding 2^-6 rounds the mantissa (RNE)
+      const std::uint32_t denorm = 141u << 23;
+      float x, d;
+      __builtin_memcpy(&x, &fb, 4);
+      __builtin_memcpy(&d, &denorm, 4);
+      x += d;
+      std::uint32_t xb;
+      __builtin_memcpy(&xb, &x, 4);
+      bits = static_cast<std::uint8_t>(xb - denorm);
+    } else {
+      const std::uint32_t mant_odd = (fb >> 20) & 1u;
+      fb += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7ffffu;
+      fb += mant_odd;
+      bits = static_cast<std::uint8_t>(fb >> 20);
+    }
+    return static_cast<std::uint8_t>(bits | (sign >> 24));
+  }
   /// E8M0 scale byte -> 2^(e - 127) (255 gives infinity in float, as MLX's bf16 scale does).
   template <class T>
   NN_HD static T e8m0(std::uint8_t e) {
@@ -410,13 +450,14 @@ struct QuantMath {
     if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(f));
     return f;
   }
-  /// mxfp4's scale exponent of a group of n values of dtype t, as MLX 0.32.4 computes it: s =
-  /// amax / 6 rounded to t, e = the smallest integer with 2^e >= s (rounding the scale up, so no
-  /// value saturates), 0 for a zero group. The stored byte is e + 127 (mod 256).
-  static std::int32_t mxfp4_exponent(const double* g, std::int64_t n, DType t) {
+  /// The E8M0 scale exponent of an mxfp4 (elem_max 6) or mxfp8 (elem_max 448) group of n values
+  /// of dtype t, as MLX 0.32.4 computes it: s = amax / elem_max rounded to t, e = the smallest
+  /// integer with 2^e >= s (rounding the scale up, so no value saturates), 0 for a zero group.
+  /// The stored byte is e + 127 (mod 256).
+  static std::int32_t mx_exponent(const double* g, std::int64_t n, DType t, float elem_max) {
     double amax = 0;
     for (std::int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(g[j]));
-    const double s = t == DType::f64 ? amax / 6.0 : in(t, static_cast<float>(amax) / 6.0f);
+    const double s = t == DType::f64 ? amax / elem_max : in(t, static_cast<float>(amax) / elem_max);
     if (s == 0) return 0;
     if (!std::isfinite(s)) return 128;  // 2^128: float's infinity, as MLX stores it
     int k = 0;
@@ -426,10 +467,24 @@ struct QuantMath {
   static std::uint8_t mxfp4_byte(std::int32_t e) {
     return static_cast<std::uint8_t>(static_cast<std::uint32_t>(e) + 127u);  // int32 -> uint8 wraps
   }
-  /// The E2M1 code of w in a group of exponent e: the nearest table value to w / 2^e, computed
-  /// in t; the first index wins a tie (MLX's argmin).
-  static std::uint32_t mxfp4_code(double w, std::int32_t e, DType t) {
+  /// nvfp4's scale byte of a group: amax / 6 rounded to t, then to E4M3 (MLX 0.32.4, no global
+  /// scale).
+  static std::uint8_t nvfp4_scale_byte(const double* g, std::int64_t n, DType t) {
+    double amax = 0;
+    for (std::int64_t j = 0; j < n; ++j) amax = std::max(amax, std::abs(g[j]));
+    return e4m3_byte(static_cast<float>(t == DType::f64 ? amax / 6.0 : in(t, static_cast<float>(amax) / 6.0f)));
+  }
+  /// mxfp8's code of w in a group of exponent e: w / 2^e computed in t, then E4M3.
+  static std::uint8_t mxfp8_code(double w, std::int32_t e, DType t) {
     const double p = t == DType::f64 ? std::ldexp(1.0, e) : in(t, std::ldexp(1.0f, e));
+    const double v = t == DType::f64 ? w / p : in(t, static_cast<float>(w) / static_cast<float>(p));
+    return e4m3_byte(static_cast<float>(v));
+  }
+  /// The E2M1 code of w in a group whose scale is p (mxfp4: 2^e; nvfp4: its E4M3 scale's value;
+  /// zero gives code 0): the nearest table value to w / p, computed in t; the first index wins a
+  /// tie (MLX's argmin).
+  static std::uint32_t e2m1_code(double w, double p, DType t) {
+    if (p == 0) return 0;
     const double v = t == DType::f64 ? w / p : in(t, static_cast<float>(w) / static_cast<float>(p));
     std::uint32_t best = 0;
     double best_d = 0;

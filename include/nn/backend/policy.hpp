@@ -131,10 +131,22 @@ struct RopeArgs {
 };
 
 /// A quantized matrix's format (quant.hpp): MLX's affine (w = scale * q + bias per group of
-/// `group` values along a row, `bits`-bit codes) or mxfp4 (E2M1 codes, an E8M0 scale per 32).
-enum class QuantMode : std::uint8_t { affine, mxfp4 };
+/// `group` values along a row, `bits`-bit codes), or one of its floating-point modes: mxfp4 (E2M1
+/// codes, an E8M0 scale per 32), mxfp8 (E4M3 codes, an E8M0 scale per 32), nvfp4 (E2M1 codes, an
+/// E4M3 scale per 16).
+enum class QuantMode : std::uint8_t { affine, mxfp4, mxfp8, nvfp4 };
 
-constexpr const char* quant_mode_name(QuantMode m) { return m == QuantMode::affine ? "affine" : "mxfp4"; }
+constexpr const char* quant_mode_name(QuantMode m) {
+  switch (m) {
+    case QuantMode::affine: return "affine";
+    case QuantMode::mxfp4: return "mxfp4";
+    case QuantMode::mxfp8: return "mxfp8";
+    case QuantMode::nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+/// The floating-point modes: u8 scales, no biases, E2M1 or E4M3 codes.
+constexpr bool quant_fp(QuantMode m) { return m != QuantMode::affine; }
 
 struct Quant {
   QuantMode mode = QuantMode::affine;
@@ -143,6 +155,8 @@ struct Quant {
   /// MLX's default: affine, groups of 64, 4 bits.
   static constexpr Quant affine(int group = 64, int bits = 4) { return {QuantMode::affine, group, bits}; }
   static constexpr Quant mxfp4() { return {QuantMode::mxfp4, 32, 4}; }
+  static constexpr Quant mxfp8() { return {QuantMode::mxfp8, 32, 8}; }
+  static constexpr Quant nvfp4() { return {QuantMode::nvfp4, 16, 4}; }
   friend constexpr bool operator==(const Quant&, const Quant&) = default;
 };
 

@@ -33,7 +33,7 @@ BoundQuantized<B> bind_quantized(GTape<B>& tp, const Buffer& w, const Buffer& s,
 /// y = x @ dequant(weight)^T + bias for a weight quantized in MLX's format (quant.hpp). Every
 /// tensor is a Buffer: never trained (unfreeze() leaves it so), saved and loaded under MLX's
 /// names: weight (out, in * bits / 32) u32, scales and biases (out, in / group) (no biases for
-/// mxfp4), bias (out) when the Linear had one.
+/// the fp modes), bias (out) when the Linear had one.
 struct QuantizedLinear {
   Buffer weight;
   Buffer scales;
@@ -61,7 +61,7 @@ struct QuantizedLinear {
   std::int64_t in_features() const { return weight.value.dim(1) * 32 / bits_; }
   std::int64_t out_features() const { return weight.value.dim(0); }
   QuantizedMatrix matrix() const { return {weight.value, scales.value, biases ? biases->value : Tensor(), quant()}; }
-  /// The full-precision Linear (the scales' dtype; mxfp4: float32): mx.dequantize of the weight.
+  /// The full-precision Linear (the scales' dtype; the fp modes: float32): mx.dequantize of the weight.
   Linear dequantized() const {
     Linear l;
     l.weight = Param(dequantize(matrix()));

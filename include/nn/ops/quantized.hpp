@@ -68,7 +68,7 @@ std::int64_t check_quantized_inputs(const GTape<B>& tp, GVar wq, GVar scales, st
 
 /// x @ dequant(W)^T (transpose, MLX's default: W (N, K), a QuantizedLinear's weight) or
 /// x @ dequant(W) (W (K, N)), for x (..., K) float32/float64; W as codes (u32), scales and
-/// biases (affine; std::nullopt for mxfp4) in format q (mx.quantized_matmul). The scales may be
+/// biases (affine; std::nullopt for the fp modes) in format q (mx.quantized_matmul). The scales may be
 /// bfloat16/float16 beside a float32 x (widened). Gradient: x only.
 template <class B>
 GVar quantized_matmul(GTape<B>& tp, GVar x, GVar wq, GVar scales, std::optional<GVar> biases, Quant q,

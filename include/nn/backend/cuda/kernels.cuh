@@ -784,7 +784,7 @@ __global__ void k_divide_by(T* x, i64 n, const T* d) {
 
 // ---- quantized matrices (quant.hpp): QuantMath's reader, one thread per output element ------
 /// A quantized matrix's element W[r, c] in T (quant.hpp's formats): codes, row_bytes per row,
-/// scales (T, or u8 E8M0 for mxfp4) and biases (T, affine) of `groups` groups per row.
+/// scales (T, or u8 for the fp modes) and biases (T, affine) of `groups` groups per row.
 template <class T>
 struct QuantRows {
   const std::uint8_t* codes;
@@ -796,9 +796,10 @@ struct QuantRows {
   __device__ T operator()(i64 r, i64 c) const {
     const std::uint32_t code = QuantMath::code(codes + r * row_bytes, c, q.bits, row_bytes);
     const i64 si = r * groups + c / q.group;
-    if (q.mode == QuantMode::mxfp4)
-      return QuantMath::e8m0<T>(static_cast<const std::uint8_t*>(scales)[si]) * static_cast<T>(QuantMath::e2m1(code));
-    return static_cast<const T*>(scales)[si] * static_cast<T>(code) + biases[si];
+    if (q.mode == QuantMode::affine) return static_cast<const T*>(scales)[si] * static_cast<T>(code) + biases[si];
+    const std::uint8_t sb = static_cast<const std::uint8_t*>(scales)[si];
+    const T s = q.mode == QuantMode::nvfp4 ? static_cast<T>(QuantMath::e4m3(sb)) : QuantMath::e8m0<T>(sb);
+    return s * static_cast<T>(q.mode == QuantMode::mxfp8 ? QuantMath::e4m3(code) : QuantMath::e2m1(code));
   }
 };
 /// y[m, n] (+)= sum_k x[m, k] op(W)[k, n]; op(W)[k, n] = W[n, k] (transpose) or W[k, n].
