@@ -43,15 +43,7 @@ inline std::pair<nn::Tensor, nn::Tensor> batch(std::uint64_t i, std::int64_t B, 
   return {ids, tg};
 }
 
-/// kB from a /proc/self/status field (VmHWM: peak resident set; VmRSS: now).
-inline long proc_status_kb(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(f, line))
-    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + key.size());
-  return -1;
-}
+using nn::proc_status_kb;  // kB of a /proc/self/status field (include/nn/resources.hpp)
 
 /// User + system CPU seconds of the whole process so far: on a loaded machine, a 1-thread step's
 /// CPU time is what its wall time would be on an idle one (within cache effects).

@@ -255,6 +255,8 @@ int run(const Args& a) {
     if (quantized > 0)
       std::printf("base: %d matrices kept quantized (GGUF blocks as affine groups, or mlx-lm's; --dequantize for float32)\n",
                   quantized);
+    // smoke.sh reads this line: a quantized base must load without a float copy of its matrices
+    if (const long kb = nn::peak_rss_kb(); kb > 0) std::printf("peak RSS after loading: %ld MB\n", kb / 1024);
   }
 
   TokenizerText enc{tok};

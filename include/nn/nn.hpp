@@ -8,6 +8,7 @@
 #include "tensor.hpp"
 #include "quant.hpp"
 #include "random.hpp"
+#include "resources.hpp"
 #include "backend/policy.hpp"
 #include "backend/cpu.hpp"
 #include "tape.hpp"

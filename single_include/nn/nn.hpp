@@ -7,7 +7,7 @@
 //
 // Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/quant.hpp,
 // nn/backend/cpu_info.hpp, nn/backend/math.hpp, nn/backend/policy.hpp, nn/random.hpp,
-// nn/backend/cpu.hpp, nn/backend/cpu/common.hpp, nn/backend/threads.hpp,
+// nn/resources.hpp, nn/backend/cpu.hpp, nn/backend/cpu/common.hpp, nn/backend/threads.hpp,
 // nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp, nn/backend/cpu/matmul.hpp,
 // nn/backend/gemm.hpp, nn/backend/cpu/shape.hpp, nn/backend/cpu/index.hpp,
 // nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp,
@@ -2352,6 +2352,32 @@ inline LoraInit lora(std::int64_t in, std::int64_t out, std::int64_t r) {
 
 }  // namespace nn::init
 // ---- end nn/random.hpp ----
+// ---- begin nn/resources.hpp ----
+// What the process holds: its resident memory now and at its peak, as the kernel counts it
+// (Linux's /proc/self/status; -1 where there is none). The benches print them, and the finetune
+// program checks that a quantized base loads without a float copy of its matrices.
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+namespace nn {
+
+/// A "<field>: <n> kB" line of /proc/self/status in kB (VmRSS: resident now; VmHWM: the peak so
+/// far), or -1 when the file or the field is missing.
+inline long proc_status_kb(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + key.size());
+  return -1;
+}
+inline long rss_kb() { return proc_status_kb("VmRSS"); }
+inline long peak_rss_kb() { return proc_status_kb("VmHWM"); }
+
+}  // namespace nn
+// ---- end nn/resources.hpp ----
 // ---- begin nn/backend/cpu.hpp ----
 // nn::cpu: the host backend policy. Elementwise kernels are plain loops (OpenMP when built with
 // it); GEMM runs on nn's own engine (backend/gemm.hpp, kernels chosen by CPUID features), or on
