@@ -7,11 +7,12 @@
 //
 //   bench_finetune --model PATH [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
 //                  [--rank 8] [--scale 20] [--keys q_proj,v_proj] [--precision f32|bf16]
-//                  [--base dequantized|quantized]
+//                  [--base dequantized|quantized] [--grad-checkpoint 0|1]
 //
 // --base quantized keeps a quantized GGUF's matrices quantized (QLoRA over affine blocks, as the
 // finetune example does by default); dequantized (the default, what PyTorch + PEFT run) widens
-// them to float32 on load.
+// them to float32 on load. --grad-checkpoint 1 recomputes each decoder layer in the backward pass
+// (CausalLM::grad_checkpoint, finetune --grad-checkpoint).
 //
 // Prints one `RESULT key=value ...` line (tokens/s from the median step), and the cost of the
 // compiled step's per-call structure check beside the step.
@@ -30,7 +31,7 @@
 int main(int argc, char** argv) try {
   bench::print_cpu_info();
   std::string model_path, keys = "q_proj,v_proj", precision = "f32", base = "dequantized";
-  int threads = 1, steps = 10, warmup = 2;
+  int threads = 1, steps = 10, warmup = 2, grad_checkpoint = 0;
   std::int64_t B = 4, T = 64;
   nn::lm::LoraConfig lora;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -46,6 +47,7 @@ int main(int argc, char** argv) try {
     else if (k == "--keys") keys = v;
     else if (k == "--precision") precision = v;
     else if (k == "--base") base = v;
+    else if (k == "--grad-checkpoint") grad_checkpoint = std::stoi(v);
     else nn::detail::fail("bench_finetune", "unknown option ", k);
   }
   if (model_path.empty() || argc % 2 == 0) nn::detail::fail("bench_finetune", "usage: bench_finetune --model PATH [--threads N] ...");
@@ -64,6 +66,7 @@ int main(int argc, char** argv) try {
   model.freeze();
   nn::lm::apply_lora(model, lora);
   if (precision == "bf16") nn::set_precision(model, nn::Precision::bf16);  // the frozen base in bfloat16
+  model.grad_checkpoint(grad_checkpoint != 0);
   nn::Adam opt(1e-4);
   opt.init(model);
   const std::int64_t V = model.config().vocab_size;
@@ -105,12 +108,13 @@ int main(int argc, char** argv) try {
               100.0 * check_us / (median_ms * 1e3), static_cast<unsigned long long>(sink));
   std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
               "rss_start_mb=%.1f rss_now_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld "
-              "precision=%s base=%s team_reductions=%lld\n",
+              "precision=%s base=%s grad_checkpoint=%d seq=%lld batch=%lld team_reductions=%lld\n",
               threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, ms[0], cpu_ms,
               static_cast<double>(bench::proc_status_kb("VmHWM")) / 1024.0, static_cast<double>(rss_start_kb) / 1024.0,
               static_cast<double>(bench::proc_status_kb("VmRSS")) / 1024.0, first_loss, last_loss,
               static_cast<long long>(model.num_params()), static_cast<long long>(model.num_trainable()),
-              precision.c_str(), base.c_str(), static_cast<long long>(nn::detail::TeamLoad::get().reductions()));
+              precision.c_str(), base.c_str(), grad_checkpoint, static_cast<long long>(T), static_cast<long long>(B),
+              static_cast<long long>(nn::detail::TeamLoad::get().reductions()));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());

@@ -41,7 +41,7 @@ struct Args {
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
       save_every = 50, threads = 0, max_tokens = 40;
   std::uint64_t seed = 0;
-  bool resume = false, resume_new_hyper = false, peft = true, dequantize = false;
+  bool resume = false, resume_new_hyper = false, peft = true, dequantize = false, grad_checkpoint = false;
 };
 
 const char* kUsage =
@@ -63,6 +63,8 @@ const char* kUsage =
     "  --dequantize          a quantized base (GGUF Q4_0..Q8_0, Q2_K..Q6_K; an mlx-lm -q folder) in float32 (by default it stays quantized: QLoRA)\n"
     "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
     "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
+    "  --grad-checkpoint     recompute each decoder layer's activations in the backward pass instead of keeping\n"
+    "                        them (mlx-lm's flag): less memory for one more forward pass, the same gradients\n"
     "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
 
 Args parse(int argc, char** argv) {
@@ -76,7 +78,8 @@ Args parse(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) nn::detail::fail("finetune", "unexpected argument '", k, "'\n", kUsage);
     k = k.substr(2);
-    if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft" || k == "dequantize") {
+    if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft" || k == "dequantize" ||
+        k == "grad-checkpoint") {
       kv[k] = "1";
       continue;
     }
@@ -127,6 +130,7 @@ Args parse(int argc, char** argv) {
   if (kv.erase("resume-new-hyperparameters")) a.resume = a.resume_new_hyper = true;
   if (kv.erase("no-peft")) a.peft = false;
   if (kv.erase("dequantize")) a.dequantize = true;
+  if (kv.erase("grad-checkpoint")) a.grad_checkpoint = true;
   std::string keys = "q_proj,v_proj";
   str("keys", keys);
   if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
@@ -273,6 +277,12 @@ int run(const Args& a) {
               a.lora.effective_scale(), converted, nn::detail::with_commas(model.num_trainable()).c_str(),
               nn::detail::with_commas(model.num_params()).c_str());
 
+  if (a.grad_checkpoint) {
+    model.grad_checkpoint(true);
+    std::printf("gradient checkpointing: each of the %lld decoder layers recomputed in the backward pass\n",
+                static_cast<long long>(c.num_hidden_layers));
+  }
+
   if (a.precision == "bf16") {
     const int n = set_precision(model, Precision::bf16);
     std::printf("precision bf16: %d frozen matrices stored in bfloat16, bf16 products %s\n", n,
@@ -369,6 +379,7 @@ int run(const Args& a) {
   finetune::write_loss_svg(svg.string(), train_curve, val_curve);
   std::printf("adapters: %s (mlx-lm)%s; loss curve: %s; %.1f s\n", a.adapter_path.c_str(),
               a.peft ? ", peft/ (PEFT)" : "", svg.string().c_str(), progress.seconds());
+  if (const long kb = nn::peak_rss_kb(); kb > 0) std::printf("peak RSS of the run: %ld MB\n", kb / 1024);
 
   if (!prompt.empty()) {
     model.train(false);

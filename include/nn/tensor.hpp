@@ -329,6 +329,22 @@ class Tensor {
   /// True when both tensors use the same storage block.
   bool shares_storage(const Tensor& o) const { return st_ && st_ == o.st_; }
 
+  /// The bytes of the storage block this tensor views (at least nbytes()).
+  std::size_t storage_bytes() const { return st_ ? st_->bytes : 0; }
+  /// The first bytes of this tensor's storage seen as another shape and dtype: how a buffer pool
+  /// (the tape's checkpoint segments) lends one block to tensors of different kinds in turn.
+  Tensor view_as(const Shape& s, DType t) const {
+    require_defined("view_as");
+    const std::size_t need = static_cast<std::size_t>(s.numel()) * dtype_size(t);
+    if (need > storage_bytes())
+      detail::fail("view_as", "cannot view ", storage_bytes(), " bytes of storage as ", s.str(), " ", dtype_name(t),
+                   " (", need, " bytes)");
+    Tensor v = *this;
+    v.shape_ = s;
+    v.dtype_ = t;
+    return v;
+  }
+
   /// A copy with its own storage.
   Tensor clone() const {
     require_defined("clone");

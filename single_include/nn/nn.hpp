@@ -13,18 +13,19 @@
 // nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp,
 // nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp, nn/backend/cpu/attention.hpp,
 // nn/backend/cpu/glu.hpp, nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp,
-// nn/anomaly.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
-// nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
-// nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
-// nn/ops/quantized.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp,
-// nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp,
-// nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp,
-// nn/io/atomic_file.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp,
-// nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
-// nn/modules/dropout.hpp, nn/modules/quantized.hpp, nn/modules/lora.hpp, nn/optim.hpp,
-// nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp,
-// nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp,
-// nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp
+// nn/anomaly.hpp, nn/grad_checkpoint.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp,
+// nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
+// nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
+// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/layers/helpers.hpp,
+// nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp,
+// nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp,
+// nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp, nn/module.hpp,
+// nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp,
+// nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp,
+// nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
+// nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp,
+// nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp,
+// nn/io/weights.hpp, nn/io/checkpoint.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -467,6 +468,22 @@ class Tensor {
 
   /// True when both tensors use the same storage block.
   bool shares_storage(const Tensor& o) const { return st_ && st_ == o.st_; }
+
+  /// The bytes of the storage block this tensor views (at least nbytes()).
+  std::size_t storage_bytes() const { return st_ ? st_->bytes : 0; }
+  /// The first bytes of this tensor's storage seen as another shape and dtype: how a buffer pool
+  /// (the tape's checkpoint segments) lends one block to tensors of different kinds in turn.
+  Tensor view_as(const Shape& s, DType t) const {
+    require_defined("view_as");
+    const std::size_t need = static_cast<std::size_t>(s.numel()) * dtype_size(t);
+    if (need > storage_bytes())
+      detail::fail("view_as", "cannot view ", storage_bytes(), " bytes of storage as ", s.str(), " ", dtype_name(t),
+                   " (", need, " bytes)");
+    Tensor v = *this;
+    v.shape_ = s;
+    v.dtype_ = t;
+    return v;
+  }
 
   /// A copy with its own storage.
   Tensor clone() const {
@@ -5936,6 +5953,7 @@ inline const CpuInfo& cpu_info() {
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -6087,6 +6105,11 @@ struct Node {
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
   std::int32_t scope = -1;        // the tape.scope() it was recorded in (GTape::scope_path), or -1
+  std::int32_t segment = -1;      // the checkpoint segment it was recorded in (GTape::begin_segment), or -1
+  // An intermediate of a closed checkpoint segment: its value, gradient and saved buffers are
+  // views of the tape's segment pool, shared with every other segment, and hold its data only
+  // while the backward sweep is inside its segment (which recomputes them first).
+  bool pooled = false;
 
   const char* name() const {
     if (def) return def->name();
@@ -6213,7 +6236,7 @@ class GTape {
 
   // ---- reading -----------------------------------------------------------------------------
 
-  const Tensor& value(GVar v) const { return node(v).value; }
+  const Tensor& value(GVar v) const { return unpooled(v, "tape.value").value; }
   const Shape& shape(GVar v) const { return node(v).value.shape(); }
   DType dtype(GVar v) const { return node(v).value.dtype(); }
   bool requires_grad(GVar v) const { return node(v).requires_grad; }
@@ -6221,7 +6244,7 @@ class GTape {
   /// d loss / d v after backward(). Zeros when v needs a gradient the last backward never
   /// reached; an error when v cannot have one (a constant, a frozen param, an integer).
   const Tensor& grad(GVar v) {
-    Node<B>& n = node(v);
+    Node<B>& n = const_cast<Node<B>&>(unpooled(v, "tape.grad"));
     if (!n.requires_grad)
       detail::fail("tape.grad", "node ", v.index, " (", n.name(), ", shape ", n.value.shape().str(),
                    ") has no gradient: it does not depend on a trainable leaf");
@@ -6245,6 +6268,9 @@ class GTape {
     nodes_.clear();
     params_.clear();
     key_slots_.clear();
+    segments_.clear();
+    pool_.clear();
+    open_segment_ = -1;
     loss_ = -1;
     if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
     autocast_ = DType::f32;
@@ -6356,13 +6382,77 @@ class GTape {
     if (loss_ >= 0) backward(GVar{this, loss_});
   }
 
+  // ---- checkpoint segments (nn::checkpoint, grad_checkpoint.hpp) --------------------------------
+
+  /// Opens a checkpoint segment: the ops recorded until end_segment() are its nodes. Segments do
+  /// not nest.
+  void begin_segment() {
+    if (open_segment_ >= 0) detail::fail("checkpoint", "checkpoint segments do not nest (one is already open)");
+    segments_.push_back({static_cast<std::int32_t>(nodes_.size()), -1});
+    open_segment_ = static_cast<std::int32_t>(segments_.size() - 1);
+  }
+  /// Closes the open segment. Its op nodes other than `outputs` (and what those view) become
+  /// pooled: their buffers are lent to every segment in turn, so after this only the outputs may
+  /// be read or used by later ops; the backward sweep recomputes the rest from the segment's
+  /// inputs when it gets there.
+  void end_segment(std::span<const GVar> outputs) {
+    if (open_segment_ < 0) detail::fail("checkpoint", "end_segment without begin_segment");
+    Segment& sg = segments_[static_cast<std::size_t>(open_segment_)];
+    open_segment_ = -1;
+    sg.end = static_cast<std::int32_t>(nodes_.size());
+    std::vector<char> keep(static_cast<std::size_t>(sg.end - sg.begin), 0);
+    for (GVar v : outputs) {
+      node(v);
+      if (v.index >= sg.begin) keep[static_cast<std::size_t>(v.index - sg.begin)] = 1;
+    }
+    for (std::int32_t i = sg.end - 1; i >= sg.begin; --i) {  // an output that views a node keeps it
+      const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (keep[static_cast<std::size_t>(i - sg.begin)] && n.def && n.def->aliases_input && n.inputs[0] >= sg.begin)
+        keep[static_cast<std::size_t>(n.inputs[0] - sg.begin)] = 1;
+    }
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (!n.def || keep[static_cast<std::size_t>(i - sg.begin)]) continue;
+      n.pooled = true;
+      sg.needs_grad = sg.needs_grad || n.requires_grad;
+    }
+    park(static_cast<std::int32_t>(segments_.size() - 1));
+  }
+
+  /// Closes the open segment (if any) without pooling anything: its nodes stay ordinary, as if
+  /// never in a segment. How nn::checkpoint cleans up when the segment's function throws.
+  void abandon_segment() {
+    if (open_segment_ < 0) return;
+    Segment& sg = segments_[static_cast<std::size_t>(open_segment_)];
+    sg.end = static_cast<std::int32_t>(nodes_.size());
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) nodes_[static_cast<std::size_t>(i)].segment = -1;
+    open_segment_ = -1;
+  }
+
+  /// The bytes of the buffers this tape holds (op values, gradients, saved buffers and the
+  /// segment pool), each storage block counted once; leaves' tensors are not counted.
+  std::size_t bytes() const {
+    std::unordered_set<const void*> seen;
+    std::size_t total = 0;
+    auto count = [&](const Tensor& t) {
+      if (t.defined() && seen.insert(t.raw()).second) total += t.storage_bytes();
+    };
+    for (const Node<B>& n : nodes_) {
+      if (n.def && !n.def->aliases_input) count(n.value);
+      count(n.grad);
+      for (const Tensor& t : n.saved) count(t);
+    }
+    for (const Tensor& t : pool_) count(t);
+    return total;
+  }
+
   // ---- for op implementations ----------------------------------------------------------------
 
   /// Appends an op node with output shape/dtype, allocates its output, runs its forward.
   template <class A = NoAttrs>
   GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const A& attrs, const Shape& out_shape,
               DType out_dtype) {
-    for (GVar v : inputs) node(v);  // validates ownership
+    for (GVar v : inputs) unpooled(v, def.name());  // validates ownership; no checkpointed intermediate
     Node<B>& n = push(LeafKind::none);
     n.def = &def;
     n.attrs.set(attrs);
@@ -6469,6 +6559,7 @@ class GTape {
     nodes_.emplace_back();
     nodes_.back().leaf = k;
     nodes_.back().scope = scope_stack_.empty() ? -1 : scope_stack_.back();
+    nodes_.back().segment = open_segment_;
     return nodes_.back();
   }
   GVar handle() const { return GVar{this, static_cast<std::int32_t>(nodes_.size() - 1)}; }
@@ -6494,14 +6585,24 @@ class GTape {
     out.grad_live = true;
   }
   void sweep(std::int32_t from) {
+    if (open_segment_ >= 0) detail::fail("backward", "a checkpoint segment is still open (end_segment was not called)");
     loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
+    // Entering a checkpoint segment (from above) recomputes its intermediates into the pool;
+    // leaving it hands the pool back (after any gradient buffers its vjps made are parked there).
+    std::int32_t active = -1;
     for (std::int32_t i = from; i >= 0; --i) {
       Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.segment != active) {
+        if (active >= 0) park(active);
+        active = n.segment;
+        if (active >= 0) recompute(active);
+      }
       if (n.def && n.requires_grad && n.grad_live) {
         n.def->vjp(*this, n);
         if (anomaly_) check_grads(i);
       }
     }
+    if (active >= 0) park(active);
   }
 
   // ---- anomaly mode ------------------------------------------------------------------------
@@ -6557,6 +6658,62 @@ class GTape {
     detail::fail("anomaly", os.str());
   }
 
+  // ---- checkpoint segments -------------------------------------------------------------------
+
+  struct Segment {
+    std::int32_t begin, end;  // node range [begin, end)
+    bool needs_grad = false;  // some pooled node wants a gradient: the sweep recomputes it
+  };
+  // Node v, which must not be a checkpointed intermediate (its buffers belong to the pool).
+  const Node<B>& unpooled(GVar v, const char* op) const {
+    const Node<B>& n = node(v);
+    if (n.pooled)
+      detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
+                   ") is an intermediate of a checkpoint segment, whose values are freed after the forward "
+                   "pass; return it from the segment to use it outside");
+    return n;
+  }
+  // Lends segment s's pooled buffers to the pool: value (not for a view), gradient, then saved,
+  // each a view of pool block j for the next j. A buffer already on its block stays, so from the
+  // second call on (a replay) nothing moves or allocates. What a buffer held is not kept.
+  void park(std::int32_t s) {
+    const Segment& sg = segments_[static_cast<std::size_t>(s)];
+    std::size_t j = 0;
+    auto lend = [&](Tensor& t, const Shape& shape, DType dt) {
+      if (pool_.size() <= j) pool_.resize(j + 1);
+      Tensor& block = pool_[j++];
+      const std::size_t bytes = std::max<std::size_t>(static_cast<std::size_t>(shape.numel()) * dtype_size(dt), 1);
+      if (!block.defined() || block.storage_bytes() < bytes)
+        block = B::alloc(Shape{static_cast<std::int64_t>(bytes)}, DType::u8);
+      if (!t.shares_storage(block)) t = block.view_as(shape, dt);
+    };
+    for (int pass = 0; pass < 2; ++pass)
+      for (std::int32_t i = sg.begin; i < sg.end; ++i) {
+        Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+        if (!n.pooled) continue;
+        if (pass == 0) {
+          if (!n.def->aliases_input) lend(n.value, n.value.shape(), n.value.dtype());
+          if (n.requires_grad) lend(n.grad, n.value.shape(), n.value.dtype());  // made here, never by ensure_grad
+        } else {
+          for (Tensor& t : n.saved)
+            if (t.defined()) lend(t, t.shape(), t.dtype());
+        }
+      }
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) {  // views follow their input onto its block
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.pooled && n.def->aliases_input) n.def->forward(*this, n);
+    }
+  }
+  // Runs segment s's pooled nodes forward again, into their pool views.
+  void recompute(std::int32_t s) {
+    const Segment& sg = segments_[static_cast<std::size_t>(s)];
+    if (!sg.needs_grad || sg.end < 0) return;
+    for (std::int32_t i = sg.begin; i < sg.end; ++i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.pooled) n.def->forward(*this, n);
+    }
+  }
+
   // A deque, not a vector: appending a node never moves the others, so a `const Tensor&` from
   // value() or grad() stays valid while more ops are recorded.
   std::deque<Node<B>> nodes_;
@@ -6566,10 +6723,74 @@ class GTape {
   bool anomaly_ = false;                   // detect_anomaly
   std::vector<std::string> scope_paths_;   // every scope() opened since clear(), by id
   std::vector<std::int32_t> scope_stack_;  // the open scopes' ids, innermost last
+  std::vector<Segment> segments_;          // checkpoint segments, in recording order
+  std::vector<Tensor> pool_;               // the blocks pooled nodes' buffers view, by park()'s order
+  std::int32_t open_segment_ = -1;         // the segment being recorded, or -1
 };
 
 }  // namespace nn
 // ---- end nn/tape.hpp ----
+// ---- begin nn/grad_checkpoint.hpp ----
+// Gradient checkpointing (activation recomputation): nn::checkpoint records a segment of ops whose
+// intermediate values are not kept after the forward pass; the backward sweep runs the segment
+// forward again when it reaches it (torch.utils.checkpoint, mlx-lm's --grad-checkpoint).
+//
+// How it works on the tape (tape.hpp, "checkpoint segments"): the segment's ops are ordinary
+// nodes. When it closes, every op node but its outputs becomes "pooled": its value, gradient and
+// saved buffers become views of a pool of blocks that all segments share, so the tape holds one
+// segment's intermediates at a time instead of every segment's. Entering the segment in the
+// backward sweep recomputes those nodes into the pool, their vjps run as without checkpointing,
+// and leaving it hands the pool to the next segment. Parameters bound inside the segment are
+// leaves, never pooled, so their gradients (LoRA adapters over a frozen or quantized base
+// included) are accumulated exactly as without it: the results are bitwise equal. A compiled step
+// replays the recomputation into the same pool, allocating nothing.
+
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace nn {
+
+namespace detail {
+inline void segment_outputs(std::vector<GVar>& out, GVar v) { out.push_back(v); }
+inline void segment_outputs(std::vector<GVar>& out, const std::vector<GVar>& vs) { out.insert(out.end(), vs.begin(), vs.end()); }
+template <class T>
+  requires requires(const T& t) { std::tuple_size<T>::value; }
+void segment_outputs(std::vector<GVar>& out, const T& t) {  // std::pair, std::tuple, std::array of GVars
+  std::apply([&](const auto&... v) { (segment_outputs(out, v), ...); }, t);
+}
+}  // namespace detail
+
+/// Records f(args...) -- ops on `tp`, returning a GVar, a std::vector<GVar> or a pair/tuple/array
+/// of them -- as a checkpoint segment, and returns what f returned. Only the returned values stay
+/// readable; the segment's other intermediates are freed after the forward pass and recomputed
+/// by the backward sweep, which costs one more forward of the segment per backward. f must be a
+/// function of values recorded before it (its arguments, or GVars it captures) and of parameters,
+/// and must record the same ops when run again (dropout does: its key is an input slot).
+///   x = nn::checkpoint(tp, [&](GVar h) { return layer(tp, h); }, x);
+/// Using an intermediate of the segment after it is an nn::Error naming the node; segments do not
+/// nest. If f throws, the segment is closed without checkpointing and the exception propagates.
+template <class B, class F, class... A>
+auto checkpoint(GTape<B>& tp, F&& f, A&&... args) {
+  static_assert(std::is_invocable_v<F, A...>, "nn::checkpoint(tp, f, args...) calls f(args...)");
+  tp.begin_segment();
+  try {
+    auto out = std::invoke(std::forward<F>(f), std::forward<A>(args)...);
+    std::vector<GVar> outs;
+    detail::segment_outputs(outs, out);
+    tp.end_segment(outs);
+    return out;
+  } catch (...) {
+    tp.abandon_segment();
+    throw;
+  }
+}
+
+}  // namespace nn
+// ---- end nn/grad_checkpoint.hpp ----
 // ---- begin nn/ops/common.hpp ----
 // Validation shared by every primitive: dtype and shape checks whose errors name the op and the
 // shapes, and NumPy broadcasting of shapes.

@@ -521,6 +521,17 @@ struct CausalLM {
   static CausalLM uninitialised(const ModelConfig& cfg, DType dtype = DType::f32) { return CausalLM(cfg, dtype, false); }
 
   const ModelConfig& config() const { return config_; }
+
+  /// Gradient checkpointing per decoder layer (mlx-lm's --grad-checkpoint): each layer is
+  /// recorded as an nn::checkpoint segment, so a training step keeps one layer's activations
+  /// instead of all of them and runs each layer's forward once more in the backward pass.
+  /// Gradients are bitwise the same. Part of the structure: a compiled step records again when
+  /// it changes.
+  CausalLM& grad_checkpoint(bool on) {
+    grad_checkpoint_ = on;
+    return *this;
+  }
+  bool grad_checkpoint() const { return grad_checkpoint_; }
   /// The dtype the model computes in (float32 when its frozen weights are stored in bfloat16,
   /// set_precision(model, Precision::bf16)).
   DType dtype() const {
@@ -555,13 +566,12 @@ struct CausalLM {
       auto s = tp.scope("model.embed_tokens");
       x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
     }
-    for (std::size_t li = 0; li < model.layers.size(); ++li) {
-      const DecoderLayer& l = model.layers[li];
-      auto in_layer = tp.scope("model.layers." + std::to_string(li));
+    // One decoder layer: h (B, T, C) -> (B, T, C).
+    auto layer = [&](const DecoderLayer& l, GVar h) {
       GVar n1;
       {
         auto s = tp.scope("input_layernorm");
-        n1 = l.input_layernorm(tp, x);
+        n1 = l.input_layernorm(tp, h);
       }
       {
         auto s = tp.scope("self_attn");
@@ -579,15 +589,20 @@ struct CausalLM {
                                   .sin = rp.sin,
                                   .mask = mask,
                                   .causal = !mask.valid()});  // (B, T, n_heads * hd)
-        x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
+        h = add(tp, h, detail::project(tp, l.self_attn.o_proj, ctx));
       }
       GVar n2;
       {
         auto s = tp.scope("post_attention_layernorm");
-        n2 = l.post_attention_layernorm(tp, x);
+        n2 = l.post_attention_layernorm(tp, h);
       }
       auto s = tp.scope("mlp");
-      x = add(tp, x, l.mlp(tp, n2));
+      return add(tp, h, l.mlp(tp, n2));
+    };
+    for (std::size_t li = 0; li < model.layers.size(); ++li) {
+      auto in_layer = tp.scope("model.layers." + std::to_string(li));
+      const DecoderLayer& l = model.layers[li];
+      x = grad_checkpoint_ ? nn::checkpoint(tp, layer, l, x) : layer(l, x);
     }
     auto s = tp.scope("model.norm");
     return model.norm(tp, x);
@@ -705,7 +720,7 @@ struct CausalLM {
 
   // config_ fixes the shapes (hashed through the tensors) and the RoPE table; it is set at
   // construction and read-only afterwards, so a recorded step may bake it in.
-  NN_MODULE(CausalLM, model, lm_head, NN_UNCHECKED(config_))
+  NN_MODULE(CausalLM, model, lm_head, NN_STATIC(grad_checkpoint_), NN_UNCHECKED(config_))
 
  private:
   CausalLM(const ModelConfig& cfg, DType dt, bool zero) : config_(cfg) {
@@ -733,6 +748,7 @@ struct CausalLM {
   }
 
   ModelConfig config_;
+  bool grad_checkpoint_ = false;
 };
 
 }  // namespace nn::lm
