@@ -41,7 +41,7 @@ struct Args {
   int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
       save_every = 50, threads = 0, max_tokens = 40;
   std::uint64_t seed = 0;
-  bool resume = false, resume_new_hyper = false, peft = true, dequantize = false, grad_checkpoint = false;
+  bool resume = false, resume_new_hyper = false, peft = true, dequantize = false, grad_checkpoint = false, pack = false;
 };
 
 const char* kUsage =
@@ -65,6 +65,8 @@ const char* kUsage =
     "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
     "  --grad-checkpoint     recompute each decoder layer's activations in the backward pass instead of keeping\n"
     "                        them (mlx-lm's flag): less memory for one more forward pass, the same gradients\n"
+    "  --pack                pack several examples into each row of --seq positions (first-fit decreasing), each\n"
+    "                        attending only to itself, positions restarting per example: no padding to train on\n"
     "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
 
 Args parse(int argc, char** argv) {
@@ -79,7 +81,7 @@ Args parse(int argc, char** argv) {
     if (k.rfind("--", 0) != 0) nn::detail::fail("finetune", "unexpected argument '", k, "'\n", kUsage);
     k = k.substr(2);
     if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft" || k == "dequantize" ||
-        k == "grad-checkpoint") {
+        k == "grad-checkpoint" || k == "pack") {
       kv[k] = "1";
       continue;
     }
@@ -131,6 +133,7 @@ Args parse(int argc, char** argv) {
   if (kv.erase("no-peft")) a.peft = false;
   if (kv.erase("dequantize")) a.dequantize = true;
   if (kv.erase("grad-checkpoint")) a.grad_checkpoint = true;
+  if (kv.erase("pack")) a.pack = true;
   std::string keys = "q_proj,v_proj";
   str("keys", keys);
   if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
@@ -299,7 +302,24 @@ int run(const Args& a) {
   opt.init(model);
   if (lead) fs::create_directories(a.adapter_path);
   const fs::path ckpt = fs::path(a.adapter_path) / "checkpoint.safetensors";
-  BatchOrder order(data.train, static_cast<std::size_t>(a.batch), a.seed);
+  // --pack: the training examples in rows of --seq positions, several per row (the padded
+  // batches are --seq wide too, so the same positions carry more real tokens)
+  std::vector<std::vector<std::size_t>> packed;
+  if (a.pack) {
+    packed = pack_examples(data.train, a.seq);
+    std::printf("packing: %zu examples into %zu rows of %d positions, %.1f%% of positions used\n", data.train.size(),
+                packed.size(), a.seq, 100.0 * pack_fill(data.train, packed, a.seq));
+  }
+  BatchOrder order = a.pack ? BatchOrder(packed.size(), static_cast<std::size_t>(a.batch), a.seed)
+                            : BatchOrder(data.train, static_cast<std::size_t>(a.batch), a.seed);
+  // This rank's rows of the next batch: padded examples, or packed rows with their documents.
+  auto next_batch = [&]() {
+    const std::vector<std::size_t> rows = my_rows(order.next(), world);
+    if (!a.pack) return PackedBatch{make_batch(data.train, rows, a.seq + 1, a.seq, model.dtype()), Tensor(), Tensor()};
+    std::vector<std::vector<std::size_t>> sel;
+    for (std::size_t r : rows) sel.push_back(packed[r]);
+    return make_packed_batch(data.train, std::span(sel), a.seq, model.dtype());
+  };
   if (a.resume) {
     if (!fs::exists(ckpt)) nn::detail::fail("finetune", "--resume: no checkpoint at ", ckpt.string());
     try {
@@ -315,9 +335,17 @@ int run(const Args& a) {
   auto loss_fn = [](GTape<cpu>& tp, const CausalLM& m, GVar ids, GVar targets, GVar mask) {
     return cross_entropy(tp, m.logits(tp, ids), targets, mask, Reduction::mean);
   };
+  auto packed_loss_fn = [](GTape<cpu>& tp, const CausalLM& m, GVar ids, GVar targets, GVar mask, GVar starts,
+                           GVar positions) {
+    return cross_entropy(tp, m.logits(tp, ids, Packing{starts, positions}), targets, mask, Reduction::mean);
+  };
   auto step = compile<3>(model, opt, loss_fn);
+  auto packed_step = compile<5>(model, opt, packed_loss_fn);  // records on its first call only
   nn::distributed::GradientAverager avg(world);  // token-weighted: each rank's weight is its real targets
-  if (world.size() > 1) step.reduce_gradients(avg);
+  if (world.size() > 1) {
+    step.reduce_gradients(avg);
+    packed_step.reduce_gradients(avg);
+  }
   auto save_all = [&]() {
     if (!lead) return;
     save_mlx_adapters(a.adapter_path, model, a.lora);
@@ -334,20 +362,29 @@ int run(const Args& a) {
       val_curve.emplace_back(0, v0);
     }
   }
+  std::int64_t trained = 0;  // target tokens trained on (all ranks), padding and prompts excluded
   for (int it = static_cast<int>(opt.step()) + 1; it <= a.iters; ++it) {
     double loss = 0;
     std::int64_t tokens = 0;
     // The loss logged is the global batch's (token-weighted over the ranks); tokens count every rank's.
     if (a.grad_accum == 1) {
-      Batch b = make_batch(data.train, my_rows(order.next(), world), a.seq + 1, a.seq, model.dtype());
+      const PackedBatch pb = next_batch();
+      const Batch& b = pb.batch;
       avg.set_weight(static_cast<double>(b.tokens));
-      loss = nn::distributed::weighted_mean(world, step(b.inputs, b.targets, b.mask).item(), static_cast<double>(b.tokens));
+      const double l = a.pack ? packed_step(b.inputs, b.targets, b.mask, pb.starts, pb.positions).item()
+                              : step(b.inputs, b.targets, b.mask).item();
+      loss = nn::distributed::weighted_mean(world, l, static_cast<double>(b.tokens));
       tokens = b.inputs.numel();
+      trained += static_cast<std::int64_t>(world.sum(static_cast<double>(b.tokens)));
     } else {  // several micro-batches per update: eager gradients, summed, then one update
       std::optional<CausalLM> sum;
       for (int k = 0; k < a.grad_accum; ++k) {
-        Batch b = make_batch(data.train, my_rows(order.next(), world), a.seq + 1, a.seq, model.dtype());
+        const PackedBatch pb = next_batch();
+        const Batch& b = pb.batch;
         auto [l, g] = value_and_grad(model, [&](GTape<cpu>& tp, const CausalLM& m) {
+          if (a.pack)
+            return packed_loss_fn(tp, m, tp.constant(b.inputs), tp.constant(b.targets), tp.constant(b.mask),
+                                  tp.constant(pb.starts), tp.constant(pb.positions));
           return loss_fn(tp, m, tp.constant(b.inputs), tp.constant(b.targets), tp.constant(b.mask));
         });
         // each micro-batch's gradient is the global micro-batch's, as one process computes it
@@ -355,6 +392,7 @@ int run(const Args& a) {
         if (world.size() > 1) avg.average(g);
         loss += nn::distributed::weighted_mean(world, l.item(), static_cast<double>(b.tokens)) / a.grad_accum;
         tokens += b.inputs.numel();
+        trained += static_cast<std::int64_t>(world.sum(static_cast<double>(b.tokens)));
         if (!sum) sum = std::move(g);
         else nn::tree_add(*sum, g);
       }
@@ -379,6 +417,8 @@ int run(const Args& a) {
   finetune::write_loss_svg(svg.string(), train_curve, val_curve);
   std::printf("adapters: %s (mlx-lm)%s; loss curve: %s; %.1f s\n", a.adapter_path.c_str(),
               a.peft ? ", peft/ (PEFT)" : "", svg.string().c_str(), progress.seconds());
+  std::printf("trained on %lld target tokens, %.1f per second\n", static_cast<long long>(trained),
+              static_cast<double>(trained) / std::max(progress.seconds(), 1e-9));
   if (const long kb = nn::peak_rss_kb(); kb > 0) std::printf("peak RSS of the run: %ld MB\n", kb / 1024);
 
   if (!prompt.empty()) {

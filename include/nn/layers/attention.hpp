@@ -79,8 +79,8 @@ void check_gqa_rope(const GTape<B>& tp, GVar k, GVar cos, GVar sin, std::int64_t
   layer_same_dtype(tp, k, sin, L, "x", "sin");
   const Shape &cs = tp.shape(cos), &ss = tp.shape(sin);
   if (!(cs == ss)) fail(L, "cos ", cs.str(), " and sin ", ss.str(), " must have the same shape");
-  if (cs.rank() != 2 || cs[0] != T)
-    fail(L, "cos/sin must be (T, dims/2) with T = ", T, ", got ", cs.str());
+  if (cs.rank() != 2 || (cs[0] != T && cs[0] != Bn * T))
+    fail(L, "cos/sin must be (T, dims/2) with T = ", T, " (or per token, (B * T, dims/2)), got ", cs.str());
   if (2 * cs[1] > hd)
     fail(L, "cos/sin ", cs.str(), " rotate ", 2 * cs[1], " features but a head has only ", hd,
          " (k as heads: (", Bn, ", ", nkv, ", ", T, ", ", hd, "))");
@@ -133,29 +133,39 @@ namespace detail {
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, bool causal, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional) {
+                   bool traditional, GVar starts = GVar{}) {
   const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
   const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
   const bool roped = cos.valid() || sin.valid();
   if (roped) detail::check_gqa_rope(tp, k, cos, sin, Bn, T, n_kv_heads, head_dim);
+  // per-token tables (B * T, dims/2): positions that restart inside a row (packed documents)
+  const bool per_token = roped && Bn > 1 && tp.shape(cos)[0] == Bn * T;
+  if (starts.valid()) {
+    if (!causal || mask.valid()) fail("gqa_attention", "doc_starts need causal attention without a mask tensor");
+    if constexpr (!detail::HasFlashAttention<B>)
+      fail("gqa_attention", "doc_starts (packed rows) need flash attention, which the ", B::name, " backend lacks");
+  }
   if (mask.valid()) {
     detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
     detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
   }
   if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask))) {
+    if (per_token || starts.valid())
+      fail("gqa_attention", "per-token RoPE tables and doc_starts need constant tables and mask");
     if (causal) mask = causal_mask_fill(tp, T, tp.dtype(q));
     return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
   }
   if (roped) {
-    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles.
-    const std::int64_t half = tp.shape(cos)[1];
-    GVar c = detail::view(tp, cos, Shape{T, 1, half}), s = detail::view(tp, sin, Shape{T, 1, half});
-    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bn, T, n_heads, head_dim}), c, s, traditional), qs);
-    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bn, T, n_kv_heads, head_dim}), c, s, traditional), ks);
+    // The tables (T, dims/2) as (T, 1, dims/2): every head of a position turns by its angles
+    // (per-token tables: (B * T, 1, dims/2) against the heads of each of the B * T rows).
+    const std::int64_t half = tp.shape(cos)[1], P = per_token ? Bn * T : T, Bq = per_token ? 1 : Bn;
+    GVar c = detail::view(tp, cos, Shape{P, 1, half}), s = detail::view(tp, sin, Shape{P, 1, half});
+    q = detail::view(tp, fused_rope(tp, detail::view(tp, q, Shape{Bq, P, n_heads, head_dim}), c, s, traditional), qs);
+    k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bq, P, n_kv_heads, head_dim}), c, s, traditional), ks);
   }
   if constexpr (detail::HasFlashAttention<B>)
-    if (!mask.valid() && T >= detail::kFlashMinT)
-      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal);
+    if (!mask.valid() && (T >= detail::kFlashMinT || starts.valid()))
+      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal, starts);
   return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
 }
 
@@ -199,6 +209,10 @@ struct AttentionOptions {
   GVar mask{};                  // additive, broadcasting to (B, n_heads, T, T); none when empty
   bool causal = false;          // query i sees keys 0..i, with or without a mask, no (T, T) tensor
   bool traditional = false;     // interleaved RoPE pairs (2i, 2i + 1) instead of NEOX halves
+  // Packed rows (causal, no mask): (B, T) int32, where each position's document begins; a query
+  // sees only its own document's keys (flash_attention's starts). cos/sin may then be per token,
+  // (B * T, dims/2), so that positions restart at each document.
+  GVar doc_starts{};
 };
 
 /// Grouped-query attention with named options (AttentionOptions): the same as the positional
@@ -209,7 +223,7 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions&
   if (o.head_dim <= 0) detail::fail("gqa_attention", "options need head_dim > 0, got ", o.head_dim);
   const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
   return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
-                               o.traditional);
+                               o.traditional, o.doc_starts);
 }
 
 /// The tag that asks gqa_attention for causal attention without a mask tensor.

@@ -207,6 +207,88 @@ inline Batch make_batch(const std::vector<Example>& data, std::span<const std::s
           Tensor::from_doubles({B, T}, mk, mask_dtype), count};
 }
 
+/// Sequence packing (TRL's packing, kept apart by document): which examples each row of `T`
+/// positions holds, first-fit decreasing. An example of L tokens takes L - 1 positions (its
+/// input/target pairs), truncated to T as make_batch truncates; rows are filled longest first,
+/// each example going into the first row with room. Deterministic; every example is placed once.
+inline std::vector<std::vector<std::size_t>> pack_examples(const std::vector<Example>& data, std::int64_t T) {
+  if (T < 1) nn::detail::fail("data", "pack_examples needs T >= 1, got ", T);
+  auto len = [&](std::size_t i) {
+    return std::clamp<std::int64_t>(static_cast<std::int64_t>(data[i].tokens.size()) - 1, 1, T);
+  };
+  std::vector<std::size_t> idx(data.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return len(a) > len(b); });
+  std::vector<std::vector<std::size_t>> rows;
+  std::vector<std::int64_t> room;
+  for (std::size_t i : idx) {
+    std::size_t r = 0;
+    while (r < rows.size() && room[r] < len(i)) ++r;
+    if (r == rows.size()) {
+      rows.emplace_back();
+      room.push_back(T);
+    }
+    rows[r].push_back(i);
+    room[r] -= len(i);
+  }
+  return rows;
+}
+
+/// The share of a packing's positions that hold an example's token (the rest is padding).
+inline double pack_fill(const std::vector<Example>& data, const std::vector<std::vector<std::size_t>>& rows, std::int64_t T) {
+  std::int64_t used = 0;
+  for (const auto& r : rows)
+    for (std::size_t i : r) used += std::clamp<std::int64_t>(static_cast<std::int64_t>(data[i].tokens.size()) - 1, 1, T);
+  return rows.empty() ? 0.0 : static_cast<double>(used) / static_cast<double>(T * static_cast<std::int64_t>(rows.size()));
+}
+
+/// A batch of packed rows (B, T): inputs, targets and mask as make_batch makes them per example
+/// (the prompt of a prompt/completion or chat example stays masked), plus each position's
+/// document start and position inside its document (CausalLM's Packing), both int32. Padding
+/// after the last document is its own one-token documents with mask 0.
+struct PackedBatch {
+  Batch batch;
+  Tensor starts, positions;
+};
+inline PackedBatch make_packed_batch(const std::vector<Example>& data, std::span<const std::vector<std::size_t>> rows,
+                                     std::int64_t T, DType mask_dtype = DType::f32) {
+  if (rows.empty()) nn::detail::fail("data", "an empty batch");
+  const std::int64_t B = static_cast<std::int64_t>(rows.size());
+  const std::size_t n = static_cast<std::size_t>(B * T);
+  std::vector<std::int32_t> in(n, 0), tg(n, 0), st(n), pos(n, 0);
+  std::vector<double> mk(n, 0.0);
+  std::int64_t count = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int64_t at = 0;  // the next free position of row b
+    for (std::size_t e : rows[static_cast<std::size_t>(b)]) {
+      const Example& ex = data[e];
+      const std::int64_t L = std::min<std::int64_t>(static_cast<std::int64_t>(ex.tokens.size()), T + 1);
+      const std::int64_t m = std::max<std::int64_t>(L - 1, 1);
+      if (at + m > T) nn::detail::fail("data", "packed row ", b, " holds more than ", T, " positions");
+      for (std::int64_t t = 0; t < m; ++t) {
+        const std::size_t i = static_cast<std::size_t>(b * T + at + t);
+        st[i] = static_cast<std::int32_t>(at);
+        pos[i] = static_cast<std::int32_t>(t);
+        if (t + 1 >= L) continue;  // a one-token example: no target
+        in[i] = ex.tokens[static_cast<std::size_t>(t)];
+        tg[i] = ex.tokens[static_cast<std::size_t>(t + 1)];
+        if (t + 1 >= std::max<std::int64_t>(static_cast<std::int64_t>(ex.offset), 1)) {
+          mk[i] = 1.0;
+          ++count;
+        }
+      }
+      at += m;
+    }
+    for (std::int64_t t = at; t < T; ++t) st[static_cast<std::size_t>(b * T + t)] = static_cast<std::int32_t>(t);
+  }
+  PackedBatch out;
+  out.batch = {Tensor::from<std::int32_t>({B, T}, in), Tensor::from<std::int32_t>({B, T}, tg),
+               Tensor::from_doubles({B, T}, mk, mask_dtype), count};
+  out.starts = Tensor::from<std::int32_t>({B, T}, st);
+  out.positions = Tensor::from<std::int32_t>({B, T}, pos);
+  return out;
+}
+
 /// Batches over `data` for training: examples sorted by length and grouped (so padding is
 /// small), batch order shuffled with `seed` each epoch (as mlx-lm's iterate_batches). Yields
 /// index lists; pass them to make_batch.
@@ -219,9 +301,15 @@ class BatchOrder {
     std::iota(idx.begin(), idx.end(), 0);
     std::stable_sort(idx.begin(), idx.end(),
                      [&](std::size_t a, std::size_t b) { return data[a].tokens.size() < data[b].tokens.size(); });
-    for (std::size_t i = 0; i + batch <= idx.size(); i += batch)
-      batches_.emplace_back(idx.begin() + static_cast<std::ptrdiff_t>(i), idx.begin() + static_cast<std::ptrdiff_t>(i + batch));
-    reshuffle();
+    group(idx, batch);
+  }
+  /// Over `n` items of one length (packed rows, pack_examples): batches of consecutive indices,
+  /// their order shuffled each epoch the same way.
+  BatchOrder(std::size_t n, std::size_t batch, std::uint64_t seed) : rng_(seed) {
+    if (n < batch) nn::detail::fail("data", "the data set packs into ", n, " rows, fewer than the batch size ", batch);
+    std::vector<std::size_t> idx(n);
+    std::iota(idx.begin(), idx.end(), 0);
+    group(idx, batch);
   }
   /// The next batch's rows; a new shuffled epoch starts when one ends.
   const std::vector<std::size_t>& next() {
@@ -231,6 +319,11 @@ class BatchOrder {
   std::size_t batches_per_epoch() const { return batches_.size(); }
 
  private:
+  void group(const std::vector<std::size_t>& idx, std::size_t batch) {
+    for (std::size_t i = 0; i + batch <= idx.size(); i += batch)
+      batches_.emplace_back(idx.begin() + static_cast<std::ptrdiff_t>(i), idx.begin() + static_cast<std::ptrdiff_t>(i + batch));
+    reshuffle();
+  }
   void reshuffle() {
     order_.resize(batches_.size());
     std::iota(order_.begin(), order_.end(), 0);

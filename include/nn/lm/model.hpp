@@ -130,6 +130,16 @@ struct Backbone {
   NN_MODULE(Backbone, embed_tokens, layers, norm)
 };
 
+/// Packed rows: several documents per row of the batch, each attending only to itself, with
+/// positions (RoPE) restarting at each document. Both (B, T) int32, usually input slots
+/// (nn::lm::pack_examples / make_packed_batch make them):
+///   starts[b, t]: where position t's document begins in row b (0, ..., 0, 5, 5, 5, 9, ...)
+///   positions[b, t]: t - starts[b, t], the position inside the document.
+struct Packing {
+  GVar starts, positions;
+  bool valid() const { return starts.valid(); }
+};
+
 /// The per-layer keys and values seen so far, for incremental decoding with CausalLM::decode.
 /// k[l], v[l]: (B, n_kv_heads, S, head_dim), keys after RoPE; keep: (B, S) float, 1 for a real
 /// token and 0 for padding. Empty until the first decode() call.
@@ -187,8 +197,9 @@ struct CausalLM {
   ///         causality — nn::attention_mask_fill(keep) for a padded batch; GVar{} for causal only
   ///   -> (B, T, C)
   /// Positions are 0..T-1 in every row, as HF's forward without position_ids: pad on the right.
+  /// pk (packed rows, no mask): documents attend only to themselves, positions from pk.
   template <class B>
-  GVar hidden(GTape<B>& tp, GVar ids, GVar mask = GVar{}) const {
+  GVar hidden(GTape<B>& tp, GVar ids, GVar mask = GVar{}, Packing pk = {}) const {
     const char* L = "CausalLM";
     const Shape ids_shape = tp.shape(ids);
     if (ids_shape.rank() != 2 || (tp.dtype(ids) != DType::i32 && tp.dtype(ids) != DType::i64))
@@ -197,6 +208,15 @@ struct CausalLM {
     const ModelConfig& c = config_;
     const DType dt = dtype();
     RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
+    if (pk.valid()) {
+      if (mask.valid()) nn::detail::fail(L, "packed rows take no mask (documents are kept apart by pk.starts)");
+      if (!pk.positions.valid() || !(tp.shape(pk.positions) == ids_shape) || tp.dtype(pk.positions) != DType::i32)
+        nn::detail::fail(L, "packed rows need positions (B, T) int32 beside the starts");
+      // each token's angles, by its position inside its document: (B * T, head_dim / 2)
+      const std::int64_t n = ids_shape.numel(), half = tp.shape(rp.cos)[1];
+      rp.cos = reshape(tp, gather_rows(tp, rp.cos, pk.positions), {n, half});
+      rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
+    }
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
     // Each block is recorded inside a tape scope named by its parameter path, so anomaly mode
@@ -228,7 +248,8 @@ struct CausalLM {
                                   .cos = rp.cos,
                                   .sin = rp.sin,
                                   .mask = mask,
-                                  .causal = !mask.valid()});  // (B, T, n_heads * hd)
+                                  .causal = !mask.valid(),
+                                  .doc_starts = pk.starts});  // (B, T, n_heads * hd)
         h = add(tp, h, detail::project(tp, l.self_attn.o_proj, ctx));
       }
       GVar n2;
@@ -264,6 +285,11 @@ struct CausalLM {
   template <class B>
   GVar logits(GTape<B>& tp, GVar ids, GVar mask) const {
     return head(tp, hidden(tp, ids, mask));
+  }
+  /// The same on packed rows (see Packing): each document attends only to itself.
+  template <class B>
+  GVar logits(GTape<B>& tp, GVar ids, Packing pk) const {
+    return head(tp, hidden(tp, ids, GVar{}, pk));
   }
   /// The same with a padding mask keep (B, T) (nonzero = real token), turned into the causal +
   /// key-padding mask as a constant. (A compiled step that swaps batches should register the

@@ -33,7 +33,8 @@ struct AttentionPrim {
   static constexpr OpDef<B> def{Prim::attention, &forward, &vjp};
 };
 
-/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd); AttentionAttrs (no mask).
+/// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd), optionally 3 the document starts
+/// (B, T) int32 of packed rows; AttentionAttrs (no mask).
 /// saved[0] = the rows' log-sum-exp (B, H, T); saved[1] = the vjp's rowsum(g * out) (B, H, T).
 /// The vjp reads the output (n.value), as the unary ops' vjps do.
 template <class B>
@@ -41,15 +42,16 @@ struct FlashAttentionPrim {
   static void forward(GTape<B>& tp, Node<B>& n) {
     const auto& a = attrs_of<AttentionAttrs>(n);
     Tensor& lse = tp.scratch(n, 0, Shape{a.B, a.H, a.T}, n.value.dtype());
-    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), a, n.value, lse);
+    B::flash_attention(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), starts(tp, n), a, n.value, lse);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const auto& a = attrs_of<AttentionAttrs>(n);
     const auto g = tp.template grad_outs<3>(n);
     Tensor& delta = tp.scratch(n, 1, Shape{a.B, a.H, a.T}, n.value.dtype());
-    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.value, n.saved[0], n.grad, a, delta, g[0], g[1],
-                           g[2]);
+    B::flash_attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), starts(tp, n), n.value, n.saved[0], n.grad, a, delta,
+                           g[0], g[1], g[2]);
   }
+  static Tensor starts(GTape<B>& tp, const Node<B>& n) { return n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(); }
   static constexpr OpDef<B> def{Prim::flash_attention, &forward, &vjp};
 };
 
@@ -82,8 +84,8 @@ inline constexpr std::int64_t kFlashMinT = 128;
 /// probabilities kernel instead).
 template <class B>
 concept HasFlashAttention = requires(const Tensor& x, Tensor& y, const AttentionAttrs& a, GradOut g) {
-  B::flash_attention(x, x, x, a, y, y);                   // (q, k, v, attrs, out, lse)
-  B::flash_attention_vjp(x, x, x, x, x, x, a, y, g, g, g);  // (q, k, v, out, lse, g, attrs, delta, gq, gk, gv)
+  B::flash_attention(x, x, x, x, a, y, y);                   // (q, k, v, starts, attrs, out, lse)
+  B::flash_attention_vjp(x, x, x, x, x, x, x, a, y, g, g, g);  // (q, k, v, starts, out, lse, g, attrs, delta, gq, gk, gv)
 };
 
 }  // namespace detail
@@ -122,17 +124,31 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
 /// scratch (B, n_kv_heads, T, T), which at T = 4096 is what decides whether a step fits.
 ///   q: (B, T, n_heads * head_dim), k, v: (B, T, n_kv_heads * head_dim) (or rows (B*T, ...))
 ///   causal: query i attends to keys 0..i only; the tiles above the diagonal are skipped.
+///   starts (optional, causal only): (B, T) int32, packed rows' document starts -- query i sees
+///         keys starts[b, i]..i only, so no token attends across a document boundary; each row
+///         is whole documents (starts[b, i] is starts[b, i - 1] or i, checked), and the tiles
+///         before a block's documents are skipped. It gets no gradient.
 ///   -> q's shape.
 /// The backward recomputes each tile's probabilities from the saved log-sum-exp: one more
 /// q k^T product per tile, in exchange for never reading a (T, T) buffer.
 template <class B>
   requires detail::HasFlashAttention<B>
 GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
-                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false) {
-  const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, "flash_attention");
+                     std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false,
+                     GVar starts = GVar{}) {
+  const char* op = "flash_attention";
+  const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
   const Shape& qs = tp.shape(q);
   const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
-  GVar in[] = {q, k, v};
+  if (!starts.valid()) {
+    GVar in[] = {q, k, v};
+    return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
+  }
+  if (!causal) detail::fail(op, "document starts need causal attention");
+  if (tp.dtype(starts) != DType::i32 || !(tp.shape(starts) == Shape{Bn, T}))
+    detail::fail(op, "document starts must be (B, T) = (", Bn, ", ", T, ") int32, got ", tp.shape(starts).str(), " ",
+                 dtype_name(tp.dtype(starts)));
+  GVar in[] = {q, k, v, starts};
   return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
 }
 

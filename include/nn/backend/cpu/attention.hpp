@@ -3,6 +3,9 @@
 // each with its vjp (ops/attention.hpp; the composite reference in layers/attention.hpp).
 #pragma once
 
+#include <cstring>
+#include <limits>
+
 #include "common.hpp"
 #include "matmul.hpp"
 
@@ -19,6 +22,27 @@ inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
 /// Causal attention's row (and key) block: the products of a block of queries stop at its last
 /// key, so the work above the diagonal left undone is all but half a block wide.
 inline constexpr std::int64_t kAttnBlock = 32;
+
+/// Packed rows' document starts (B, T) int32 for flash attention, or null when undefined. Each
+/// row must be a sequence of whole documents: starts[b, 0] = 0, and starts[b, i] is either
+/// starts[b, i - 1] (the same document) or i (a new one). Checked on every call (a replay swaps
+/// the tensor in), O(B T).
+inline const std::int32_t* check_doc_starts(const Tensor& starts, std::int64_t Bn, std::int64_t T, bool causal) {
+  if (!starts.defined()) return nullptr;
+  if (!causal) fail("flash_attention", "document starts need causal attention");
+  if (starts.dtype() != DType::i32 || starts.numel() != Bn * T)
+    fail("flash_attention", "document starts must be (B, T) = (", Bn, ", ", T, ") int32, got ", starts.shape().str(), " ",
+         dtype_name(starts.dtype()));
+  const std::int32_t* s = starts.data<std::int32_t>();
+  for (std::int64_t b = 0; b < Bn; ++b)
+    for (std::int64_t i = 0; i < T; ++i) {
+      const std::int32_t v = s[b * T + i];
+      if (i == 0 ? v != 0 : (v != s[b * T + i - 1] && v != i))
+        fail("flash_attention", "document starts of row ", b, " are not whole documents: position ", i, " starts at ", v,
+             i == 0 ? " (must be 0)" : " (must be the previous position's start or the position itself)");
+    }
+  return s;
+}
 
 }  // namespace detail
 
@@ -137,11 +161,15 @@ struct AttentionKernels {
   /// exp(m_old - m_new) whenever the max grows. Saves only lse = m + log l (B, H, T) for the vjp. `causal`: query i
   /// sees keys 0..i; key blocks past a query block's last row are never touched.
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
-  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& a, Tensor& out,
-                              Tensor& lse) {
+  /// starts (B, T) int32, when defined (packed rows; causal only): starts[b, i] is where query
+  /// i's document begins, and it sees keys starts[b, i]..i only (block-diagonal causal); key tiles
+  /// before a query block's first document are never touched.
+  static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
+                              const AttentionAttrs& a, Tensor& out, Tensor& lse) {
     const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
     const double scale = a.scale;
     const bool causal = a.causal;
+    const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
@@ -156,6 +184,8 @@ struct AttentionKernels {
       detail::parallel_for(Bn * H * nqb, wide, [&](std::int64_t t) {
         const std::int64_t bh = t / nqb, b = bh / H, h = bh % H, kh = h / g;
         const std::int64_t i0 = (t % nqb) * Br, r = std::min(T_, i0 + Br) - i0, kend = causal ? i0 + r : T_;
+        const std::int32_t* st = St ? St + b * T_ + i0 : nullptr;  // the block's document starts
+        const std::int64_t kbeg = st ? st[0] / Bc * Bc : 0;          // the first key tile any row sees
         const T* qt = Q + (b * T_ + i0) * qs + h * hd;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
@@ -163,23 +193,29 @@ struct AttentionKernels {
         // the tile's scores, then its exp(s - m): (r, c), row stride Bc; then m and l per row
         T* s = static_cast<T*>(detail::gemm_workspace(sizeof(T) * (Br * Bc + 2 * Br), 2));
         T *m = s + Br * Bc, *l = m + Br;
-        for (std::int64_t j0 = 0; j0 < kend; j0 += Bc) {
+        std::fill(m, m + r, -std::numeric_limits<T>::infinity());  // no key seen yet
+        std::fill(l, l + r, T(0));
+        for (std::int64_t j0 = kbeg; j0 < kend; j0 += Bc) {
           const std::int64_t c = std::min(kend, j0 + Bc) - j0;
           detail::gemm_serial<T>(false, true, r, c, hd, qt, qs, kt + j0 * ks, ks, s, Bc, false);  // q k^T
           for (std::int64_t i = 0; i < r; ++i) {
-            // keys j0..j0+n-1 of this tile are visible to query i0 + i; the first tile (j0 = 0)
-            // always has one, a later one on the diagonal may have none
-            const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+            // keys j0+lo..j0+hi-1 of this tile are visible to query i0 + i; the first tile
+            // (j0 = kbeg) always has one without documents, a later one on the diagonal may have
+            // none, and with documents any tile before the row's document has none
+            const std::int64_t lo = st ? std::clamp<std::int64_t>(st[i] - j0, 0, c) : 0;
+            const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c, n = hi - lo;
             detail::ArrayMap<T> row(s + i * Bc, c);
-            row.tail(c - n).setZero();
-            if (n == 0) continue;
-            row.head(n) *= sc;
-            const T mx = row.head(n).maxCoeff();
-            const T mnew = j0 == 0 ? mx : std::max(m[i], mx);
-            row.head(n) -= mnew;
-            detail::exp_inplace(s + i * Bc, n);
-            const T sum = row.head(n).sum();
-            if (j0 == 0) {
+            row.head(lo).setZero();
+            row.tail(c - hi).setZero();
+            if (n <= 0) continue;
+            auto vis = row.segment(lo, n);
+            vis *= sc;
+            const T mx = vis.maxCoeff();
+            const T mnew = std::max(m[i], mx);
+            vis -= mnew;
+            detail::exp_inplace(s + i * Bc + lo, n);
+            const T sum = vis.sum();
+            if (j0 == kbeg) {
               l[i] = sum;
             } else {
               const T alpha = std::exp(m[i] - mnew);  // the earlier tiles' terms, re-based on the new max
@@ -188,7 +224,7 @@ struct AttentionKernels {
             }
             m[i] = mnew;
           }
-          detail::gemm_serial<T>(false, false, r, hd, c, s, Bc, vt + j0 * ks, ks, ot, qs, j0 > 0);  // (+)= p v
+          detail::gemm_serial<T>(false, false, r, hd, c, s, Bc, vt + j0 * ks, ks, ot, qs, j0 > kbeg);  // (+)= p v
         }
         T* lt = L + bh * T_ + i0;
         for (std::int64_t i = 0; i < r; ++i) {
@@ -204,14 +240,18 @@ struct AttentionKernels {
   /// dv_j += p^T g, ds = p * (g v_j^T - dlt) * scale, dq_i += ds k_j, dk_j += ds^T q_i. Per
   /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
   /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
-  static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                  const Tensor& lse, const Tensor& g, const AttentionAttrs& a, Tensor& delta,
-                                  GradOut oq, GradOut ok, GradOut ov) {
+  /// starts: the forward's document starts (or undefined); query blocks whose documents all begin
+  /// after a key block are skipped, so dq is zeroed first instead of overwritten by key block 0.
+  static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
+                                  const Tensor& out, const Tensor& lse, const Tensor& g, const AttentionAttrs& a,
+                                  Tensor& delta, GradOut oq, GradOut ok, GradOut ov) {
     const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
     const double scale = a.scale;
     const bool causal = a.causal;
     Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
-    const bool acc_q = oq.acc, acc_k = ok.acc, acc_v = ov.acc;
+    const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
+    if (St && gq && !oq.acc) std::memset(gq->raw(), 0, gq->nbytes());
+    const bool acc_q = oq.acc || St, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
@@ -245,14 +285,19 @@ struct AttentionKernels {
             const std::int64_t h = kh * grp + jh, bh = b * H + h;
             // causal: the first query block holding a row that sees key j0
             for (std::int64_t i0 = causal ? j0 / Br * Br : 0; i0 < T_; i0 += Br) {
+              // documents: this block's rows and all later ones begin after the key block
+              if (St && St[b * T_ + i0] >= j0 + c) break;
               const std::int64_t r = std::min(T_, i0 + Br) - i0, o = (b * T_ + i0) * qs + h * hd;
               detail::gemm_serial<T>(false, true, r, c, hd, Q + o, qs, kt + j0 * ks, ks, p, Bc, false);  // q k^T
               for (std::int64_t i = 0; i < r; ++i) {
-                const std::int64_t n = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+                const std::int64_t lo = St ? std::clamp<std::int64_t>(St[b * T_ + i0 + i] - j0, 0, c) : 0;
+                const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
+                const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
                 detail::ArrayMap<T> row(p + i * Bc, c);
-                row.head(n) = row.head(n) * sc - L[bh * T_ + i0 + i];
-                detail::exp_inplace(p + i * Bc, n);
-                row.tail(c - n).setZero();
+                row.segment(lo, n) = row.segment(lo, n) * sc - L[bh * T_ + i0 + i];
+                detail::exp_inplace(p + i * Bc + lo, n);
+                row.head(lo).setZero();
+                row.tail(c - lo - n).setZero();
               }
               if (GV) detail::gemm_serial<T>(true, false, c, hd, r, p, Bc, G + o, qs, GV + (b * T_ + j0) * ks + kh * hd,
                                              ks, !first_v);  // p^T g
