@@ -115,8 +115,10 @@ struct Decoder {
       nn::GVar q = project(tp, l.self_attn.q_proj, x);  // (B, T, heads * hd)
       nn::GVar k = project(tp, l.self_attn.k_proj, x);  // (B, T, kv_heads * hd)
       nn::GVar v = project(tp, l.self_attn.v_proj, x);
-      nn::GVar a = nn::gqa_attention(tp, q, k, v, rope.cos, rope.sin, nn::causal, T, cfg.heads, cfg.kv_heads,
-                                     cfg.head_dim, scale);  // the causal kernel: no mask, no products above the diagonal
+      nn::GVar a = nn::gqa_attention(tp, q, k, v, {.T = T, .n_heads = cfg.heads, .n_kv_heads = cfg.kv_heads,
+                                                   .head_dim = cfg.head_dim, .scale = scale, .cos = rope.cos,
+                                                   .sin = rope.sin, .causal = true});
+      // (the causal kernel: no mask, no products above the diagonal)
       h = nn::add(tp, h, project(tp, l.self_attn.o_proj, a));
       x = l.post_attention_layernorm(tp, h);
       nn::GVar m = nn::swiglu(tp, l.mlp.gate_proj(tp, x), l.mlp.up_proj(tp, x));  // (B, T, hidden)

@@ -24,6 +24,7 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/nnConfigVersion.cmake
   COMPATIBILITY SameMinorVersion
   ARCH_INDEPENDENT)
 install(FILES ${PROJECT_BINARY_DIR}/nnConfig.cmake ${PROJECT_BINARY_DIR}/nnConfigVersion.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/precompiled.cpp  # nn::precompiled's source, built by the consumer
   DESTINATION ${NN_INSTALL_CMAKEDIR})
 install(FILES ${PROJECT_SOURCE_DIR}/LICENSE ${PROJECT_SOURCE_DIR}/LICENSE-MIT ${PROJECT_SOURCE_DIR}/LICENSE-APACHE
   DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/nn)

@@ -45,3 +45,4 @@
 #include "compile.hpp"
 #include "io/weights.hpp"
 #include "io/checkpoint.hpp"
+#include "precompiled.hpp"

@@ -25,7 +25,7 @@
 // nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
 // nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp,
 // nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp,
-// nn/io/weights.hpp, nn/io/checkpoint.hpp
+// nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -1278,6 +1278,57 @@ struct SwiGluMath {
   }
 };
 
+/// Softmax along a row, shifted by the row's maximum m so logits in the thousands neither
+/// overflow nor lose bits. Softmax, log-softmax, cross-entropy and attention (dense and flash)
+/// all run these steps around their row reductions (the CPU's Eigen chunks, CUDA's block
+/// reductions), so each formula is written here once:
+///   p = exp(x - m) / s, s = sum_j exp(x_j - m)     lse = m + log s;  p = exp(x - lse)
+///   log p = (x - m) - log s   (not x - (m + log s): m + log s rounds to m's ulp, an absolute
+///                              error of 1e-4 for float32 logits in the thousands)
+///   softmax vjp:     gx = p (g - sum_j g_j p_j)
+///   log-softmax vjp: gx = g - exp(y) sum_j g_j
+///   cross-entropy:   loss = lse - x_t;  gx = g exp(x - lse), then - g at the target
+///   online (flash):  partial sums over earlier tiles are re-based by exp(m_old - m_new)
+struct SoftmaxMath {
+  /// The shift of a row whose entries are all -inf (fully masked): 0, so the row stays finite.
+  template <class T>
+  NN_HD static T finite_max(T m) {
+    return m == -std::numeric_limits<T>::infinity() ? T(0) : m;
+  }
+  template <class T>
+  NN_HD static T lse(T m, T s) {
+    return m + m_log(s);
+  }
+  NN_HD_GENERIC template <class V, class T>
+  NN_HD static auto log_p(const V& x, T m, T log_s) {
+    return (x - m) - log_s;
+  }
+  NN_HD_GENERIC template <class V, class T>
+  NN_HD static auto p_from_lse(const V& x, T lse) {
+    return v_exp(x - lse);
+  }
+  template <class T>
+  NN_HD static T rebase(T m_old, T m_new) {
+    return m_exp(m_old - m_new);
+  }
+  NN_HD_GENERIC template <class P, class G, class T>
+  NN_HD static auto vjp(const P& p, const G& g, T dot) {
+    return p * (g - dot);
+  }
+  NN_HD_GENERIC template <class G, class Y, class T>
+  NN_HD static auto log_vjp(const G& g, const Y& y, T gsum) {
+    return g - v_exp(y) * gsum;
+  }
+  template <class T>
+  NN_HD static T ce_loss(T lse, T x_target) {
+    return lse - x_target;
+  }
+  NN_HD_GENERIC template <class V, class T>
+  NN_HD static auto ce_grad(const V& x, T lse, T g) {
+    return g * v_exp(x - lse);
+  }
+};
+
 /// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
 /// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
 struct RmsNormMath {
@@ -2407,6 +2458,11 @@ inline long peak_rss_kb() { return proc_status_kb("VmHWM"); }
 // norm, rope, attention and glu, and optim (the optimizer updates). Per-element math both
 // backends share is in backend/math.hpp. nn::cpu gathers the families by inheritance, so
 // `cpu::matmul(...)` and `B::matmul(...)` in a template both find them.
+//
+// Each family is a class template with one instance (`template <class = void> struct
+// NormKernelsT`, `using NormKernels = NormKernelsT<>`): its kernels are then compiled only in a
+// file that calls one, not in every file that includes this header. That is what lets a program
+// built with NN_PRECOMPILED (nn/precompiled.hpp) compile them once, in nn::precompiled.
 
 // ---- begin nn/backend/cpu/common.hpp ----
 // What every family of nn::cpu's kernels shares: dtype dispatch, the OpenMP loop helpers,
@@ -2826,8 +2882,7 @@ inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
   ArrayMap<T> r(row, n);
   if (add) r = r * scale + ConstArrayMap<T>(add, n);
   else if (scale != T(1)) r *= scale;
-  T m = r.maxCoeff();
-  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+  const T m = SoftmaxMath::finite_max(r.maxCoeff());
   r -= m;
   exp_inplace(row, n);
   r *= T(1) / r.sum();
@@ -2875,7 +2930,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct ElementwiseKernels {
+// A class template with one instance, `ElementwiseKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct ElementwiseKernelsT {
   static void fill(Tensor& y, double v) {
     if (v == 0.0) { std::memset(y.raw(), 0, y.nbytes()); return; }
     if (y.dtype() == DType::f32) std::fill_n(static_cast<float*>(y.raw()), y.numel(), static_cast<float>(v));
@@ -3028,6 +3085,7 @@ struct ElementwiseKernels {
     }
   }
 };
+using ElementwiseKernels = ElementwiseKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -3041,7 +3099,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct ReduceKernels {
+// A class template with one instance, `ReduceKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct ReduceKernelsT {
   /// y (+)= scale * (x summed over the dims where y has size 1 or is missing). The one kernel
   /// behind sum, mean and every broadcast gradient. Deterministic: fixed summation order.
   static void sum_to(const Tensor& x, Tensor& y, double scale, bool acc) {
@@ -3129,6 +3189,7 @@ struct ReduceKernels {
     });
   }
 };
+using ReduceKernels = ReduceKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -4571,7 +4632,9 @@ void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
 
 namespace cpu_kernels {
 
-struct MatmulKernels {
+// A class template with one instance, `MatmulKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct MatmulKernelsT {
   /// c (+)= op(a) @ op(b). Each operand is (batch, rows, cols) with batch = the product of its
   /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
   /// their batch, or 1 to sum the products over the batch.
@@ -4729,6 +4792,7 @@ struct MatmulKernels {
     else run(Am, Bm);
   }
 };
+using MatmulKernels = MatmulKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -4741,7 +4805,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct ShapeKernels {
+// A class template with one instance, `ShapeKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct ShapeKernelsT {
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
   static void permute(const Tensor& x, const std::array<int, kMaxRank>& perm, Tensor& y, bool acc) {
     detail::dispatch_any(x.dtype(), "permute", acc, [&]<class T>() {
@@ -4795,6 +4861,7 @@ struct ShapeKernels {
     });
   }
 };
+using ShapeKernels = ShapeKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -4807,7 +4874,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct IndexKernels {
+// A class template with one instance, `IndexKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct IndexKernelsT {
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
   /// A bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
@@ -4872,6 +4941,7 @@ struct IndexKernels {
     });
   }
 };
+using IndexKernels = IndexKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -4884,7 +4954,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct RandomKernels {
+// A class template with one instance, `RandomKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct RandomKernelsT {
   /// mask[i] = value where MLX's bernoulli(p_keep, mask.shape, key) is true, else 0 (mask: f32,
   /// f64 or u8). key: u32 (2), read here so a replay draws from whatever key its slot holds now.
   /// The word layout and u < float32(p) test are random.hpp's, so the mask is MLX's bit for bit.
@@ -4910,6 +4982,7 @@ struct RandomKernels {
     }
   }
 };
+using RandomKernels = RandomKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -4922,7 +4995,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct SoftmaxKernels {
+// A class template with one instance, `SoftmaxKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct SoftmaxKernelsT {
   /// Softmax (or log-softmax) over the last axis, max-subtracted so logits in the thousands
   /// neither overflow nor lose precision.
   static void softmax(const Tensor& x, Tensor& y, bool log) {
@@ -4937,12 +5012,10 @@ struct SoftmaxKernels {
         detail::ArrayMap<T> out(ys + r * V, V);
         T m = -std::numeric_limits<T>::infinity();
         for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
-        if (m == -std::numeric_limits<T>::infinity()) m = 0;  // a fully masked row stays finite in its max
+        m = detail::SoftmaxMath::finite_max(m);  // a fully masked row stays finite
         if (log) {
-          // (x - m) - log(s), not x - (m + log(s)): m + log(s) would round to m's ulp, an
-          // absolute error of 1e-4 for float32 logits in the thousands.
           const T ls = std::log((in - m).exp().sum());
-          out = (in - m) - ls;
+          out = detail::SoftmaxMath::log_p(in, m, ls);
         } else {
           out = in - m;
           detail::exp_inplace(ys + r * V, V);
@@ -4968,16 +5041,17 @@ struct SoftmaxKernels {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j];
           detail::ConstArrayMap<T> ya(yr, V), ga(gr, V);
           detail::ArrayMap<T> oa(o, V);
-          if (acc) oa += ga - ya.exp() * s;
-          else oa = ga - ya.exp() * s;
+          if (acc) oa += detail::SoftmaxMath::log_vjp(ga, ya, s);
+          else oa = detail::SoftmaxMath::log_vjp(ga, ya, s);
         } else {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
-          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
+          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, detail::SoftmaxMath::vjp(yr[j], gr[j], s), acc);
         }
       });
     });
   }
 };
+using SoftmaxKernels = SoftmaxKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -4990,7 +5064,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct CrossEntropyKernels {
+// A class template with one instance, `CrossEntropyKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct CrossEntropyKernelsT {
   /// Softmax cross-entropy against integer targets (i32/i64): loss_r = logsumexp(x_row) -
   /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
   /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
@@ -5018,10 +5094,10 @@ struct CrossEntropyKernels {
         const T* in = xs + ((r / N) * G + r % N) * V;
         const T m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
         const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
-        ls[r] = m + std::log(s);
+        ls[r] = detail::SoftmaxMath::lse(m, s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
-          ys[r] = k == ignore ? T(0) : ls[r] - in[k];
+          ys[r] = k == ignore ? T(0) : detail::SoftmaxMath::ce_loss(ls[r], in[k]);
         }
       });
       if (reduction == 0) return;
@@ -5030,7 +5106,7 @@ struct CrossEntropyKernels {
       for (std::int64_t r = 0; r < R; ++r) {
         const std::int64_t k = detail::load_index(t, r);
         if (k == ignore) continue;
-        total += ls[r] - xs[((r / N) * G + r % N) * V + k];
+        total += detail::SoftmaxMath::ce_loss(ls[r], xs[((r / N) * G + r % N) * V + k]);
         ++count;
       }
       ys[0] = reduction == 2 ? total / static_cast<T>(count) : total;
@@ -5071,13 +5147,14 @@ struct CrossEntropyKernels {
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
         detail::ArrayMap<T> oa(o, V);
-        if (acc) oa += gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
-        else oa = gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
+        if (acc) oa += detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+        else oa = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
         o[k] -= gr;
       });
     });
   }
 };
+using CrossEntropyKernels = CrossEntropyKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -5090,7 +5167,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct NormKernels {
+// A class template with one instance, `NormKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct NormKernelsT {
   /// y = x * rstd (* w) with rstd = 1 / sqrt(mean(x^2) + eps) per row of the last axis (kept in
   /// `rstd` for the vjp). w may be undefined (no gain).
   static void rms_norm(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
@@ -5152,6 +5231,7 @@ struct NormKernels {
     });
   }
 };
+using NormKernels = NormKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -5164,7 +5244,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct RopeKernels {
+// A class template with one instance, `RopeKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct RopeKernelsT {
   /// y (+)= x with the first dims = 2 * cos.shape[-1] features of each row rotated by its
   /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
   /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
@@ -5209,6 +5291,7 @@ struct RopeKernels {
     });
   }
 };
+using RopeKernels = RopeKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -5260,7 +5343,9 @@ inline const std::int32_t* check_doc_starts(const Tensor& starts, std::int64_t B
 
 namespace cpu_kernels {
 
-struct AttentionKernels {
+// A class template with one instance, `AttentionKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct AttentionKernelsT {
   /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
   /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
   /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). `causal`: query i sees keys
@@ -5348,7 +5433,7 @@ struct AttentionKernels {
                 detail::ArrayMap<T> d(ds + i * T_, kn);
                 detail::ConstArrayMap<T> pr(pt + i * T_, kn);
                 const T dot = (d * pr).sum();
-                d = pr * (d - dot) * sc;
+                d = detail::SoftmaxMath::vjp(pr, d, dot) * sc;
               }
               if (GQ) detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, ds + i0 * T_, T_, kt, ks, GQ + qo + i0 * qs, qs, acc_q);  // dS k
             }
@@ -5430,7 +5515,7 @@ struct AttentionKernels {
             if (j0 == kbeg) {
               l[i] = sum;
             } else {
-              const T alpha = std::exp(m[i] - mnew);  // the earlier tiles' terms, re-based on the new max
+              const T alpha = detail::SoftmaxMath::rebase(m[i], mnew);  // the earlier tiles' terms, on the new max
               l[i] = l[i] * alpha + sum;
               if (alpha != T(1)) detail::ArrayMap<T>(ot + i * qs, hd) *= alpha;
             }
@@ -5441,7 +5526,7 @@ struct AttentionKernels {
         T* lt = L + bh * T_ + i0;
         for (std::int64_t i = 0; i < r; ++i) {
           detail::ArrayMap<T>(ot + i * qs, hd) *= T(1) / l[i];
-          lt[i] = m[i] + std::log(l[i]);
+          lt[i] = detail::SoftmaxMath::lse(m[i], l[i]);
         }
       }, /*uneven=*/causal);
     });
@@ -5506,6 +5591,7 @@ struct AttentionKernels {
                 const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
                 const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
                 detail::ArrayMap<T> row(p + i * Bc, c);
+                // detail::SoftmaxMath::p_from_lse, exp(s - lse), with the exp done in place, vectorised
                 row.segment(lo, n) = row.segment(lo, n) * sc - L[bh * T_ + i0 + i];
                 detail::exp_inplace(p + i * Bc + lo, n);
                 row.head(lo).setZero();
@@ -5518,7 +5604,7 @@ struct AttentionKernels {
               detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
               for (std::int64_t i = 0; i < r; ++i) {
                 detail::ArrayMap<T> d(ds + i * Bc, c);
-                d = detail::ConstArrayMap<T>(p + i * Bc, c) * (d - D[bh * T_ + i0 + i]) * sc;
+                d = detail::SoftmaxMath::vjp(detail::ConstArrayMap<T>(p + i * Bc, c), d, D[bh * T_ + i0 + i]) * sc;
               }
               if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
                                              acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
@@ -5532,6 +5618,7 @@ struct AttentionKernels {
     });
   }
 };
+using AttentionKernels = AttentionKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -5544,7 +5631,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct GluKernels {
+// A class template with one instance, `GluKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct GluKernelsT {
   // The math is detail::SwiGluMath (backend/math.hpp), here on Eigen arrays, a chunk at a time.
 
   /// y = silu(gate) * up = gate * sigmoid(gate) * up.
@@ -5590,6 +5679,7 @@ struct GluKernels {
     });
   }
 };
+using GluKernels = GluKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -5727,7 +5817,9 @@ inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int6
 
 namespace cpu_kernels {
 
-struct QuantizedKernels {
+// A class template with one instance, `QuantizedKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct QuantizedKernelsT {
   /// Up to this many rows of x, products stream W once (detail::quantized_rows) instead of
   /// packing it for the GEMM: x @ W^T computes a dot product per output, x @ W an axpy per
   /// depth, which holds its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
@@ -5806,6 +5898,7 @@ struct QuantizedKernels {
     });
   }
 };
+using QuantizedKernels = QuantizedKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -5819,7 +5912,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct OptimKernels {
+// A class template with one instance, `OptimKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct OptimKernelsT {
   // lr is a 0-D float64 tensor and step a 0-D int64 tensor, read at run time, so a replayed
   // step sees a scheduled learning rate without re-recording. T is the parameter's dtype. The
   // arithmetic of each update is backend/math.hpp's (SgdMath, AdamMath, ...), as on CUDA.
@@ -5929,6 +6024,7 @@ struct OptimKernels {
     });
   }
 };
+using OptimKernels = OptimKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn
@@ -6945,8 +7041,10 @@ struct UnaryPrim {
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
   static const char* kernel(const Node<B>& n) { return unary_name(attrs_of<UnaryAttrs>(n).op); }
-  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp, false, &kernel};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> UnaryPrim<B>::def{Prim::unary, &forward, &vjp, false, &kernel};
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
 /// to the input's shape by the tape's accumulate_reduced (the one place that sums broadcasts).
@@ -6971,8 +7069,10 @@ struct BinaryPrim {
     }
   }
   static const char* kernel(const Node<B>& n) { return binary_name(attrs_of<BinaryAttrs>(n).op); }
-  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp, false, &kernel};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> BinaryPrim<B>::def{Prim::binary, &forward, &vjp, false, &kernel};
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
 template <class B>
@@ -6991,16 +7091,20 @@ struct WherePrim {
       }
     }
   }
-  static constexpr OpDef<B> def{Prim::where, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> WherePrim<B>::def{Prim::where, &forward, &vjp};
 
 /// A copy that the backward sweep does not cross.
 template <class B>
 struct StopGradientPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::copy(tp.in(n, 0), n.value, false); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{Prim::stop_gradient, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> StopGradientPrim<B>::def{Prim::stop_gradient, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7108,8 +7212,10 @@ struct SumPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::broadcast_to(n.grad.reshape(a.keep), s.g, a.scale, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::sum, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SumPrim<B>::def{Prim::sum, &forward, &vjp};
 
 /// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
 template <class B>
@@ -7125,8 +7231,10 @@ struct MaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::max_axis_vjp(n.grad.reshape(a.keep), n.saved[0], a.axis, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::max, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> MaxPrim<B>::def{Prim::max, &forward, &vjp};
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
 inline std::vector<int> norm_axes(const Shape& s, std::span<const int> axes, const char* op) {
@@ -7267,8 +7375,10 @@ struct MatmulPrim {
       else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
-  static constexpr OpDef<B> def{Prim::matmul, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> MatmulPrim<B>::def{Prim::matmul, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7362,8 +7472,10 @@ struct ReshapePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
   }
-  static constexpr OpDef<B> def{Prim::reshape, &forward, &vjp, true};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> ReshapePrim<B>::def{Prim::reshape, &forward, &vjp, true};
 
 template <class B>
 struct PermutePrim {
@@ -7375,8 +7487,10 @@ struct PermutePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::permute(n.grad, inv, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::permute, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> PermutePrim<B>::def{Prim::permute, &forward, &vjp};
 
 template <class B>
 struct SlicePrim {
@@ -7390,8 +7504,10 @@ struct SlicePrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::slice_scatter(n.grad, a.axis, a.start, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::slice, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SlicePrim<B>::def{Prim::slice, &forward, &vjp};
 
 template <class B>
 struct ConcatPrim {
@@ -7422,15 +7538,19 @@ struct ConcatPrim {
       at += s[axis];
     }
   }
-  static constexpr OpDef<B> def{Prim::concat, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> ConcatPrim<B>::def{Prim::concat, &forward, &vjp};
 
 template <class B>
 struct BroadcastPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::broadcast_to(tp.in(n, 0), n.value, 1.0, false); }
   static void vjp(GTape<B>& tp, Node<B>& n) { tp.accumulate_reduced(n, 0, n.grad); }
-  static constexpr OpDef<B> def{Prim::broadcast_to, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> BroadcastPrim<B>::def{Prim::broadcast_to, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7591,8 +7711,10 @@ struct GatherRowsPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::scatter_add_rows(n.grad, tp.in(n, 1), s.g);  // repeated ids accumulate
   }
-  static constexpr OpDef<B> def{Prim::gather_rows, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> GatherRowsPrim<B>::def{Prim::gather_rows, &forward, &vjp};
 
 /// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
 template <class B>
@@ -7604,8 +7726,10 @@ struct PickPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::pick_vjp(n.grad, tp.in(n, 1), s.g);
   }
-  static constexpr OpDef<B> def{Prim::pick, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> PickPrim<B>::def{Prim::pick, &forward, &vjp};
 
 template <class B>
 void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
@@ -7672,8 +7796,10 @@ struct SoftmaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::softmax_vjp(n.value, n.grad, s.g, attrs_of<SoftmaxAttrs>(n).log, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::softmax, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SoftmaxPrim<B>::def{Prim::softmax, &forward, &vjp};
 
 template <class B>
 GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {
@@ -7725,8 +7851,10 @@ struct CrossEntropyPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), attrs_of<CrossEntropyAttrs>(n), n.saved[0], n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::cross_entropy, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> CrossEntropyPrim<B>::def{Prim::cross_entropy, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7798,8 +7926,10 @@ template <class B>
 struct BernoulliPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), attrs_of<ProbabilityAttrs>(n).p, 1.0, n.value); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{Prim::bernoulli, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> BernoulliPrim<B>::def{Prim::bernoulli, &forward, &vjp};
 
 /// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
 /// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
@@ -7823,8 +7953,10 @@ struct DropoutPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::binary_vjp(Binary::mul, 1, n.saved[0], tp.in(n, 0), n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::dropout, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> DropoutPrim<B>::def{Prim::dropout, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7879,8 +8011,10 @@ struct RmsNormPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{Prim::rmsnorm, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> RmsNormPrim<B>::def{Prim::rmsnorm, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7935,8 +8069,10 @@ struct RopePrim {
     // the vjp rotates back
     B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), RopeArgs{attrs_of<RopeAttrs>(n).traditional, true}, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::rope, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> RopePrim<B>::def{Prim::rope, &forward, &vjp};
 
 }  // namespace detail
 
@@ -7999,8 +8135,10 @@ struct AttentionPrim {
     Tensor& scratch = tp.scratch(n, 1, Shape{a.B * a.KV, a.T, a.T}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, a, scratch, g[0], g[1], g[2]);
   }
-  static constexpr OpDef<B> def{Prim::attention, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> AttentionPrim<B>::def{Prim::attention, &forward, &vjp};
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd), optionally 3 the document starts
 /// (B, T) int32 of packed rows; AttentionAttrs (no mask).
@@ -8021,8 +8159,10 @@ struct FlashAttentionPrim {
                            g[0], g[1], g[2]);
   }
   static Tensor starts(GTape<B>& tp, const Node<B>& n) { return n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(); }
-  static constexpr OpDef<B> def{Prim::flash_attention, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> FlashAttentionPrim<B>::def{Prim::flash_attention, &forward, &vjp};
 
 /// The checks fused_attention and flash_attention share; returns B (q's rows / T).
 template <class B>
@@ -8141,8 +8281,10 @@ struct SwigluPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{Prim::swiglu, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SwigluPrim<B>::def{Prim::swiglu, &forward, &vjp};
 
 }  // namespace detail
 
@@ -8191,8 +8333,10 @@ struct QuantizedMatmulPrim {
     Tensor gx = rows(s.g);
     B::quantized_matmul(rows(n.grad), tp.in(n, 1), tp.in(n, 2), biases(tp, n), t, gx, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::quantized_matmul, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> QuantizedMatmulPrim<B>::def{Prim::quantized_matmul, &forward, &vjp};
 
 /// inputs: 0 ids (integer, any shape), 1 codes, 2 scales, 3 biases (affine only). out: ids.shape + (D).
 template <class B>
@@ -8203,8 +8347,10 @@ struct QuantizedGatherPrim {
                         attrs_of<Quant>(n), y);
   }
   static void vjp(GTape<B>&, Node<B>&) {}  // nothing to differentiate: integer ids, a constant table
-  static constexpr OpDef<B> def{Prim::quantized_gather, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> QuantizedGatherPrim<B>::def{Prim::quantized_gather, &forward, &vjp};
 
 /// The checks both builders share: the matrix's three tensors form one (rows, cols) matrix in
 /// format q (quant.hpp's check, with the op's name), none asks for a gradient.
@@ -8997,30 +9143,6 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 
 }  // namespace detail
 
-/// Grouped-query attention over packed projections.
-///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
-///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
-///   cos, sin: RoPE tables (T, dims/2) from rope_fill, dims <= head_dim; pass GVar{} for no RoPE
-///   mask: additive, broadcasting against (B, n_heads, T, T) — (T, T) causal, (B, 1, T, T)
-///         causal + padding (attention_mask_fill); pass GVar{} for none
-///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
-/// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
-/// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
-///
-/// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
-/// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
-/// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
-/// flash_attention, which never stores the (T, T) probabilities. `scale` (usually
-/// 1/sqrt(head_dim)) multiplies the scores. When the tables or the
-/// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
-/// `traditional` selects the interleaved RoPE.
-template <class B>
-GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
-                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional = false) {
-  return detail::gqa_attention(tp, q, k, v, cos, sin, mask, false, T, n_heads, n_kv_heads, head_dim, scale, traditional);
-}
-
 /// gqa_attention's arguments by name, for the form that cannot mix up its four integers:
 ///   gqa_attention(tp, q, k, v, {.T = T, .n_heads = 8, .n_kv_heads = 2, .head_dim = 64,
 ///                               .cos = rope.cos, .sin = rope.sin, .causal = true});
@@ -9041,8 +9163,29 @@ struct AttentionOptions {
   GVar doc_starts{};
 };
 
-/// Grouped-query attention with named options (AttentionOptions): the same as the positional
-/// forms below, which are the seed's.
+/// Grouped-query attention over packed projections.
+///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
+///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
+///   .cos, .sin: RoPE tables (T, dims/2) from rope_fill, dims <= head_dim; none: no RoPE
+///   .mask: additive, broadcasting against (B, n_heads, T, T) — (T, T) causal, (B, 1, T, T)
+///          causal + padding (attention_mask_fill); none: no mask
+///   .causal: query i sees keys 0..i with no (T, T) tensor read and the products above the
+///            diagonal skipped (about half the work); with or without a mask
+///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
+/// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
+/// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
+///
+/// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
+/// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
+/// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
+/// flash_attention, which never stores the (T, T) probabilities. `.scale` (default
+/// 1/sqrt(head_dim)) multiplies the scores. When the tables or the mask need a gradient,
+/// reference::gqa_attention computes the same thing from primitives. `.traditional` selects the
+/// interleaved RoPE.
+///
+/// The seed's positional form (tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim,
+/// scale) is gone from the public API: four adjacent integers that compile in any order. Its
+/// fields map one to one onto the options; reference::gqa_attention keeps that order.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions& o) {
   const std::int64_t n_kv = o.n_kv_heads == 0 ? o.n_heads : o.n_kv_heads;
@@ -9050,21 +9193,6 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions&
   const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
   return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
                                o.traditional, o.doc_starts);
-}
-
-/// The tag that asks gqa_attention for causal attention without a mask tensor.
-struct Causal {};
-inline constexpr Causal causal{};
-
-/// Causal grouped-query attention: what gqa_attention with causal_mask_fill(T) computes (query i
-/// sees keys 0..i; masked scores get exactly 0 probability either way), with no (T, T) mask read
-/// and the products above the diagonal skipped: about half of the attention's work.
-///   gqa_attention(tp, q, k, v, cos, sin, nn::causal, T, n_heads, n_kv_heads, head_dim, scale)
-template <class B>
-GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, Causal, std::int64_t T,
-                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional = false) {
-  return detail::gqa_attention(tp, q, k, v, cos, sin, GVar{}, true, T, n_heads, n_kv_heads, head_dim, scale, traditional);
 }
 
 }  // namespace nn
@@ -13522,4 +13650,57 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
 
 }  // namespace nn
 // ---- end nn/io/checkpoint.hpp ----
+// ---- begin nn/precompiled.hpp ----
+// Separate compilation of nn's CPU code, opt in: the common GTape<cpu> paths (every primitive's
+// forward and vjp with the kernels they call, the tape, the optimizers) compiled once instead of
+// in every translation unit.
+//
+//   every translation unit:  -DNN_PRECOMPILED          (CMake: link nn::precompiled, which sets it)
+//   exactly one of them:     #include <nn/instantiate.hpp>   (nn::precompiled's own source does)
+//
+// With NN_PRECOMPILED, <nn/nn.hpp> ends with `extern template` declarations of the instances
+// listed below, so a program's own files parse the headers but generate none of that code; the
+// one file that includes <nn/instantiate.hpp> defines them. Without it nothing changes: every
+// file instantiates what it uses, as a header-only library does. bench/compile_time.sh measures
+// both ways.
+//
+// Why this works without splitting every kernel into a declaration and a body: the kernel
+// families of backend/cpu/ are class templates (instantiated only when called), a primitive's
+// OpDef is defined outside its struct (so recording a node names the OpDef without
+// instantiating its forward and vjp), and the optimizers' updates are virtual (reached only
+// through the vtable, which the explicit instantiation emits).
+
+/// X(kind, instance) for each instance <nn/instantiate.hpp> compiles. A primitive added to
+/// NN_PRIMITIVES (backend/policy.hpp) adds its Prim struct here too: <nn/instantiate.hpp> checks
+/// the count.
+#define NN_CPU_INSTANCES(X)                                                                            \
+  X(struct, detail::UnaryPrim<cpu>) X(struct, detail::BinaryPrim<cpu>) X(struct, detail::WherePrim<cpu>) \
+  X(struct, detail::StopGradientPrim<cpu>) X(struct, detail::ReshapePrim<cpu>)                         \
+  X(struct, detail::PermutePrim<cpu>) X(struct, detail::SlicePrim<cpu>) X(struct, detail::ConcatPrim<cpu>) \
+  X(struct, detail::BroadcastPrim<cpu>) X(struct, detail::SumPrim<cpu>) X(struct, detail::MaxPrim<cpu>)  \
+  X(struct, detail::MatmulPrim<cpu>) X(struct, detail::GatherRowsPrim<cpu>) X(struct, detail::PickPrim<cpu>) \
+  X(struct, detail::SoftmaxPrim<cpu>) X(struct, detail::CrossEntropyPrim<cpu>) X(struct, detail::BernoulliPrim<cpu>)    \
+  X(struct, detail::DropoutPrim<cpu>) X(struct, detail::RmsNormPrim<cpu>) X(struct, detail::RopePrim<cpu>) \
+  X(struct, detail::AttentionPrim<cpu>) X(struct, detail::FlashAttentionPrim<cpu>)                     \
+  X(struct, detail::SwigluPrim<cpu>) X(struct, detail::QuantizedMatmulPrim<cpu>)                       \
+  X(struct, detail::QuantizedGatherPrim<cpu>)                                                          \
+  X(class, GTape<cpu>) X(class, Sgd<cpu>) X(class, Adam<cpu>) X(class, AdamW<cpu>) X(class, Lion<cpu>) \
+  X(class, Muon<cpu>) X(class, Adafactor<cpu>)
+
+/// The explicit instantiation definitions, once per program: <nn/instantiate.hpp> expands it (with
+/// the single header, write `NN_DEFINE_CPU_INSTANCES()` after `#include "nn.hpp"` in one file).
+#define NN_DEFINE_CPU_INSTANCE(kind, ...) template kind __VA_ARGS__;
+#define NN_DEFINE_CPU_INSTANCES() \
+  namespace nn {                  \
+  NN_CPU_INSTANCES(NN_DEFINE_CPU_INSTANCE)  \
+  }
+
+#if defined(NN_PRECOMPILED)
+namespace nn {
+#define NN_EXTERN_INSTANCE(kind, ...) extern template kind __VA_ARGS__;
+NN_CPU_INSTANCES(NN_EXTERN_INSTANCE)
+#undef NN_EXTERN_INSTANCE
+}  // namespace nn
+#endif
+// ---- end nn/precompiled.hpp ----
 // ---- end nn/nn.hpp ----

@@ -147,13 +147,15 @@ TEST_CASE("cuda tape: layers") {
               [keep, dt](auto& tp, const std::vector<GVar>& v) {
                 RopeVars r = rope_fill(tp, 5, 4, 10000.0, 1.0, 0, dt);
                 GVar mask = attention_mask_fill(tp, keep, dt);
-                return nn::gqa_attention(tp, v[0], v[1], v[2], r.cos, r.sin, mask, 5, 4, 2, 4, 0.5);
+                return nn::gqa_attention(tp, v[0], v[1], v[2], {.T = 5, .n_heads = 4, .n_kv_heads = 2, .head_dim = 4,
+                                                                .scale = 0.5, .cos = r.cos, .sin = r.sin, .mask = mask});
               });
     tape_case("layer gqa_attention (causal)", {P(rnd({5, 8}, dt)), P(rnd({5, 8}, dt)), P(rnd({5, 8}, dt))},
               [dt](auto& tp, const std::vector<GVar>& v) {
                 RopeVars r = rope_fill(tp, 5, 4, 10000.0, 1.0, 0, dt);
                 GVar mask = causal_mask_fill(tp, 5, dt);
-                return nn::gqa_attention(tp, v[0], v[1], v[2], r.cos, r.sin, mask, 5, 2, 2, 4, 0.5);
+                return nn::gqa_attention(tp, v[0], v[1], v[2], {.T = 5, .n_heads = 2, .n_kv_heads = 2, .head_dim = 4,
+                                                                .scale = 0.5, .cos = r.cos, .sin = r.sin, .mask = mask});
               });
     tape_case("layer embedding", {C(ids({2, 7}, DType::i64, 0, 20)), P(rnd({20, 8}, dt))},
               [](auto& tp, const std::vector<GVar>& v) { return nn::embedding(tp, v[0], v[1]); });
@@ -224,8 +226,10 @@ Block build_block(GTape<B>& tp, BlockWeights& W, const BlockConfig& c) {
   GVar mask = attention_mask_fill(tp, W.keep, dt);
   GVar xn = rmsnorm(tp, blk.x, base("input_layernorm"), c.eps);
   GVar q = lora(xn, "q_proj", true), k = lora(xn, "k_proj", true), v = lora(xn, "v_proj", true);
-  GVar ctx = gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, c.T, c.n_heads, c.n_kv_heads, c.head_dim,
-                           1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  GVar ctx = gqa_attention(tp, q, k, v, {.T = c.T, .n_heads = c.n_heads, .n_kv_heads = c.n_kv_heads,
+                                         .head_dim = c.head_dim,
+                                         .scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim)), .cos = rp.cos,
+                                         .sin = rp.sin, .mask = mask});
   GVar h = add(tp, blk.x, lora(ctx, "o_proj", false));
   GVar hn = rmsnorm(tp, h, base("post_attention_layernorm"), c.eps);
   GVar mlp = lora(swiglu(tp, lora(hn, "gate_proj", false), lora(hn, "up_proj", false)), "down_proj", false);

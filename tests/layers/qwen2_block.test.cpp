@@ -49,8 +49,10 @@ Block build_block(GTape<cpu>& tp, BlockWeights& W, const BlockConfig& c) {
   GVar q = lora(xn, "q_proj", true);   // (B, T, n_heads * head_dim)
   GVar k = lora(xn, "k_proj", true);   // (B, T, n_kv_heads * head_dim)
   GVar v = lora(xn, "v_proj", true);
-  GVar ctx = gqa_attention(tp, q, k, v, rp.cos, rp.sin, mask, c.T, c.n_heads, c.n_kv_heads, c.head_dim,
-                           1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  GVar ctx = gqa_attention(tp, q, k, v, {.T = c.T, .n_heads = c.n_heads, .n_kv_heads = c.n_kv_heads,
+                                         .head_dim = c.head_dim,
+                                         .scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim)), .cos = rp.cos,
+                                         .sin = rp.sin, .mask = mask});
   GVar h = add(tp, blk.x, lora(ctx, "o_proj", false));
   GVar hn = rmsnorm(tp, h, base("post_attention_layernorm"), c.eps);
   GVar mlp = lora(swiglu(tp, lora(hn, "gate_proj", false), lora(hn, "up_proj", false)), "down_proj", false);

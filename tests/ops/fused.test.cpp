@@ -118,7 +118,9 @@ TEST_CASE_TEMPLATE("fused attention agrees with the composite: MHA, GQA, MQA; ma
           return [&, fused](auto& tp, auto& v) {
             GVar c = roped ? tp.constant(tab.cos) : GVar{}, s = roped ? tp.constant(tab.sin) : GVar{};
             GVar m = mask.defined() ? tp.constant(mask) : GVar{};
-            if (fused) return gqa_attention(tp, v[0], v[1], v[2], c, s, m, Tn, nh, nkv, hd, 0.35);
+            if (fused) return gqa_attention(tp, v[0], v[1], v[2], {.T = Tn, .n_heads = nh, .n_kv_heads = nkv,
+                                                                   .head_dim = hd, .scale = 0.35, .cos = c, .sin = s,
+                                                                   .mask = m});
             return reference::gqa_attention(tp, v[0], v[1], v[2], c, s, m, Tn, nh, nkv, hd, 0.35);
           };
         };
@@ -159,7 +161,9 @@ TEST_CASE_TEMPLATE("causal attention (no mask tensor, blocked products) agrees w
         auto call = [&](bool fused) {
           return [&, fused](auto& tp, auto& v) {
             GVar c = roped ? tp.constant(tab.cos) : GVar{}, s = roped ? tp.constant(tab.sin) : GVar{};
-            if (fused && !pad) return gqa_attention(tp, v[0], v[1], v[2], c, s, nn::causal, Tn, nh, nkv, hd, 0.35);
+            if (fused && !pad) return gqa_attention(tp, v[0], v[1], v[2], {.T = Tn, .n_heads = nh, .n_kv_heads = nkv,
+                                                                           .head_dim = hd, .scale = 0.35, .cos = c,
+                                                                           .sin = s, .causal = true});
             if (fused) return detail::gqa_attention(tp, v[0], v[1], v[2], c, s, tp.constant(key_pad), true, Tn, nh, nkv, hd, 0.35, false);
             return reference::gqa_attention(tp, v[0], v[1], v[2], c, s, tp.constant(pad ? both : causal), Tn, nh, nkv, hd, 0.35);
           };
@@ -280,7 +284,8 @@ TEST_CASE_TEMPLATE("flash attention with document starts agrees with the composi
                                 .doc_starts = tp.input(Tensor::from<std::int32_t>({1, 6}, {0, 0, 1, 2, 2, 5}))});
   }, {"[flash_attention]", "position 2 starts at 1"});
   test::check_error([&] {
-    gqa_attention(tp, q, k, k, {.T = 6, .n_heads = 2, .head_dim = 4, .doc_starts = tp.input(Tensor::from<std::int32_t>({1, 6}, {0, 0, 0, 0, 0, 0}))});
+    gqa_attention(tp, q, k, k, {.T = 6, .n_heads = 2, .head_dim = 4,
+                                .doc_starts = tp.input(Tensor::from<std::int32_t>({1, 6}, {0, 0, 0, 0, 0, 0}))});
   }, {"[gqa_attention]", "doc_starts need causal attention"});
 }
 
@@ -294,8 +299,9 @@ TEST_CASE("gqa_attention without a mask tensor runs flash attention from kFlashM
     Tensor causal = causal_mask_fill(Tn, dt);
     std::string kernel;
     Run fused = run(in, [&](auto& tp, auto& v) {
-      GVar y = gqa_attention(tp, v[0], v[1], v[2], tp.constant(tab.cos), tp.constant(tab.sin), nn::causal, Tn, nh, nkv,
-                             hd, 0.3);
+      GVar y = gqa_attention(tp, v[0], v[1], v[2], {.T = Tn, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd,
+                                                    .scale = 0.3, .cos = tp.constant(tab.cos),
+                                                    .sin = tp.constant(tab.sin), .causal = true});
       kernel = tp.node(y).name();
       return y;
     });

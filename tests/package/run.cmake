@@ -47,7 +47,8 @@ if(MODE STREQUAL "find_package")
        -DNN_BUILD_TESTS=OFF -DNN_BUILD_EXAMPLES=OFF -DNN_BUILD_BENCH=OFF -DCMAKE_INSTALL_PREFIX=${prefix})
   step("install nn" ${CMAKE_COMMAND} --install ${WORK_DIR}/nn-build --config ${BUILD_TYPE})
   foreach(f include/nn/nn.hpp include/nn/config.hpp share/cmake/nn/nnConfig.cmake
-            share/cmake/nn/nnConfigVersion.cmake share/cmake/nn/nnTargets.cmake share/doc/nn/LICENSE)
+            share/cmake/nn/nnConfigVersion.cmake share/cmake/nn/nnTargets.cmake share/cmake/nn/precompiled.cpp
+            share/doc/nn/LICENSE)
     if(NOT EXISTS ${prefix}/${f})
       message(FATAL_ERROR "[package:find_package] the install lacks ${f}")
     endif()
@@ -78,3 +79,8 @@ if(NOT EXISTS ${exe})
   set(exe ${WORK_DIR}/consumer-build/${BUILD_TYPE}/consumer)  # multi-config generators
 endif()
 step("run the consumer" ${exe})
+# A consumer that also links nn::precompiled (find_package) runs that build too.
+get_filename_component(exe_dir ${exe} DIRECTORY)
+if(EXISTS ${exe_dir}/consumer_precompiled)
+  step("run the consumer built with nn::precompiled" ${exe_dir}/consumer_precompiled)
+endif()

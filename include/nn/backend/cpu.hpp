@@ -10,6 +10,11 @@
 // norm, rope, attention and glu, and optim (the optimizer updates). Per-element math both
 // backends share is in backend/math.hpp. nn::cpu gathers the families by inheritance, so
 // `cpu::matmul(...)` and `B::matmul(...)` in a template both find them.
+//
+// Each family is a class template with one instance (`template <class = void> struct
+// NormKernelsT`, `using NormKernels = NormKernelsT<>`): its kernels are then compiled only in a
+// file that calls one, not in every file that includes this header. That is what lets a program
+// built with NN_PRECOMPILED (nn/precompiled.hpp) compile them once, in nn::precompiled.
 #pragma once
 
 #include "cpu_info.hpp"

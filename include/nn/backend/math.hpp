@@ -189,6 +189,57 @@ struct SwiGluMath {
   }
 };
 
+/// Softmax along a row, shifted by the row's maximum m so logits in the thousands neither
+/// overflow nor lose bits. Softmax, log-softmax, cross-entropy and attention (dense and flash)
+/// all run these steps around their row reductions (the CPU's Eigen chunks, CUDA's block
+/// reductions), so each formula is written here once:
+///   p = exp(x - m) / s, s = sum_j exp(x_j - m)     lse = m + log s;  p = exp(x - lse)
+///   log p = (x - m) - log s   (not x - (m + log s): m + log s rounds to m's ulp, an absolute
+///                              error of 1e-4 for float32 logits in the thousands)
+///   softmax vjp:     gx = p (g - sum_j g_j p_j)
+///   log-softmax vjp: gx = g - exp(y) sum_j g_j
+///   cross-entropy:   loss = lse - x_t;  gx = g exp(x - lse), then - g at the target
+///   online (flash):  partial sums over earlier tiles are re-based by exp(m_old - m_new)
+struct SoftmaxMath {
+  /// The shift of a row whose entries are all -inf (fully masked): 0, so the row stays finite.
+  template <class T>
+  NN_HD static T finite_max(T m) {
+    return m == -std::numeric_limits<T>::infinity() ? T(0) : m;
+  }
+  template <class T>
+  NN_HD static T lse(T m, T s) {
+    return m + m_log(s);
+  }
+  NN_HD_GENERIC template <class V, class T>
+  NN_HD static auto log_p(const V& x, T m, T log_s) {
+    return (x - m) - log_s;
+  }
+  NN_HD_GENERIC template <class V, class T>
+  NN_HD static auto p_from_lse(const V& x, T lse) {
+    return v_exp(x - lse);
+  }
+  template <class T>
+  NN_HD static T rebase(T m_old, T m_new) {
+    return m_exp(m_old - m_new);
+  }
+  NN_HD_GENERIC template <class P, class G, class T>
+  NN_HD static auto vjp(const P& p, const G& g, T dot) {
+    return p * (g - dot);
+  }
+  NN_HD_GENERIC template <class G, class Y, class T>
+  NN_HD static auto log_vjp(const G& g, const Y& y, T gsum) {
+    return g - v_exp(y) * gsum;
+  }
+  template <class T>
+  NN_HD static T ce_loss(T lse, T x_target) {
+    return lse - x_target;
+  }
+  NN_HD_GENERIC template <class V, class T>
+  NN_HD static auto ce_grad(const V& x, T lse, T g) {
+    return g * v_exp(x - lse);
+  }
+};
+
 /// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
 /// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
 struct RmsNormMath {

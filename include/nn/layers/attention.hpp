@@ -171,30 +171,6 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 
 }  // namespace detail
 
-/// Grouped-query attention over packed projections.
-///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
-///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
-///   cos, sin: RoPE tables (T, dims/2) from rope_fill, dims <= head_dim; pass GVar{} for no RoPE
-///   mask: additive, broadcasting against (B, n_heads, T, T) — (T, T) causal, (B, 1, T, T)
-///         causal + padding (attention_mask_fill); pass GVar{} for none
-///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
-/// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
-/// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
-///
-/// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
-/// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
-/// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
-/// flash_attention, which never stores the (T, T) probabilities. `scale` (usually
-/// 1/sqrt(head_dim)) multiplies the scores. When the tables or the
-/// mask need a gradient, reference::gqa_attention computes the same thing from primitives.
-/// `traditional` selects the interleaved RoPE.
-template <class B>
-GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
-                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional = false) {
-  return detail::gqa_attention(tp, q, k, v, cos, sin, mask, false, T, n_heads, n_kv_heads, head_dim, scale, traditional);
-}
-
 /// gqa_attention's arguments by name, for the form that cannot mix up its four integers:
 ///   gqa_attention(tp, q, k, v, {.T = T, .n_heads = 8, .n_kv_heads = 2, .head_dim = 64,
 ///                               .cos = rope.cos, .sin = rope.sin, .causal = true});
@@ -215,8 +191,29 @@ struct AttentionOptions {
   GVar doc_starts{};
 };
 
-/// Grouped-query attention with named options (AttentionOptions): the same as the positional
-/// forms below, which are the seed's.
+/// Grouped-query attention over packed projections.
+///   q: (B, T, n_heads * head_dim)     k, v: (B, T, n_kv_heads * head_dim)
+///   (or the same with B and T merged into rows: (B*T, ...), which T splits)
+///   .cos, .sin: RoPE tables (T, dims/2) from rope_fill, dims <= head_dim; none: no RoPE
+///   .mask: additive, broadcasting against (B, n_heads, T, T) — (T, T) causal, (B, 1, T, T)
+///          causal + padding (attention_mask_fill); none: no mask
+///   .causal: query i sees keys 0..i with no (T, T) tensor read and the products above the
+///            diagonal skipped (about half the work); with or without a mask
+///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
+/// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
+/// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
+///
+/// Runs as RoPE on q and k in place of layout (B, T, n, head_dim), then one fused attention
+/// primitive (ops/attention.hpp: per-head strided GEMMs, mask and softmax in place, no head
+/// permutes). Without a mask tensor and from T = detail::kFlashMinT on, that primitive is
+/// flash_attention, which never stores the (T, T) probabilities. `.scale` (default
+/// 1/sqrt(head_dim)) multiplies the scores. When the tables or the mask need a gradient,
+/// reference::gqa_attention computes the same thing from primitives. `.traditional` selects the
+/// interleaved RoPE.
+///
+/// The seed's positional form (tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim,
+/// scale) is gone from the public API: four adjacent integers that compile in any order. Its
+/// fields map one to one onto the options; reference::gqa_attention keeps that order.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions& o) {
   const std::int64_t n_kv = o.n_kv_heads == 0 ? o.n_heads : o.n_kv_heads;
@@ -224,21 +221,6 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions&
   const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
   return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
                                o.traditional, o.doc_starts);
-}
-
-/// The tag that asks gqa_attention for causal attention without a mask tensor.
-struct Causal {};
-inline constexpr Causal causal{};
-
-/// Causal grouped-query attention: what gqa_attention with causal_mask_fill(T) computes (query i
-/// sees keys 0..i; masked scores get exactly 0 probability either way), with no (T, T) mask read
-/// and the products above the diagonal skipped: about half of the attention's work.
-///   gqa_attention(tp, q, k, v, cos, sin, nn::causal, T, n_heads, n_kv_heads, head_dim, scale)
-template <class B>
-GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, Causal, std::int64_t T,
-                   std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional = false) {
-  return detail::gqa_attention(tp, q, k, v, cos, sin, GVar{}, true, T, n_heads, n_kv_heads, head_dim, scale, traditional);
 }
 
 }  // namespace nn

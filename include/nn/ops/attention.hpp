@@ -30,8 +30,10 @@ struct AttentionPrim {
     Tensor& scratch = tp.scratch(n, 1, Shape{a.B * a.KV, a.T, a.T}, n.value.dtype());
     B::attention_vjp(tp.in(n, 0), tp.in(n, 1), tp.in(n, 2), n.saved[0], n.grad, a, scratch, g[0], g[1], g[2]);
   }
-  static constexpr OpDef<B> def{Prim::attention, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> AttentionPrim<B>::def{Prim::attention, &forward, &vjp};
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd), optionally 3 the document starts
 /// (B, T) int32 of packed rows; AttentionAttrs (no mask).
@@ -52,8 +54,10 @@ struct FlashAttentionPrim {
                            g[0], g[1], g[2]);
   }
   static Tensor starts(GTape<B>& tp, const Node<B>& n) { return n.inputs.size() > 3 ? tp.in(n, 3) : Tensor(); }
-  static constexpr OpDef<B> def{Prim::flash_attention, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> FlashAttentionPrim<B>::def{Prim::flash_attention, &forward, &vjp};
 
 /// The checks fused_attention and flash_attention share; returns B (q's rows / T).
 template <class B>

@@ -26,8 +26,10 @@ struct CrossEntropyPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::cross_entropy_vjp(tp.in(n, 0), tp.in(n, 1), attrs_of<CrossEntropyAttrs>(n), n.saved[0], n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::cross_entropy, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> CrossEntropyPrim<B>::def{Prim::cross_entropy, &forward, &vjp};
 
 }  // namespace detail
 

@@ -31,8 +31,10 @@ struct UnaryPrim {
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
   static const char* kernel(const Node<B>& n) { return unary_name(attrs_of<UnaryAttrs>(n).op); }
-  static constexpr OpDef<B> def{Prim::unary, &forward, &vjp, false, &kernel};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> UnaryPrim<B>::def{Prim::unary, &forward, &vjp, false, &kernel};
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
 /// to the input's shape by the tape's accumulate_reduced (the one place that sums broadcasts).
@@ -57,8 +59,10 @@ struct BinaryPrim {
     }
   }
   static const char* kernel(const Node<B>& n) { return binary_name(attrs_of<BinaryAttrs>(n).op); }
-  static constexpr OpDef<B> def{Prim::binary, &forward, &vjp, false, &kernel};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> BinaryPrim<B>::def{Prim::binary, &forward, &vjp, false, &kernel};
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
 template <class B>
@@ -77,16 +81,20 @@ struct WherePrim {
       }
     }
   }
-  static constexpr OpDef<B> def{Prim::where, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> WherePrim<B>::def{Prim::where, &forward, &vjp};
 
 /// A copy that the backward sweep does not cross.
 template <class B>
 struct StopGradientPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::copy(tp.in(n, 0), n.value, false); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{Prim::stop_gradient, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> StopGradientPrim<B>::def{Prim::stop_gradient, &forward, &vjp};
 
 }  // namespace detail
 

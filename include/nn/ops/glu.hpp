@@ -18,8 +18,10 @@ struct SwigluPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::swiglu_vjp(tp.in(n, 0), tp.in(n, 1), n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{Prim::swiglu, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SwigluPrim<B>::def{Prim::swiglu, &forward, &vjp};
 
 }  // namespace detail
 

@@ -22,8 +22,10 @@ struct GatherRowsPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::scatter_add_rows(n.grad, tp.in(n, 1), s.g);  // repeated ids accumulate
   }
-  static constexpr OpDef<B> def{Prim::gather_rows, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> GatherRowsPrim<B>::def{Prim::gather_rows, &forward, &vjp};
 
 /// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
 template <class B>
@@ -35,8 +37,10 @@ struct PickPrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::pick_vjp(n.grad, tp.in(n, 1), s.g);
   }
-  static constexpr OpDef<B> def{Prim::pick, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> PickPrim<B>::def{Prim::pick, &forward, &vjp};
 
 template <class B>
 void require_ids(const GTape<B>& tp, GVar ids, const char* op) {

@@ -61,8 +61,10 @@ struct MatmulPrim {
       else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
-  static constexpr OpDef<B> def{Prim::matmul, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> MatmulPrim<B>::def{Prim::matmul, &forward, &vjp};
 
 }  // namespace detail
 

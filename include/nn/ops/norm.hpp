@@ -29,8 +29,10 @@ struct RmsNormPrim {
     const auto g = tp.template grad_outs<2>(n);
     B::rms_norm_vjp(tp.in(n, 0), has_w ? tp.in(n, 1) : Tensor(), n.saved[0], n.grad, g[0], g[1]);
   }
-  static constexpr OpDef<B> def{Prim::rmsnorm, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> RmsNormPrim<B>::def{Prim::rmsnorm, &forward, &vjp};
 
 }  // namespace detail
 

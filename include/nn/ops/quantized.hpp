@@ -34,8 +34,10 @@ struct QuantizedMatmulPrim {
     Tensor gx = rows(s.g);
     B::quantized_matmul(rows(n.grad), tp.in(n, 1), tp.in(n, 2), biases(tp, n), t, gx, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::quantized_matmul, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> QuantizedMatmulPrim<B>::def{Prim::quantized_matmul, &forward, &vjp};
 
 /// inputs: 0 ids (integer, any shape), 1 codes, 2 scales, 3 biases (affine only). out: ids.shape + (D).
 template <class B>
@@ -46,8 +48,10 @@ struct QuantizedGatherPrim {
                         attrs_of<Quant>(n), y);
   }
   static void vjp(GTape<B>&, Node<B>&) {}  // nothing to differentiate: integer ids, a constant table
-  static constexpr OpDef<B> def{Prim::quantized_gather, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> QuantizedGatherPrim<B>::def{Prim::quantized_gather, &forward, &vjp};
 
 /// The checks both builders share: the matrix's three tensors form one (rows, cols) matrix in
 /// format q (quant.hpp's check, with the op's name), none asks for a gradient.

@@ -27,8 +27,10 @@ template <class B>
 struct BernoulliPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::bernoulli_mask(tp.in(n, 0), attrs_of<ProbabilityAttrs>(n).p, 1.0, n.value); }
   static void vjp(GTape<B>&, Node<B>&) {}
-  static constexpr OpDef<B> def{Prim::bernoulli, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> BernoulliPrim<B>::def{Prim::bernoulli, &forward, &vjp};
 
 /// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
 /// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
@@ -52,8 +54,10 @@ struct DropoutPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::binary_vjp(Binary::mul, 1, n.saved[0], tp.in(n, 0), n.grad, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::dropout, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> DropoutPrim<B>::def{Prim::dropout, &forward, &vjp};
 
 }  // namespace detail
 

@@ -35,8 +35,10 @@ struct SumPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::broadcast_to(n.grad.reshape(a.keep), s.g, a.scale, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::sum, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SumPrim<B>::def{Prim::sum, &forward, &vjp};
 
 /// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
 template <class B>
@@ -52,8 +54,10 @@ struct MaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::max_axis_vjp(n.grad.reshape(a.keep), n.saved[0], a.axis, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::max, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> MaxPrim<B>::def{Prim::max, &forward, &vjp};
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
 inline std::vector<int> norm_axes(const Shape& s, std::span<const int> axes, const char* op) {

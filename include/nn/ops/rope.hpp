@@ -28,8 +28,10 @@ struct RopePrim {
     // the vjp rotates back
     B::rope(n.grad, tp.in(n, 1), tp.in(n, 2), RopeArgs{attrs_of<RopeAttrs>(n).traditional, true}, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::rope, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> RopePrim<B>::def{Prim::rope, &forward, &vjp};
 
 }  // namespace detail
 

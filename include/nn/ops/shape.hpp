@@ -37,8 +37,10 @@ struct ReshapePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::copy(n.grad, s.g, s.acc);  // same element order; only the shape differs
   }
-  static constexpr OpDef<B> def{Prim::reshape, &forward, &vjp, true};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> ReshapePrim<B>::def{Prim::reshape, &forward, &vjp, true};
 
 template <class B>
 struct PermutePrim {
@@ -50,8 +52,10 @@ struct PermutePrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::permute(n.grad, inv, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::permute, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> PermutePrim<B>::def{Prim::permute, &forward, &vjp};
 
 template <class B>
 struct SlicePrim {
@@ -65,8 +69,10 @@ struct SlicePrim {
     if (!s.acc) B::fill(s.g, 0.0);
     B::slice_scatter(n.grad, a.axis, a.start, s.g, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::slice, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SlicePrim<B>::def{Prim::slice, &forward, &vjp};
 
 template <class B>
 struct ConcatPrim {
@@ -97,15 +103,19 @@ struct ConcatPrim {
       at += s[axis];
     }
   }
-  static constexpr OpDef<B> def{Prim::concat, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> ConcatPrim<B>::def{Prim::concat, &forward, &vjp};
 
 template <class B>
 struct BroadcastPrim {
   static void forward(GTape<B>& tp, Node<B>& n) { B::broadcast_to(tp.in(n, 0), n.value, 1.0, false); }
   static void vjp(GTape<B>& tp, Node<B>& n) { tp.accumulate_reduced(n, 0, n.grad); }
-  static constexpr OpDef<B> def{Prim::broadcast_to, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> BroadcastPrim<B>::def{Prim::broadcast_to, &forward, &vjp};
 
 }  // namespace detail
 

@@ -21,8 +21,10 @@ struct SoftmaxPrim {
     GradSlot s = tp.grad_slot(n, 0);
     B::softmax_vjp(n.value, n.grad, s.g, attrs_of<SoftmaxAttrs>(n).log, s.acc);
   }
-  static constexpr OpDef<B> def{Prim::softmax, &forward, &vjp};
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+template <class B>
+const OpDef<B> SoftmaxPrim<B>::def{Prim::softmax, &forward, &vjp};
 
 template <class B>
 GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {

@@ -48,7 +48,9 @@ inline const std::int32_t* check_doc_starts(const Tensor& starts, std::int64_t B
 
 namespace cpu_kernels {
 
-struct AttentionKernels {
+// A class template with one instance, `AttentionKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct AttentionKernelsT {
   /// Attention per (batch, query head): P = softmax(scale q k^T + mask) (kept in p: (B, H, T, T)),
   /// out = P v. q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head
   /// h / (H / KV); mask (may be undefined) broadcasts to (B, H, T, T). `causal`: query i sees keys
@@ -136,7 +138,7 @@ struct AttentionKernels {
                 detail::ArrayMap<T> d(ds + i * T_, kn);
                 detail::ConstArrayMap<T> pr(pt + i * T_, kn);
                 const T dot = (d * pr).sum();
-                d = pr * (d - dot) * sc;
+                d = detail::SoftmaxMath::vjp(pr, d, dot) * sc;
               }
               if (GQ) detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, ds + i0 * T_, T_, kt, ks, GQ + qo + i0 * qs, qs, acc_q);  // dS k
             }
@@ -218,7 +220,7 @@ struct AttentionKernels {
             if (j0 == kbeg) {
               l[i] = sum;
             } else {
-              const T alpha = std::exp(m[i] - mnew);  // the earlier tiles' terms, re-based on the new max
+              const T alpha = detail::SoftmaxMath::rebase(m[i], mnew);  // the earlier tiles' terms, on the new max
               l[i] = l[i] * alpha + sum;
               if (alpha != T(1)) detail::ArrayMap<T>(ot + i * qs, hd) *= alpha;
             }
@@ -229,7 +231,7 @@ struct AttentionKernels {
         T* lt = L + bh * T_ + i0;
         for (std::int64_t i = 0; i < r; ++i) {
           detail::ArrayMap<T>(ot + i * qs, hd) *= T(1) / l[i];
-          lt[i] = m[i] + std::log(l[i]);
+          lt[i] = detail::SoftmaxMath::lse(m[i], l[i]);
         }
       }, /*uneven=*/causal);
     });
@@ -294,6 +296,7 @@ struct AttentionKernels {
                 const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
                 const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
                 detail::ArrayMap<T> row(p + i * Bc, c);
+                // detail::SoftmaxMath::p_from_lse, exp(s - lse), with the exp done in place, vectorised
                 row.segment(lo, n) = row.segment(lo, n) * sc - L[bh * T_ + i0 + i];
                 detail::exp_inplace(p + i * Bc + lo, n);
                 row.head(lo).setZero();
@@ -306,7 +309,7 @@ struct AttentionKernels {
               detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
               for (std::int64_t i = 0; i < r; ++i) {
                 detail::ArrayMap<T> d(ds + i * Bc, c);
-                d = detail::ConstArrayMap<T>(p + i * Bc, c) * (d - D[bh * T_ + i0 + i]) * sc;
+                d = detail::SoftmaxMath::vjp(detail::ConstArrayMap<T>(p + i * Bc, c), d, D[bh * T_ + i0 + i]) * sc;
               }
               if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
                                              acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
@@ -320,6 +323,7 @@ struct AttentionKernels {
     });
   }
 };
+using AttentionKernels = AttentionKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

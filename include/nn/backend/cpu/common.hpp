@@ -194,8 +194,7 @@ inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
   ArrayMap<T> r(row, n);
   if (add) r = r * scale + ConstArrayMap<T>(add, n);
   else if (scale != T(1)) r *= scale;
-  T m = r.maxCoeff();
-  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+  const T m = SoftmaxMath::finite_max(r.maxCoeff());
   r -= m;
   exp_inplace(row, n);
   r *= T(1) / r.sum();

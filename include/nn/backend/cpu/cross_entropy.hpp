@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct CrossEntropyKernels {
+// A class template with one instance, `CrossEntropyKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct CrossEntropyKernelsT {
   /// Softmax cross-entropy against integer targets (i32/i64): loss_r = logsumexp(x_row) -
   /// x_row[t_r], max-subtracted. x: (..., T, V), t: (..., N) with N <= T: target r scores row
   /// (r / N) * T + r % N of x, i.e. the first N rows of each group of T (next-token training
@@ -36,10 +38,10 @@ struct CrossEntropyKernels {
         const T* in = xs + ((r / N) * G + r % N) * V;
         const T m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
         const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
-        ls[r] = m + std::log(s);
+        ls[r] = detail::SoftmaxMath::lse(m, s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
-          ys[r] = k == ignore ? T(0) : ls[r] - in[k];
+          ys[r] = k == ignore ? T(0) : detail::SoftmaxMath::ce_loss(ls[r], in[k]);
         }
       });
       if (reduction == 0) return;
@@ -48,7 +50,7 @@ struct CrossEntropyKernels {
       for (std::int64_t r = 0; r < R; ++r) {
         const std::int64_t k = detail::load_index(t, r);
         if (k == ignore) continue;
-        total += ls[r] - xs[((r / N) * G + r % N) * V + k];
+        total += detail::SoftmaxMath::ce_loss(ls[r], xs[((r / N) * G + r % N) * V + k]);
         ++count;
       }
       ys[0] = reduction == 2 ? total / static_cast<T>(count) : total;
@@ -89,13 +91,14 @@ struct CrossEntropyKernels {
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
         detail::ArrayMap<T> oa(o, V);
-        if (acc) oa += gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
-        else oa = gr * (detail::ConstArrayMap<T>(in, V) - l).exp();
+        if (acc) oa += detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+        else oa = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
         o[k] -= gr;
       });
     });
   }
 };
+using CrossEntropyKernels = CrossEntropyKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -9,7 +9,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct ElementwiseKernels {
+// A class template with one instance, `ElementwiseKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct ElementwiseKernelsT {
   static void fill(Tensor& y, double v) {
     if (v == 0.0) { std::memset(y.raw(), 0, y.nbytes()); return; }
     if (y.dtype() == DType::f32) std::fill_n(static_cast<float*>(y.raw()), y.numel(), static_cast<float>(v));
@@ -162,6 +164,7 @@ struct ElementwiseKernels {
     }
   }
 };
+using ElementwiseKernels = ElementwiseKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct GluKernels {
+// A class template with one instance, `GluKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct GluKernelsT {
   // The math is detail::SwiGluMath (backend/math.hpp), here on Eigen arrays, a chunk at a time.
 
   /// y = silu(gate) * up = gate * sigmoid(gate) * up.
@@ -54,6 +56,7 @@ struct GluKernels {
     });
   }
 };
+using GluKernels = GluKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

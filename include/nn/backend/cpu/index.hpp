@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct IndexKernels {
+// A class template with one instance, `IndexKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct IndexKernelsT {
   /// y[i, :] = table[ids[i], :]; table: (N, D), ids: any shape of i32/i64 (flattened), y: (n, D).
   /// A bf16 table (Precision::bf16) gives f32 rows, widened exactly.
   static void gather_rows(const Tensor& table, const Tensor& ids, Tensor& y) {
@@ -73,6 +75,7 @@ struct IndexKernels {
     });
   }
 };
+using IndexKernels = IndexKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

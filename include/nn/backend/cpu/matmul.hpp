@@ -272,7 +272,9 @@ void gemm_serial(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
 
 namespace cpu_kernels {
 
-struct MatmulKernels {
+// A class template with one instance, `MatmulKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct MatmulKernelsT {
   /// c (+)= op(a) @ op(b). Each operand is (batch, rows, cols) with batch = the product of its
   /// leading dims (1 for a matrix); a's and b's batch are equal or 1 (a shared operand); c's is
   /// their batch, or 1 to sum the products over the batch.
@@ -430,6 +432,7 @@ struct MatmulKernels {
     else run(Am, Bm);
   }
 };
+using MatmulKernels = MatmulKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

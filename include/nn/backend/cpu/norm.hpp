@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct NormKernels {
+// A class template with one instance, `NormKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct NormKernelsT {
   /// y = x * rstd (* w) with rstd = 1 / sqrt(mean(x^2) + eps) per row of the last axis (kept in
   /// `rstd` for the vjp). w may be undefined (no gain).
   static void rms_norm(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
@@ -70,6 +72,7 @@ struct NormKernels {
     });
   }
 };
+using NormKernels = NormKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

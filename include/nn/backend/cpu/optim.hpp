@@ -9,7 +9,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct OptimKernels {
+// A class template with one instance, `OptimKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct OptimKernelsT {
   // lr is a 0-D float64 tensor and step a 0-D int64 tensor, read at run time, so a replayed
   // step sees a scheduled learning rate without re-recording. T is the parameter's dtype. The
   // arithmetic of each update is backend/math.hpp's (SgdMath, AdamMath, ...), as on CUDA.
@@ -119,6 +121,7 @@ struct OptimKernels {
     });
   }
 };
+using OptimKernels = OptimKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

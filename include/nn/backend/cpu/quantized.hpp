@@ -135,7 +135,9 @@ inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int6
 
 namespace cpu_kernels {
 
-struct QuantizedKernels {
+// A class template with one instance, `QuantizedKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct QuantizedKernelsT {
   /// Up to this many rows of x, products stream W once (detail::quantized_rows) instead of
   /// packing it for the GEMM: x @ W^T computes a dot product per output, x @ W an axpy per
   /// depth, which holds its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
@@ -214,6 +216,7 @@ struct QuantizedKernels {
     });
   }
 };
+using QuantizedKernels = QuantizedKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -9,7 +9,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct RandomKernels {
+// A class template with one instance, `RandomKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct RandomKernelsT {
   /// mask[i] = value where MLX's bernoulli(p_keep, mask.shape, key) is true, else 0 (mask: f32,
   /// f64 or u8). key: u32 (2), read here so a replay draws from whatever key its slot holds now.
   /// The word layout and u < float32(p) test are random.hpp's, so the mask is MLX's bit for bit.
@@ -35,6 +37,7 @@ struct RandomKernels {
     }
   }
 };
+using RandomKernels = RandomKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

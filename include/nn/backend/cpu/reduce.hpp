@@ -9,7 +9,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct ReduceKernels {
+// A class template with one instance, `ReduceKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct ReduceKernelsT {
   /// y (+)= scale * (x summed over the dims where y has size 1 or is missing). The one kernel
   /// behind sum, mean and every broadcast gradient. Deterministic: fixed summation order.
   static void sum_to(const Tensor& x, Tensor& y, double scale, bool acc) {
@@ -97,6 +99,7 @@ struct ReduceKernels {
     });
   }
 };
+using ReduceKernels = ReduceKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct RopeKernels {
+// A class template with one instance, `RopeKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct RopeKernelsT {
   /// y (+)= x with the first dims = 2 * cos.shape[-1] features of each row rotated by its
   /// position's angles: NEOX pairs (i, i + dims/2), or traditional pairs (2i, 2i + 1);
   /// (a, b) -> (a cos - b sin, a sin + b cos), and with `inverse` by minus the angle (the vjp).
@@ -53,6 +55,7 @@ struct RopeKernels {
     });
   }
 };
+using RopeKernels = RopeKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct ShapeKernels {
+// A class template with one instance, `ShapeKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct ShapeKernelsT {
   /// y (+)= x with its axes permuted: y.shape[i] = x.shape[perm[i]].
   static void permute(const Tensor& x, const std::array<int, kMaxRank>& perm, Tensor& y, bool acc) {
     detail::dispatch_any(x.dtype(), "permute", acc, [&]<class T>() {
@@ -62,6 +64,7 @@ struct ShapeKernels {
     });
   }
 };
+using ShapeKernels = ShapeKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -8,7 +8,9 @@ namespace nn {
 
 namespace cpu_kernels {
 
-struct SoftmaxKernels {
+// A class template with one instance, `SoftmaxKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct SoftmaxKernelsT {
   /// Softmax (or log-softmax) over the last axis, max-subtracted so logits in the thousands
   /// neither overflow nor lose precision.
   static void softmax(const Tensor& x, Tensor& y, bool log) {
@@ -23,12 +25,10 @@ struct SoftmaxKernels {
         detail::ArrayMap<T> out(ys + r * V, V);
         T m = -std::numeric_limits<T>::infinity();
         for (std::int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
-        if (m == -std::numeric_limits<T>::infinity()) m = 0;  // a fully masked row stays finite in its max
+        m = detail::SoftmaxMath::finite_max(m);  // a fully masked row stays finite
         if (log) {
-          // (x - m) - log(s), not x - (m + log(s)): m + log(s) would round to m's ulp, an
-          // absolute error of 1e-4 for float32 logits in the thousands.
           const T ls = std::log((in - m).exp().sum());
-          out = (in - m) - ls;
+          out = detail::SoftmaxMath::log_p(in, m, ls);
         } else {
           out = in - m;
           detail::exp_inplace(ys + r * V, V);
@@ -54,16 +54,17 @@ struct SoftmaxKernels {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j];
           detail::ConstArrayMap<T> ya(yr, V), ga(gr, V);
           detail::ArrayMap<T> oa(o, V);
-          if (acc) oa += ga - ya.exp() * s;
-          else oa = ga - ya.exp() * s;
+          if (acc) oa += detail::SoftmaxMath::log_vjp(ga, ya, s);
+          else oa = detail::SoftmaxMath::log_vjp(ga, ya, s);
         } else {
           for (std::int64_t j = 0; j < V; ++j) s += gr[j] * yr[j];
-          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, yr[j] * (gr[j] - s), acc);
+          for (std::int64_t j = 0; j < V; ++j) detail::put(o, j, detail::SoftmaxMath::vjp(yr[j], gr[j], s), acc);
         }
       });
     });
   }
 };
+using SoftmaxKernels = SoftmaxKernelsT<>;
 
 }  // namespace cpu_kernels
 }  // namespace nn

@@ -479,14 +479,13 @@ __global__ void k_softmax(const T* x, T* y, i64 R, i64 V, bool log) {
     T* out = y + r * V;
     T m = -d_inf<T>();
     for (i64 j = threadIdx.x; j < V; j += blockDim.x) m = MaxOp{}(m, in[j]);
-    m = block_reduce(m, sh, MaxOp{});
-    if (m == -d_inf<T>()) m = 0;  // a fully masked row stays finite in its max
+    m = SoftmaxMath::finite_max(block_reduce(m, sh, MaxOp{}));  // a fully masked row stays finite
     T s = 0;
     for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += m_exp(in[j] - m);
     s = block_reduce(s, sh, SumOp{});
     if (log) {
-      const T ls = m_log(s);  // (x - m) - log(s), as cpu.hpp, for logits in the thousands
-      for (i64 j = threadIdx.x; j < V; j += blockDim.x) out[j] = (in[j] - m) - ls;
+      const T ls = m_log(s);
+      for (i64 j = threadIdx.x; j < V; j += blockDim.x) out[j] = SoftmaxMath::log_p(in[j], m, ls);
     } else {
       const T inv = T(1) / s;
       for (i64 j = threadIdx.x; j < V; j += blockDim.x) out[j] = m_exp(in[j] - m) * inv;
@@ -505,11 +504,11 @@ __global__ void k_softmax_vjp(const T* y, const T* g, T* gx, i64 R, i64 V, bool 
     if (log) {
       for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += gr[j];
       s = block_reduce(s, sh, SumOp{});
-      for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, gr[j] - m_exp(yr[j]) * s, acc);
+      for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, SoftmaxMath::log_vjp(gr[j], yr[j], s), acc);
     } else {
       for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += gr[j] * yr[j];
       s = block_reduce(s, sh, SumOp{});
-      for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, yr[j] * (gr[j] - s), acc);
+      for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, SoftmaxMath::vjp(yr[j], gr[j], s), acc);
     }
   }
 }
@@ -534,9 +533,9 @@ __global__ void k_ce_rows(const T* x, const void* t, bool i32, i64 ignore, int r
     for (i64 j = threadIdx.x; j < V; j += blockDim.x) s += m_exp(in[j] - m);
     s = block_reduce(s, sh, SumOp{});
     if (threadIdx.x == 0) {
-      const T l = m + m_log(s);
+      const T l = SoftmaxMath::lse(m, s);
       lse[r] = l;
-      if (reduction == 0) y[r] = (k == ignore || bad) ? T(0) : l - in[k];
+      if (reduction == 0) y[r] = (k == ignore || bad) ? T(0) : SoftmaxMath::ce_loss(l, in[k]);
     }
   }
 }
@@ -552,7 +551,7 @@ __global__ void k_ce_reduce(const T* x, const void* t, bool i32, i64 ignore, int
   for (i64 r = threadIdx.x; r < R; r += blockDim.x) {
     const i64 k = load_index(t, i32, r);
     if (k == ignore || k < 0 || k >= V) continue;
-    total += lse[r] - x[ce_row(r, N, G) * V + k];
+    total += SoftmaxMath::ce_loss(lse[r], x[ce_row(r, N, G) * V + k]);
     ++count;
   }
   total = block_reduce(total, sh, SumOp{});
@@ -592,7 +591,7 @@ __global__ void k_ce_vjp(const T* x, const void* t, bool i32, i64 ignore, int re
     if (reduction == 2) g0 = g0 / static_cast<T>(*count);
     const T* in = x + ce_row(r, N, G) * V;
     const T gr = reduction == 0 ? g[r] : g0, l = lse[r];
-    for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, gr * m_exp(in[j] - l), acc);
+    for (i64 j = threadIdx.x; j < V; j += blockDim.x) put(o, j, SoftmaxMath::ce_grad(in[j], l, gr), acc);
     __syncthreads();  // the whole row is written before the target's element is adjusted
     if (threadIdx.x == 0) o[k] -= gr;
     __syncthreads();
@@ -683,8 +682,7 @@ __global__ void k_attn_softmax(T* P, const T* mask, i64 H, i64 Tn, i64 ms0, i64 
       row[j] = v;
       m = MaxOp{}(m, v);
     }
-    m = block_reduce(m, sh, MaxOp{});
-    if (m == -d_inf<T>()) m = 0;
+    m = SoftmaxMath::finite_max(block_reduce(m, sh, MaxOp{}));
     T s = 0;
     for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
       const T e = m_exp(row[j] - m);
@@ -709,7 +707,7 @@ __global__ void k_attn_dsoftmax(T* ds, i64 ds_stride, const T* p, i64 p_stride, 
     T dot = 0;
     for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) dot += d[j] * pr[j];
     dot = block_reduce(dot, sh, SumOp{});
-    for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) d[j] = pr[j] * (d[j] - dot) * scale;
+    for (i64 j = threadIdx.x; j < Tn; j += blockDim.x) d[j] = SoftmaxMath::vjp(pr[j], d[j], dot) * scale;
   }
 }
 template <class T>
