@@ -236,7 +236,7 @@ struct SoftmaxMath {
   }
   NN_HD_GENERIC template <class V, class T>
   NN_HD static auto ce_grad(const V& x, T lse, T g) {
-    return g * v_exp(x - lse);
+    return g * p_from_lse(x, lse);
   }
 };
 
