@@ -14,7 +14,8 @@
 // them to float32 on load. --grad-checkpoint 1 recomputes each decoder layer in the backward pass
 // (CausalLM::grad_checkpoint, finetune --grad-checkpoint).
 //
-// Prints one `RESULT key=value ...` line (tokens/s from the median step), and the cost of the
+// Prints one `RESULT key=value ...` line (tokens/s from the median step; tape_mb: the buffers the
+// compiled step's memory-planned tape holds, GTape::bytes), and the cost of the
 // compiled step's per-call structure check beside the step.
 #include <nn/nn.hpp>
 #include <nn/lm/pretrained.hpp>
@@ -108,13 +109,14 @@ int main(int argc, char** argv) try {
               100.0 * check_us / (median_ms * 1e3), static_cast<unsigned long long>(sink));
   std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
               "rss_start_mb=%.1f rss_now_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld "
-              "precision=%s base=%s grad_checkpoint=%d seq=%lld batch=%lld team_reductions=%lld\n",
+              "precision=%s base=%s grad_checkpoint=%d seq=%lld batch=%lld team_reductions=%lld tape_mb=%.1f\n",
               threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, ms[0], cpu_ms,
               static_cast<double>(bench::proc_status_kb("VmHWM")) / 1024.0, static_cast<double>(rss_start_kb) / 1024.0,
               static_cast<double>(bench::proc_status_kb("VmRSS")) / 1024.0, first_loss, last_loss,
               static_cast<long long>(model.num_params()), static_cast<long long>(model.num_trainable()),
               precision.c_str(), base.c_str(), grad_checkpoint, static_cast<long long>(T), static_cast<long long>(B),
-              static_cast<long long>(nn::detail::TeamLoad::get().reductions()));
+              static_cast<long long>(nn::detail::TeamLoad::get().reductions()),
+              static_cast<double>(step.tape().bytes()) / 1e6);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());

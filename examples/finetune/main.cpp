@@ -195,7 +195,9 @@ std::vector<std::size_t> my_rows(std::span<const std::size_t> rows, const nn::di
 }
 
 /// Mean next-token loss over up to `batches` validation batches (token-weighted), each batch's
-/// rows shared out over the group and the sums added up.
+/// rows shared out over the group and the sums added up. One row per forward pass: its logits,
+/// (T, vocab) in float32, are what an evaluation holds beside the training step's buffers, so a
+/// row at a time keeps the run's peak memory at the step's (the sum is the same up to rounding).
 double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int seq,
                 const nn::distributed::Group& g) {
   if (data.empty()) return NAN;
@@ -206,15 +208,22 @@ double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches
     for (int i = 0; i < batch && static_cast<std::size_t>(b * batch + i) < data.size(); ++i)
       all.push_back(static_cast<std::size_t>(b * batch + i));
     if (all.empty()) break;
-    const std::vector<std::size_t> rows = my_rows(all, g);
-    if (rows.empty()) continue;
-    Batch bt = make_batch(data, rows, seq + 1, seq, m.dtype());
-    if (bt.tokens == 0) continue;
-    GTape<cpu> tp;
-    GVar loss = cross_entropy(tp, m.logits(tp, tp.constant(bt.inputs)), tp.constant(bt.targets), tp.constant(bt.mask),
-                              Reduction::sum);
-    sum += tp.value(loss).item();
-    count += bt.tokens;
+    for (std::size_t row : my_rows(all, g)) {
+      const std::size_t one[] = {row};
+      Batch bt = make_batch(data, one, seq + 1, seq, m.dtype());
+      if (bt.tokens == 0) continue;
+      // Recorded with its kernels deferred, then planned forward-only and run: the tape holds
+      // the logits and a layer's transients, not every intermediate (GTape::plan_memory).
+      GTape<cpu> tp;
+      const GVar loss = tp.record_planned(
+          [&] {
+            return cross_entropy(tp, m.logits(tp, tp.constant(bt.inputs)), tp.constant(bt.targets),
+                                 tp.constant(bt.mask), Reduction::sum);
+          },
+          false);
+      sum += tp.value(loss).item();
+      count += bt.tokens;
+    }
   }
   const double total = g.sum(static_cast<double>(count));
   return total > 0 ? g.sum(sum) / total : NAN;

@@ -115,6 +115,16 @@ class CompiledStep {
     reduce_ = [&reduce](std::span<const GradBuffer> s) { reduce(s); };
     return *this;
   }
+  /// Memory planning (on by default, CPU tapes): buffers whose lifetimes in the step do not
+  /// overlap share memory (GTape::plan_memory), so the step holds what its backward pass reads
+  /// plus one layer's transients, not every intermediate and every gradient. The results are
+  /// the same bit for bit. Off: every node keeps its own buffers (for reading intermediates
+  /// through tape()). Changing it records the step again.
+  CompiledStep& plan_memory(bool on) {
+    if (on != plan_) recorded_ = false;
+    plan_ = on;
+    return *this;
+  }
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
   double grad_norm() const { return grad_norm_; }
 
@@ -142,14 +152,29 @@ class CompiledStep {
   }
 
   void record(const std::array<const Tensor*, N>& in) {
+    recorded_ = false;  // until this recording has run: a throw leaves the step to record again
     tp_.clear();
     entries_.clear();
     slots_.clear();
     std::array<GVar, N> vars{};
     for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
     for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
-    if constexpr (kFits)  // else only the static_assert above speaks
-      loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
+    // On the CPU the recording defers every kernel and plans the buffers first (GTape::
+    // plan_memory), so not even the first call holds every intermediate at once.
+    const bool plan = plan_ && std::is_same_v<B, cpu>;
+    tp_.defer_kernels(plan);
+    try {
+      if constexpr (kFits)  // else only the static_assert above speaks
+        loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
+    } catch (...) {
+      tp_.defer_kernels(false);
+      throw;
+    }
+    tp_.defer_kernels(false);
+    if (plan) {
+      tp_.plan_memory(loss_);
+      tp_.replay_forward();
+    }
     tp_.backward(loss_);
     detail::for_each(*model_, [&](const std::string& path, Param& p) {
       if (!p.trainable || !is_floating(p.value.dtype())) return;
@@ -209,7 +234,7 @@ class CompiledStep {
   std::function<void(std::span<const GradBuffer>)> reduce_;  // between backward and the update
   std::uint64_t structure_ = 0, hyper_ = 0;
   double clip_ = -1, grad_norm_ = 0;
-  bool recorded_ = false;
+  bool recorded_ = false, plan_ = true;
   int recordings_ = 0;
 };
 

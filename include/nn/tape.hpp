@@ -3,6 +3,7 @@
 // topological order), swept in reverse by backward(), and replayable without re-recording.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <deque>
@@ -81,8 +82,27 @@ struct OpDef {
   // The kernel a primitive that runs several ran ("log" for a unary node), read from its
   // attributes, for errors; null when the primitive is one kernel.
   const char* (*kernel)(const Node<B>&) = nullptr;
+  // Which values the vjp reads (their data, not only their shapes), for plan_memory: bit k is
+  // input k's value (inputs past 30 are always taken as read), kVjpReadsOutput the node's own
+  // output. Null: every input and the output (the safe default for a new primitive). A value no
+  // later vjp reads can share its memory with other buffers once its forward consumers ran.
+  std::uint32_t (*vjp_reads)(const GTape<B>&, const Node<B>&) = nullptr;
+  // Input k whose gradient the vjp may write over k's value (element by element, each read
+  // before it is written, nothing read after), so plan_memory may give both one block: the
+  // cross-entropy's logits. -1: none.
+  int vjp_overwrites = -1;
   constexpr const char* name() const { return prim_name(prim); }
 };
+
+/// OpDef::vjp_reads's bit for the node's own output value; bit k < 31 is input k's.
+inline constexpr std::uint32_t kVjpReadsOutput = 1u << 31;
+inline constexpr std::uint32_t vjp_reads_input(int k) { return 1u << k; }
+
+/// An OpDef::vjp_reads for a vjp that always reads the same values (0: none, only shapes).
+template <class B, std::uint32_t Mask>
+std::uint32_t vjp_reads_fixed(const GTape<B>&, const Node<B>&) {
+  return Mask;
+}
 
 /// One entry of the tape.
 template <class B>
@@ -103,6 +123,11 @@ struct Node {
   // views of the tape's segment pool, shared with every other segment, and hold its data only
   // while the backward sweep is inside its segment (which recomputes them first).
   bool pooled = false;
+  // Its value and gradient are views of blocks that plan_memory() shares between buffers whose
+  // lifetimes do not overlap: they hold its data only inside a replay, between its forward and
+  // the last use the plan saw.
+  bool planned = false;
+  bool deferred = false;  // recorded by a deferred tape (defer_kernels): no value until plan_memory()
 
   const char* name() const {
     if (def) return def->name();
@@ -263,6 +288,9 @@ class GTape {
     key_slots_.clear();
     segments_.clear();
     pool_.clear();
+    blocks_.clear();
+    placeholder_ = Tensor();
+    deferred_count_ = 0;
     open_segment_ = -1;
     loss_ = -1;
     if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
@@ -356,6 +384,7 @@ class GTape {
   /// Re-runs every recorded node into the buffers it already owns: params re-read from their
   /// bound tensors (which must keep their shape), inputs as last set(). Allocates nothing.
   void replay_forward() {
+    require_materialised("tape.replay");
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       Node<B>& n = nodes_[i];
       if (n.leaf == LeafKind::param) {
@@ -373,6 +402,69 @@ class GTape {
   void replay() {
     replay_forward();
     if (loss_ >= 0) backward(GVar{this, loss_});
+  }
+
+  // ---- memory planning (what a compiled step does: compile.hpp) ------------------------------
+
+  /// Deferred recording: while on, an op recorded gets its output's shape and dtype but no
+  /// memory and no kernel run (a reshape still views its input); plan_memory() then gives every
+  /// op its buffer and replay() computes the values. A recording whose every buffer is live at
+  /// once would otherwise set the process's peak memory before any plan could share them.
+  /// Reading such a node's value or recording an op that checks data (an id out of range)
+  /// before the replay: the value is an error to read, the data check runs on the replay.
+  void defer_kernels(bool on) { deferred_ = on; }
+  bool deferred_kernels() const { return deferred_; }
+
+  /// Plans the tape for replay() from `out` (backward included when `backward` is set and `out`
+  /// is a scalar that depends on a trainable leaf; an evaluation passes false), then keeps only what outlives a replay: leaves, `out`'s value
+  /// and the leaves' gradients. Every other op value and gradient becomes a view of a shared
+  /// block, lent to buffers whose lifetimes do not overlap. A value lives from its forward to
+  /// its last use: the last op that reads it forward, or the last vjp that reads its data
+  /// (OpDef::vjp_reads; quantized_matmul's vjp, for one, never reads x). A gradient lives from
+  /// the first vjp that writes it to its own vjp. Saved buffers (tp.scratch) keep their own
+  /// memory. Afterwards the planned nodes cannot be read (an nn::Error names the node) and the
+  /// tape allocates nothing on replay. Returns the bytes the plan's blocks hold. A tape with
+  /// checkpoint segments is only materialised (their pool already shares its buffers).
+  std::size_t plan_memory(GVar out, bool backward = true) {
+    Node<B>& o = const_cast<Node<B>&>(unpooled(out, "plan_memory", true));
+    if (open_segment_ >= 0) detail::fail("plan_memory", "a checkpoint segment is still open");
+    loss_ = backward && o.requires_grad && o.value.numel() == 1 ? out.index : -1;
+    const std::int64_t N = static_cast<std::int64_t>(nodes_.size());
+    blocks_.clear();
+    if (segments_.empty()) plan_blocks(out.index);
+    for (Node<B>& n : nodes_) {  // what the plan did not place gets its own buffer
+      if (n.deferred && !n.planned && !n.pooled) n.value = B::alloc(n.value.shape(), n.value.dtype());
+      n.deferred = false;
+    }
+    deferred_count_ = 0;
+    placeholder_ = Tensor();
+    for (std::int64_t i = 0; i < N; ++i) {  // views follow their input onto its buffer
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.def && n.def->aliases_input) n.def->forward(*this, n);
+    }
+    std::size_t total = 0;
+    for (const Tensor& b : blocks_) total += b.storage_bytes();
+    return total;
+  }
+
+  /// The three steps in one: records build() (which returns the output GVar) with its kernels
+  /// deferred, plans the tape for that output and replays it once; returns the output, whose
+  /// value (and, with `backward`, the leaves' gradients) is then read as usual.
+  ///   GVar loss = tp.record_planned([&] { return cross_entropy(tp, model.logits(tp, ids), tg); }, false);
+  template <class F>
+  GVar record_planned(F&& build, bool backward = true) {
+    defer_kernels(true);
+    GVar out;
+    try {
+      out = build();
+    } catch (...) {
+      defer_kernels(false);
+      throw;
+    }
+    defer_kernels(false);
+    plan_memory(out, backward);
+    replay();
+    return out;
   }
 
   // ---- checkpoint segments (nn::checkpoint, grad_checkpoint.hpp) --------------------------------
@@ -445,7 +537,7 @@ class GTape {
   template <class A = NoAttrs>
   GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const A& attrs, const Shape& out_shape,
               DType out_dtype) {
-    for (GVar v : inputs) unpooled(v, def.name());  // validates ownership; no checkpointed intermediate
+    for (GVar v : inputs) unpooled(v, def.name(), true);  // validates ownership; no checkpointed intermediate
     Node<B>& n = push(LeafKind::none);
     n.def = &def;
     n.attrs.set(attrs);
@@ -455,7 +547,15 @@ class GTape {
       n.requires_grad = n.requires_grad || nodes_[static_cast<std::size_t>(v.index)].requires_grad;
     }
     n.requires_grad = n.requires_grad && is_floating(out_dtype);
-    if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
+    if (def.aliases_input) {
+    } else if (deferred_) {
+      n.value = placeholder(out_shape, out_dtype);
+      n.deferred = true;
+      ++deferred_count_;
+      return handle();  // the kernel runs on the first replay, into the buffer plan_memory gives it
+    } else {
+      n.value = B::alloc(out_shape, out_dtype);
+    }
     try {
       def.forward(*this, n);
       if (anomaly_) check_value(static_cast<std::int32_t>(nodes_.size() - 1));
@@ -579,6 +679,7 @@ class GTape {
   }
   void sweep(std::int32_t from) {
     if (open_segment_ >= 0) detail::fail("backward", "a checkpoint segment is still open (end_segment was not called)");
+    require_materialised("backward");
     loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
     // Entering a checkpoint segment (from above) recomputes its intermediates into the pool;
     // leaving it hands the pool back (after any gradient buffers its vjps made are parked there).
@@ -651,6 +752,113 @@ class GTape {
     detail::fail("anomaly", os.str());
   }
 
+  // ---- memory planning -----------------------------------------------------------------------
+
+  // A deferred node's value: a view of one block that is never written (so never resident).
+  Tensor placeholder(const Shape& s, DType t) {
+    const std::size_t bytes = std::max<std::size_t>(static_cast<std::size_t>(s.numel()) * dtype_size(t), 1);
+    if (!placeholder_.defined() || placeholder_.storage_bytes() < bytes)
+      placeholder_ = B::alloc(Shape{static_cast<std::int64_t>(bytes)}, DType::u8);
+    return placeholder_.view_as(s, t);
+  }
+  void require_materialised(const char* op) const {
+    if (deferred_count_ > 0)
+      detail::fail(op, deferred_count_, " nodes were recorded with their kernels deferred and have no buffers yet: "
+                   "call plan_memory() first");
+  }
+  // Whether node j's vjp reads input k's data (true for k past the mask's bits).
+  static bool vjp_reads(std::uint32_t mask, std::size_t k) {
+    return k >= 31 || (mask & vjp_reads_input(static_cast<int>(k))) != 0;
+  }
+  // plan_memory's placement. Time runs over the replay: node i's forward at step i, then (when
+  // out is a loss) its vjp at step 2N - 1 - i, since the sweep visits nodes in reverse. Step t
+  // has a read phase 2t and a write phase 2t + 1, and an ordinary use holds a buffer over both,
+  // so an op never gets its output (or the gradients it writes) over a buffer it reads. A vjp
+  // that writes input k's gradient over k's value (OpDef::vjp_overwrites) reads that value in
+  // phase 2t only and writes the gradient from 2t + 1: the two may share a block. Buffers are
+  // placed largest first into the first block whose members' intervals all miss it (a block is
+  // as large as its largest buffer).
+  void plan_blocks(std::int32_t out) {
+    const std::int64_t N = static_cast<std::int64_t>(nodes_.size());
+    const bool bwd = loss_ >= 0;
+    auto at_vjp = [&](std::int64_t i) { return 2 * N - 1 - i; };
+    constexpr std::int64_t kNever = -1;
+    std::vector<std::int32_t> root(static_cast<std::size_t>(N));  // whose buffer a value is (views: their input's)
+    std::vector<std::int64_t> last(static_cast<std::size_t>(N), kNever), first_grad(static_cast<std::size_t>(N), kNever);
+    auto runs_vjp = [&](const Node<B>& n, std::int64_t i) { return bwd && n.def && n.requires_grad && i <= loss_; };
+    for (std::int64_t i = 0; i < N; ++i) {
+      const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      const std::size_t u = static_cast<std::size_t>(i);
+      root[u] = n.def && n.def->aliases_input ? root[static_cast<std::size_t>(n.inputs[0])] : static_cast<std::int32_t>(i);
+      last[u] = 2 * i + 1;
+      if (!n.def) continue;
+      const std::uint32_t mask = n.def->vjp_reads ? n.def->vjp_reads(*this, n) : ~0u;
+      const std::int64_t v = 2 * at_vjp(i);
+      for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+        std::int64_t& l = last[static_cast<std::size_t>(root[static_cast<std::size_t>(n.inputs[k])])];
+        l = std::max(l, 2 * i + 1);  // its forward reads it
+        if (runs_vjp(n, i) && vjp_reads(mask, k))  // and so may its vjp
+          l = std::max(l, n.def->vjp_overwrites == static_cast<int>(k) ? v : v + 1);
+      }
+      if (runs_vjp(n, i) && (mask & kVjpReadsOutput)) {
+        std::int64_t& l = last[static_cast<std::size_t>(root[u])];
+        l = std::max(l, v + 1);
+      }
+    }
+    // A gradient is first written by the vjp of its last consumer (the sweep runs in reverse).
+    for (std::int64_t j = N - 1; j >= 0; --j) {
+      const Node<B>& n = nodes_[static_cast<std::size_t>(j)];
+      if (!runs_vjp(n, j)) continue;
+      for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+        const std::size_t in = static_cast<std::size_t>(n.inputs[k]);
+        if (nodes_[in].requires_grad && first_grad[in] == kNever)
+          first_grad[in] = 2 * at_vjp(j) + (n.def->vjp_overwrites == static_cast<int>(k) ? 1 : 0);
+      }
+    }
+    struct Buf {
+      Tensor* t;
+      std::size_t bytes;
+      std::int64_t begin, end;
+      std::int32_t node;
+    };
+    std::vector<Buf> bufs;
+    const std::int32_t out_root = root[static_cast<std::size_t>(out)];
+    for (std::int64_t i = 0; i < N; ++i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (!n.def || i == out) continue;
+      const std::size_t bytes = static_cast<std::size_t>(n.value.numel()) * dtype_size(n.value.dtype());
+      const std::int32_t r = root[static_cast<std::size_t>(i)];
+      if (!n.def->aliases_input && i != out_root)
+        bufs.push_back({&n.value, bytes, 2 * i, last[static_cast<std::size_t>(i)], static_cast<std::int32_t>(i)});
+      if (bwd && n.requires_grad && i <= loss_ && r != out_root) {
+        const std::int64_t f = first_grad[static_cast<std::size_t>(i)];
+        bufs.push_back({&n.grad, bytes, f == kNever ? 2 * at_vjp(i) : f, 2 * at_vjp(i) + 1, static_cast<std::int32_t>(i)});
+      }
+      if (r != out_root && nodes_[static_cast<std::size_t>(r)].def) n.planned = true;
+    }
+    std::stable_sort(bufs.begin(), bufs.end(), [](const Buf& a, const Buf& b) { return a.bytes > b.bytes; });
+    std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> lives;  // per block: its buffers' intervals
+    for (const Buf& b : bufs) {
+      std::size_t k = 0;
+      for (; k < lives.size(); ++k) {
+        bool free = true;
+        for (const auto& [s, e] : lives[k])
+          if (b.begin <= e && s <= b.end) {
+            free = false;
+            break;
+          }
+        if (free) break;
+      }
+      if (k == lives.size()) {
+        lives.emplace_back();
+        blocks_.push_back(B::alloc(Shape{static_cast<std::int64_t>(std::max<std::size_t>(b.bytes, 1))}, DType::u8));
+      }
+      lives[k].emplace_back(b.begin, b.end);
+      const Node<B>& n = nodes_[static_cast<std::size_t>(b.node)];
+      *b.t = blocks_[k].view_as(n.value.shape(), n.value.dtype());
+    }
+  }
+
   // ---- checkpoint segments -------------------------------------------------------------------
 
   struct Segment {
@@ -658,12 +866,21 @@ class GTape {
     bool needs_grad = false;  // some pooled node wants a gradient: the sweep recomputes it
   };
   // Node v, which must not be a checkpointed intermediate (its buffers belong to the pool).
-  const Node<B>& unpooled(GVar v, const char* op) const {
+  const Node<B>& unpooled(GVar v, const char* op, bool deferred_ok = false) const {
     const Node<B>& n = node(v);
     if (n.pooled)
       detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
                    ") is an intermediate of a checkpoint segment, whose values are freed after the forward "
                    "pass; return it from the segment to use it outside");
+    if (n.planned)
+      detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
+                   ") is an intermediate of a memory-planned tape (a compiled step), whose buffers are shared "
+                   "with others once their last use has run; read it from an eager tape, or compile with "
+                   "plan_memory(false)");
+    if (n.deferred && !deferred_ok)
+      detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
+                   ") was recorded with its kernel deferred (a compiled step's recording): it has no value "
+                   "until the tape is planned and replayed");
     return n;
   }
   // Lends segment s's pooled buffers to the pool: value (not for a view), gradient, then saved,
@@ -719,6 +936,10 @@ class GTape {
   std::vector<Segment> segments_;          // checkpoint segments, in recording order
   std::vector<Tensor> pool_;               // the blocks pooled nodes' buffers view, by park()'s order
   std::int32_t open_segment_ = -1;         // the segment being recorded, or -1
+  bool deferred_ = false;                  // defer_kernels
+  std::int64_t deferred_count_ = 0;        // nodes recorded deferred and not yet given a buffer
+  Tensor placeholder_;                     // what deferred nodes' values view (never written)
+  std::vector<Tensor> blocks_;             // plan_memory's shared blocks
 };
 
 }  // namespace nn

@@ -1217,6 +1217,17 @@ NN_HD inline T unary_df(Unary op, T x, T y, T a) {
   return T(0);
 }
 
+/// Which operands unary_df reads: bit 0 x, bit 1 y. A value no vjp reads may share its memory
+/// once its forward consumers ran (GTape::plan_memory); keep this beside unary_df's cases.
+constexpr unsigned unary_df_reads(Unary op) {
+  switch (op) {
+    case Unary::neg: case Unary::scale: case Unary::add_scalar: return 0;
+    case Unary::exp: case Unary::sqrt: case Unary::tanh: case Unary::sigmoid: return 2;
+    case Unary::rsqrt: return 3;
+    default: return 1;  // log relu abs pow silu gelu gelu_approx gelu_fast
+  }
+}
+
 template <class T>
 NN_HD inline T binary_f(Binary op, T a, T b) {
   switch (op) {
@@ -1243,6 +1254,16 @@ NN_HD inline T binary_df(Binary op, int which, T a, T b) {
     case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
   }
   return T(0);
+}
+
+/// Which operands binary_df(op, which, a, b) reads: bit 0 a, bit 1 b (see unary_df_reads).
+constexpr unsigned binary_df_reads(Binary op, int which) {
+  switch (op) {
+    case Binary::add: case Binary::sub: return 0;
+    case Binary::mul: return which == 0 ? 2 : 1;
+    case Binary::div: return which == 0 ? 2 : 3;
+    default: return 3;  // maximum, minimum compare a and b
+  }
 }
 
 template <class T>
@@ -6084,6 +6105,7 @@ inline const CpuInfo& cpu_info() {
 // GTape<Backend>: a Wengert list of primitive ops recorded in construction order (already a
 // topological order), swept in reverse by backward(), and replayable without re-recording.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <deque>
@@ -6229,8 +6251,27 @@ struct OpDef {
   // The kernel a primitive that runs several ran ("log" for a unary node), read from its
   // attributes, for errors; null when the primitive is one kernel.
   const char* (*kernel)(const Node<B>&) = nullptr;
+  // Which values the vjp reads (their data, not only their shapes), for plan_memory: bit k is
+  // input k's value (inputs past 30 are always taken as read), kVjpReadsOutput the node's own
+  // output. Null: every input and the output (the safe default for a new primitive). A value no
+  // later vjp reads can share its memory with other buffers once its forward consumers ran.
+  std::uint32_t (*vjp_reads)(const GTape<B>&, const Node<B>&) = nullptr;
+  // Input k whose gradient the vjp may write over k's value (element by element, each read
+  // before it is written, nothing read after), so plan_memory may give both one block: the
+  // cross-entropy's logits. -1: none.
+  int vjp_overwrites = -1;
   constexpr const char* name() const { return prim_name(prim); }
 };
+
+/// OpDef::vjp_reads's bit for the node's own output value; bit k < 31 is input k's.
+inline constexpr std::uint32_t kVjpReadsOutput = 1u << 31;
+inline constexpr std::uint32_t vjp_reads_input(int k) { return 1u << k; }
+
+/// An OpDef::vjp_reads for a vjp that always reads the same values (0: none, only shapes).
+template <class B, std::uint32_t Mask>
+std::uint32_t vjp_reads_fixed(const GTape<B>&, const Node<B>&) {
+  return Mask;
+}
 
 /// One entry of the tape.
 template <class B>
@@ -6251,6 +6292,11 @@ struct Node {
   // views of the tape's segment pool, shared with every other segment, and hold its data only
   // while the backward sweep is inside its segment (which recomputes them first).
   bool pooled = false;
+  // Its value and gradient are views of blocks that plan_memory() shares between buffers whose
+  // lifetimes do not overlap: they hold its data only inside a replay, between its forward and
+  // the last use the plan saw.
+  bool planned = false;
+  bool deferred = false;  // recorded by a deferred tape (defer_kernels): no value until plan_memory()
 
   const char* name() const {
     if (def) return def->name();
@@ -6411,6 +6457,9 @@ class GTape {
     key_slots_.clear();
     segments_.clear();
     pool_.clear();
+    blocks_.clear();
+    placeholder_ = Tensor();
+    deferred_count_ = 0;
     open_segment_ = -1;
     loss_ = -1;
     if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
@@ -6504,6 +6553,7 @@ class GTape {
   /// Re-runs every recorded node into the buffers it already owns: params re-read from their
   /// bound tensors (which must keep their shape), inputs as last set(). Allocates nothing.
   void replay_forward() {
+    require_materialised("tape.replay");
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       Node<B>& n = nodes_[i];
       if (n.leaf == LeafKind::param) {
@@ -6521,6 +6571,69 @@ class GTape {
   void replay() {
     replay_forward();
     if (loss_ >= 0) backward(GVar{this, loss_});
+  }
+
+  // ---- memory planning (what a compiled step does: compile.hpp) ------------------------------
+
+  /// Deferred recording: while on, an op recorded gets its output's shape and dtype but no
+  /// memory and no kernel run (a reshape still views its input); plan_memory() then gives every
+  /// op its buffer and replay() computes the values. A recording whose every buffer is live at
+  /// once would otherwise set the process's peak memory before any plan could share them.
+  /// Reading such a node's value or recording an op that checks data (an id out of range)
+  /// before the replay: the value is an error to read, the data check runs on the replay.
+  void defer_kernels(bool on) { deferred_ = on; }
+  bool deferred_kernels() const { return deferred_; }
+
+  /// Plans the tape for replay() from `out` (backward included when `backward` is set and `out`
+  /// is a scalar that depends on a trainable leaf; an evaluation passes false), then keeps only what outlives a replay: leaves, `out`'s value
+  /// and the leaves' gradients. Every other op value and gradient becomes a view of a shared
+  /// block, lent to buffers whose lifetimes do not overlap. A value lives from its forward to
+  /// its last use: the last op that reads it forward, or the last vjp that reads its data
+  /// (OpDef::vjp_reads; quantized_matmul's vjp, for one, never reads x). A gradient lives from
+  /// the first vjp that writes it to its own vjp. Saved buffers (tp.scratch) keep their own
+  /// memory. Afterwards the planned nodes cannot be read (an nn::Error names the node) and the
+  /// tape allocates nothing on replay. Returns the bytes the plan's blocks hold. A tape with
+  /// checkpoint segments is only materialised (their pool already shares its buffers).
+  std::size_t plan_memory(GVar out, bool backward = true) {
+    Node<B>& o = const_cast<Node<B>&>(unpooled(out, "plan_memory", true));
+    if (open_segment_ >= 0) detail::fail("plan_memory", "a checkpoint segment is still open");
+    loss_ = backward && o.requires_grad && o.value.numel() == 1 ? out.index : -1;
+    const std::int64_t N = static_cast<std::int64_t>(nodes_.size());
+    blocks_.clear();
+    if (segments_.empty()) plan_blocks(out.index);
+    for (Node<B>& n : nodes_) {  // what the plan did not place gets its own buffer
+      if (n.deferred && !n.planned && !n.pooled) n.value = B::alloc(n.value.shape(), n.value.dtype());
+      n.deferred = false;
+    }
+    deferred_count_ = 0;
+    placeholder_ = Tensor();
+    for (std::int64_t i = 0; i < N; ++i) {  // views follow their input onto its buffer
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (n.def && n.def->aliases_input) n.def->forward(*this, n);
+    }
+    std::size_t total = 0;
+    for (const Tensor& b : blocks_) total += b.storage_bytes();
+    return total;
+  }
+
+  /// The three steps in one: records build() (which returns the output GVar) with its kernels
+  /// deferred, plans the tape for that output and replays it once; returns the output, whose
+  /// value (and, with `backward`, the leaves' gradients) is then read as usual.
+  ///   GVar loss = tp.record_planned([&] { return cross_entropy(tp, model.logits(tp, ids), tg); }, false);
+  template <class F>
+  GVar record_planned(F&& build, bool backward = true) {
+    defer_kernels(true);
+    GVar out;
+    try {
+      out = build();
+    } catch (...) {
+      defer_kernels(false);
+      throw;
+    }
+    defer_kernels(false);
+    plan_memory(out, backward);
+    replay();
+    return out;
   }
 
   // ---- checkpoint segments (nn::checkpoint, grad_checkpoint.hpp) --------------------------------
@@ -6593,7 +6706,7 @@ class GTape {
   template <class A = NoAttrs>
   GVar record(const OpDef<B>& def, std::span<const GVar> inputs, const A& attrs, const Shape& out_shape,
               DType out_dtype) {
-    for (GVar v : inputs) unpooled(v, def.name());  // validates ownership; no checkpointed intermediate
+    for (GVar v : inputs) unpooled(v, def.name(), true);  // validates ownership; no checkpointed intermediate
     Node<B>& n = push(LeafKind::none);
     n.def = &def;
     n.attrs.set(attrs);
@@ -6603,7 +6716,15 @@ class GTape {
       n.requires_grad = n.requires_grad || nodes_[static_cast<std::size_t>(v.index)].requires_grad;
     }
     n.requires_grad = n.requires_grad && is_floating(out_dtype);
-    if (!def.aliases_input) n.value = B::alloc(out_shape, out_dtype);
+    if (def.aliases_input) {
+    } else if (deferred_) {
+      n.value = placeholder(out_shape, out_dtype);
+      n.deferred = true;
+      ++deferred_count_;
+      return handle();  // the kernel runs on the first replay, into the buffer plan_memory gives it
+    } else {
+      n.value = B::alloc(out_shape, out_dtype);
+    }
     try {
       def.forward(*this, n);
       if (anomaly_) check_value(static_cast<std::int32_t>(nodes_.size() - 1));
@@ -6727,6 +6848,7 @@ class GTape {
   }
   void sweep(std::int32_t from) {
     if (open_segment_ >= 0) detail::fail("backward", "a checkpoint segment is still open (end_segment was not called)");
+    require_materialised("backward");
     loss_ = nodes_[static_cast<std::size_t>(from)].value.numel() == 1 ? from : -1;
     // Entering a checkpoint segment (from above) recomputes its intermediates into the pool;
     // leaving it hands the pool back (after any gradient buffers its vjps made are parked there).
@@ -6799,6 +6921,113 @@ class GTape {
     detail::fail("anomaly", os.str());
   }
 
+  // ---- memory planning -----------------------------------------------------------------------
+
+  // A deferred node's value: a view of one block that is never written (so never resident).
+  Tensor placeholder(const Shape& s, DType t) {
+    const std::size_t bytes = std::max<std::size_t>(static_cast<std::size_t>(s.numel()) * dtype_size(t), 1);
+    if (!placeholder_.defined() || placeholder_.storage_bytes() < bytes)
+      placeholder_ = B::alloc(Shape{static_cast<std::int64_t>(bytes)}, DType::u8);
+    return placeholder_.view_as(s, t);
+  }
+  void require_materialised(const char* op) const {
+    if (deferred_count_ > 0)
+      detail::fail(op, deferred_count_, " nodes were recorded with their kernels deferred and have no buffers yet: "
+                   "call plan_memory() first");
+  }
+  // Whether node j's vjp reads input k's data (true for k past the mask's bits).
+  static bool vjp_reads(std::uint32_t mask, std::size_t k) {
+    return k >= 31 || (mask & vjp_reads_input(static_cast<int>(k))) != 0;
+  }
+  // plan_memory's placement. Time runs over the replay: node i's forward at step i, then (when
+  // out is a loss) its vjp at step 2N - 1 - i, since the sweep visits nodes in reverse. Step t
+  // has a read phase 2t and a write phase 2t + 1, and an ordinary use holds a buffer over both,
+  // so an op never gets its output (or the gradients it writes) over a buffer it reads. A vjp
+  // that writes input k's gradient over k's value (OpDef::vjp_overwrites) reads that value in
+  // phase 2t only and writes the gradient from 2t + 1: the two may share a block. Buffers are
+  // placed largest first into the first block whose members' intervals all miss it (a block is
+  // as large as its largest buffer).
+  void plan_blocks(std::int32_t out) {
+    const std::int64_t N = static_cast<std::int64_t>(nodes_.size());
+    const bool bwd = loss_ >= 0;
+    auto at_vjp = [&](std::int64_t i) { return 2 * N - 1 - i; };
+    constexpr std::int64_t kNever = -1;
+    std::vector<std::int32_t> root(static_cast<std::size_t>(N));  // whose buffer a value is (views: their input's)
+    std::vector<std::int64_t> last(static_cast<std::size_t>(N), kNever), first_grad(static_cast<std::size_t>(N), kNever);
+    auto runs_vjp = [&](const Node<B>& n, std::int64_t i) { return bwd && n.def && n.requires_grad && i <= loss_; };
+    for (std::int64_t i = 0; i < N; ++i) {
+      const Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      const std::size_t u = static_cast<std::size_t>(i);
+      root[u] = n.def && n.def->aliases_input ? root[static_cast<std::size_t>(n.inputs[0])] : static_cast<std::int32_t>(i);
+      last[u] = 2 * i + 1;
+      if (!n.def) continue;
+      const std::uint32_t mask = n.def->vjp_reads ? n.def->vjp_reads(*this, n) : ~0u;
+      const std::int64_t v = 2 * at_vjp(i);
+      for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+        std::int64_t& l = last[static_cast<std::size_t>(root[static_cast<std::size_t>(n.inputs[k])])];
+        l = std::max(l, 2 * i + 1);  // its forward reads it
+        if (runs_vjp(n, i) && vjp_reads(mask, k))  // and so may its vjp
+          l = std::max(l, n.def->vjp_overwrites == static_cast<int>(k) ? v : v + 1);
+      }
+      if (runs_vjp(n, i) && (mask & kVjpReadsOutput)) {
+        std::int64_t& l = last[static_cast<std::size_t>(root[u])];
+        l = std::max(l, v + 1);
+      }
+    }
+    // A gradient is first written by the vjp of its last consumer (the sweep runs in reverse).
+    for (std::int64_t j = N - 1; j >= 0; --j) {
+      const Node<B>& n = nodes_[static_cast<std::size_t>(j)];
+      if (!runs_vjp(n, j)) continue;
+      for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+        const std::size_t in = static_cast<std::size_t>(n.inputs[k]);
+        if (nodes_[in].requires_grad && first_grad[in] == kNever)
+          first_grad[in] = 2 * at_vjp(j) + (n.def->vjp_overwrites == static_cast<int>(k) ? 1 : 0);
+      }
+    }
+    struct Buf {
+      Tensor* t;
+      std::size_t bytes;
+      std::int64_t begin, end;
+      std::int32_t node;
+    };
+    std::vector<Buf> bufs;
+    const std::int32_t out_root = root[static_cast<std::size_t>(out)];
+    for (std::int64_t i = 0; i < N; ++i) {
+      Node<B>& n = nodes_[static_cast<std::size_t>(i)];
+      if (!n.def || i == out) continue;
+      const std::size_t bytes = static_cast<std::size_t>(n.value.numel()) * dtype_size(n.value.dtype());
+      const std::int32_t r = root[static_cast<std::size_t>(i)];
+      if (!n.def->aliases_input && i != out_root)
+        bufs.push_back({&n.value, bytes, 2 * i, last[static_cast<std::size_t>(i)], static_cast<std::int32_t>(i)});
+      if (bwd && n.requires_grad && i <= loss_ && r != out_root) {
+        const std::int64_t f = first_grad[static_cast<std::size_t>(i)];
+        bufs.push_back({&n.grad, bytes, f == kNever ? 2 * at_vjp(i) : f, 2 * at_vjp(i) + 1, static_cast<std::int32_t>(i)});
+      }
+      if (r != out_root && nodes_[static_cast<std::size_t>(r)].def) n.planned = true;
+    }
+    std::stable_sort(bufs.begin(), bufs.end(), [](const Buf& a, const Buf& b) { return a.bytes > b.bytes; });
+    std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> lives;  // per block: its buffers' intervals
+    for (const Buf& b : bufs) {
+      std::size_t k = 0;
+      for (; k < lives.size(); ++k) {
+        bool free = true;
+        for (const auto& [s, e] : lives[k])
+          if (b.begin <= e && s <= b.end) {
+            free = false;
+            break;
+          }
+        if (free) break;
+      }
+      if (k == lives.size()) {
+        lives.emplace_back();
+        blocks_.push_back(B::alloc(Shape{static_cast<std::int64_t>(std::max<std::size_t>(b.bytes, 1))}, DType::u8));
+      }
+      lives[k].emplace_back(b.begin, b.end);
+      const Node<B>& n = nodes_[static_cast<std::size_t>(b.node)];
+      *b.t = blocks_[k].view_as(n.value.shape(), n.value.dtype());
+    }
+  }
+
   // ---- checkpoint segments -------------------------------------------------------------------
 
   struct Segment {
@@ -6806,12 +7035,21 @@ class GTape {
     bool needs_grad = false;  // some pooled node wants a gradient: the sweep recomputes it
   };
   // Node v, which must not be a checkpointed intermediate (its buffers belong to the pool).
-  const Node<B>& unpooled(GVar v, const char* op) const {
+  const Node<B>& unpooled(GVar v, const char* op, bool deferred_ok = false) const {
     const Node<B>& n = node(v);
     if (n.pooled)
       detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
                    ") is an intermediate of a checkpoint segment, whose values are freed after the forward "
                    "pass; return it from the segment to use it outside");
+    if (n.planned)
+      detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
+                   ") is an intermediate of a memory-planned tape (a compiled step), whose buffers are shared "
+                   "with others once their last use has run; read it from an eager tape, or compile with "
+                   "plan_memory(false)");
+    if (n.deferred && !deferred_ok)
+      detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
+                   ") was recorded with its kernel deferred (a compiled step's recording): it has no value "
+                   "until the tape is planned and replayed");
     return n;
   }
   // Lends segment s's pooled buffers to the pool: value (not for a view), gradient, then saved,
@@ -6867,6 +7105,10 @@ class GTape {
   std::vector<Segment> segments_;          // checkpoint segments, in recording order
   std::vector<Tensor> pool_;               // the blocks pooled nodes' buffers view, by park()'s order
   std::int32_t open_segment_ = -1;         // the segment being recorded, or -1
+  bool deferred_ = false;                  // defer_kernels
+  std::int64_t deferred_count_ = 0;        // nodes recorded deferred and not yet given a buffer
+  Tensor placeholder_;                     // what deferred nodes' values view (never written)
+  std::vector<Tensor> blocks_;             // plan_memory's shared blocks
 };
 
 }  // namespace nn
@@ -7041,10 +7283,14 @@ struct UnaryPrim {
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
   static const char* kernel(const Node<B>& n) { return unary_name(attrs_of<UnaryAttrs>(n).op); }
+  static std::uint32_t vjp_reads(const GTape<B>&, const Node<B>& n) {
+    const unsigned r = unary_df_reads(attrs_of<UnaryAttrs>(n).op);
+    return ((r & 1) ? vjp_reads_input(0) : 0u) | ((r & 2) ? kVjpReadsOutput : 0u);
+  }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> UnaryPrim<B>::def{Prim::unary, &forward, &vjp, false, &kernel};
+const OpDef<B> UnaryPrim<B>::def{.prim = Prim::unary, .forward = &forward, .vjp = &vjp, .kernel = &kernel, .vjp_reads = &vjp_reads};
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
 /// to the input's shape by the tape's accumulate_reduced (the one place that sums broadcasts).
@@ -7069,10 +7315,16 @@ struct BinaryPrim {
     }
   }
   static const char* kernel(const Node<B>& n) { return binary_name(attrs_of<BinaryAttrs>(n).op); }
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    unsigned r = 0;
+    for (int k = 0; k < 2; ++k)
+      if (tp.needs_grad(n, static_cast<std::size_t>(k))) r |= binary_df_reads(attrs_of<BinaryAttrs>(n).op, k);
+    return r;  // bit 0 a (input 0), bit 1 b (input 1)
+  }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> BinaryPrim<B>::def{Prim::binary, &forward, &vjp, false, &kernel};
+const OpDef<B> BinaryPrim<B>::def{.prim = Prim::binary, .forward = &forward, .vjp = &vjp, .kernel = &kernel, .vjp_reads = &vjp_reads};
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
 template <class B>
@@ -7094,7 +7346,7 @@ struct WherePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> WherePrim<B>::def{Prim::where, &forward, &vjp};
+const OpDef<B> WherePrim<B>::def{.prim = Prim::where, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 1u>};
 
 /// A copy that the backward sweep does not cross.
 template <class B>
@@ -7104,7 +7356,7 @@ struct StopGradientPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> StopGradientPrim<B>::def{Prim::stop_gradient, &forward, &vjp};
+const OpDef<B> StopGradientPrim<B>::def{.prim = Prim::stop_gradient, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 }  // namespace detail
 
@@ -7215,7 +7467,7 @@ struct SumPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SumPrim<B>::def{Prim::sum, &forward, &vjp};
+const OpDef<B> SumPrim<B>::def{.prim = Prim::sum, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
 template <class B>
@@ -7234,7 +7486,7 @@ struct MaxPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> MaxPrim<B>::def{Prim::max, &forward, &vjp};
+const OpDef<B> MaxPrim<B>::def{.prim = Prim::max, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
 inline std::vector<int> norm_axes(const Shape& s, std::span<const int> axes, const char* op) {
@@ -7375,10 +7627,14 @@ struct MatmulPrim {
       else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
+  // dA = g B^T reads B, dB = A^T g reads A: a frozen weight's product never keeps its input.
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    return (tp.needs_grad(n, 0) ? vjp_reads_input(1) : 0u) | (tp.needs_grad(n, 1) ? vjp_reads_input(0) : 0u);
+  }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> MatmulPrim<B>::def{Prim::matmul, &forward, &vjp};
+const OpDef<B> MatmulPrim<B>::def{.prim = Prim::matmul, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads};
 
 }  // namespace detail
 
@@ -7475,7 +7731,7 @@ struct ReshapePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> ReshapePrim<B>::def{Prim::reshape, &forward, &vjp, true};
+const OpDef<B> ReshapePrim<B>::def{.prim = Prim::reshape, .forward = &forward, .vjp = &vjp, .aliases_input = true, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct PermutePrim {
@@ -7490,7 +7746,7 @@ struct PermutePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> PermutePrim<B>::def{Prim::permute, &forward, &vjp};
+const OpDef<B> PermutePrim<B>::def{.prim = Prim::permute, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct SlicePrim {
@@ -7507,7 +7763,7 @@ struct SlicePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SlicePrim<B>::def{Prim::slice, &forward, &vjp};
+const OpDef<B> SlicePrim<B>::def{.prim = Prim::slice, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct ConcatPrim {
@@ -7541,7 +7797,7 @@ struct ConcatPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> ConcatPrim<B>::def{Prim::concat, &forward, &vjp};
+const OpDef<B> ConcatPrim<B>::def{.prim = Prim::concat, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct BroadcastPrim {
@@ -7550,7 +7806,7 @@ struct BroadcastPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> BroadcastPrim<B>::def{Prim::broadcast_to, &forward, &vjp};
+const OpDef<B> BroadcastPrim<B>::def{.prim = Prim::broadcast_to, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 }  // namespace detail
 
@@ -7714,7 +7970,7 @@ struct GatherRowsPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> GatherRowsPrim<B>::def{Prim::gather_rows, &forward, &vjp};
+const OpDef<B> GatherRowsPrim<B>::def{.prim = Prim::gather_rows, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 2u>};
 
 /// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
 template <class B>
@@ -7729,7 +7985,7 @@ struct PickPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> PickPrim<B>::def{Prim::pick, &forward, &vjp};
+const OpDef<B> PickPrim<B>::def{.prim = Prim::pick, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 2u>};
 
 template <class B>
 void require_ids(const GTape<B>& tp, GVar ids, const char* op) {
@@ -7799,7 +8055,8 @@ struct SoftmaxPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SoftmaxPrim<B>::def{Prim::softmax, &forward, &vjp};
+const OpDef<B> SoftmaxPrim<B>::def{.prim = Prim::softmax, .forward = &forward, .vjp = &vjp,
+                                   .vjp_reads = &vjp_reads_fixed<B, kVjpReadsOutput>};  // y only
 
 template <class B>
 GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {
@@ -7853,8 +8110,11 @@ struct CrossEntropyPrim {
   }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+// The vjp reads the logits and targets (and the saved logsumexp), and writes each logit's
+// gradient after reading that logit only: the gradient may take the logits' memory.
 template <class B>
-const OpDef<B> CrossEntropyPrim<B>::def{Prim::cross_entropy, &forward, &vjp};
+const OpDef<B> CrossEntropyPrim<B>::def{.prim = Prim::cross_entropy, .forward = &forward, .vjp = &vjp,
+                                        .vjp_reads = &vjp_reads_fixed<B, 3u>, .vjp_overwrites = 0};
 
 }  // namespace detail
 
@@ -7929,7 +8189,7 @@ struct BernoulliPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> BernoulliPrim<B>::def{Prim::bernoulli, &forward, &vjp};
+const OpDef<B> BernoulliPrim<B>::def{.prim = Prim::bernoulli, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
 /// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
@@ -7956,7 +8216,7 @@ struct DropoutPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> DropoutPrim<B>::def{Prim::dropout, &forward, &vjp};
+const OpDef<B> DropoutPrim<B>::def{.prim = Prim::dropout, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 }  // namespace detail
 
@@ -8014,7 +8274,7 @@ struct RmsNormPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> RmsNormPrim<B>::def{Prim::rmsnorm, &forward, &vjp};
+const OpDef<B> RmsNormPrim<B>::def{.prim = Prim::rmsnorm, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 3u>};
 
 }  // namespace detail
 
@@ -8072,7 +8332,7 @@ struct RopePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> RopePrim<B>::def{Prim::rope, &forward, &vjp};
+const OpDef<B> RopePrim<B>::def{.prim = Prim::rope, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 6u>};
 
 }  // namespace detail
 
@@ -8138,7 +8398,8 @@ struct AttentionPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> AttentionPrim<B>::def{Prim::attention, &forward, &vjp};
+const OpDef<B> AttentionPrim<B>::def{.prim = Prim::attention, .forward = &forward, .vjp = &vjp,
+                                     .vjp_reads = &vjp_reads_fixed<B, 7u>};  // q, k, v and the saved probabilities
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd), optionally 3 the document starts
 /// (B, T) int32 of packed rows; AttentionAttrs (no mask).
@@ -8162,7 +8423,8 @@ struct FlashAttentionPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> FlashAttentionPrim<B>::def{Prim::flash_attention, &forward, &vjp};
+const OpDef<B> FlashAttentionPrim<B>::def{.prim = Prim::flash_attention, .forward = &forward, .vjp = &vjp,
+                                          .vjp_reads = &vjp_reads_fixed<B, 15u | kVjpReadsOutput>};  // q, k, v, starts, out
 
 /// The checks fused_attention and flash_attention share; returns B (q's rows / T).
 template <class B>
@@ -8284,7 +8546,7 @@ struct SwigluPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SwigluPrim<B>::def{Prim::swiglu, &forward, &vjp};
+const OpDef<B> SwigluPrim<B>::def{.prim = Prim::swiglu, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 3u>};
 
 }  // namespace detail
 
@@ -8336,7 +8598,7 @@ struct QuantizedMatmulPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> QuantizedMatmulPrim<B>::def{Prim::quantized_matmul, &forward, &vjp};
+const OpDef<B> QuantizedMatmulPrim<B>::def{.prim = Prim::quantized_matmul, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 14u>};
 
 /// inputs: 0 ids (integer, any shape), 1 codes, 2 scales, 3 biases (affine only). out: ids.shape + (D).
 template <class B>
@@ -8350,7 +8612,7 @@ struct QuantizedGatherPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> QuantizedGatherPrim<B>::def{Prim::quantized_gather, &forward, &vjp};
+const OpDef<B> QuantizedGatherPrim<B>::def{.prim = Prim::quantized_gather, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// The checks both builders share: the matrix's three tensors form one (rows, cols) matrix in
 /// format q (quant.hpp's check, with the op's name), none asks for a gradient.
@@ -13178,6 +13440,16 @@ class CompiledStep {
     reduce_ = [&reduce](std::span<const GradBuffer> s) { reduce(s); };
     return *this;
   }
+  /// Memory planning (on by default, CPU tapes): buffers whose lifetimes in the step do not
+  /// overlap share memory (GTape::plan_memory), so the step holds what its backward pass reads
+  /// plus one layer's transients, not every intermediate and every gradient. The results are
+  /// the same bit for bit. Off: every node keeps its own buffers (for reading intermediates
+  /// through tape()). Changing it records the step again.
+  CompiledStep& plan_memory(bool on) {
+    if (on != plan_) recorded_ = false;
+    plan_ = on;
+    return *this;
+  }
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
   double grad_norm() const { return grad_norm_; }
 
@@ -13205,14 +13477,29 @@ class CompiledStep {
   }
 
   void record(const std::array<const Tensor*, N>& in) {
+    recorded_ = false;  // until this recording has run: a throw leaves the step to record again
     tp_.clear();
     entries_.clear();
     slots_.clear();
     std::array<GVar, N> vars{};
     for (std::size_t i = 0; i < N; ++i) vars[i] = tp_.input(*in[i]);
     for (std::size_t i = 0; i < N; ++i) inputs_[i] = vars[i];
-    if constexpr (kFits)  // else only the static_assert above speaks
-      loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
+    // On the CPU the recording defers every kernel and plans the buffers first (GTape::
+    // plan_memory), so not even the first call holds every intermediate at once.
+    const bool plan = plan_ && std::is_same_v<B, cpu>;
+    tp_.defer_kernels(plan);
+    try {
+      if constexpr (kFits)  // else only the static_assert above speaks
+        loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
+    } catch (...) {
+      tp_.defer_kernels(false);
+      throw;
+    }
+    tp_.defer_kernels(false);
+    if (plan) {
+      tp_.plan_memory(loss_);
+      tp_.replay_forward();
+    }
     tp_.backward(loss_);
     detail::for_each(*model_, [&](const std::string& path, Param& p) {
       if (!p.trainable || !is_floating(p.value.dtype())) return;
@@ -13272,7 +13559,7 @@ class CompiledStep {
   std::function<void(std::span<const GradBuffer>)> reduce_;  // between backward and the update
   std::uint64_t structure_ = 0, hyper_ = 0;
   double clip_ = -1, grad_norm_ = 0;
-  bool recorded_ = false;
+  bool recorded_ = false, plan_ = true;
   int recordings_ = 0;
 };
 

@@ -128,6 +128,17 @@ NN_HD inline T unary_df(Unary op, T x, T y, T a) {
   return T(0);
 }
 
+/// Which operands unary_df reads: bit 0 x, bit 1 y. A value no vjp reads may share its memory
+/// once its forward consumers ran (GTape::plan_memory); keep this beside unary_df's cases.
+constexpr unsigned unary_df_reads(Unary op) {
+  switch (op) {
+    case Unary::neg: case Unary::scale: case Unary::add_scalar: return 0;
+    case Unary::exp: case Unary::sqrt: case Unary::tanh: case Unary::sigmoid: return 2;
+    case Unary::rsqrt: return 3;
+    default: return 1;  // log relu abs pow silu gelu gelu_approx gelu_fast
+  }
+}
+
 template <class T>
 NN_HD inline T binary_f(Binary op, T a, T b) {
   switch (op) {
@@ -154,6 +165,16 @@ NN_HD inline T binary_df(Binary op, int which, T a, T b) {
     case Binary::minimum: return (a <= b) == (which == 0) ? T(1) : T(0);
   }
   return T(0);
+}
+
+/// Which operands binary_df(op, which, a, b) reads: bit 0 a, bit 1 b (see unary_df_reads).
+constexpr unsigned binary_df_reads(Binary op, int which) {
+  switch (op) {
+    case Binary::add: case Binary::sub: return 0;
+    case Binary::mul: return which == 0 ? 2 : 1;
+    case Binary::div: return which == 0 ? 2 : 3;
+    default: return 3;  // maximum, minimum compare a and b
+  }
 }
 
 template <class T>

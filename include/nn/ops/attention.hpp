@@ -33,7 +33,8 @@ struct AttentionPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> AttentionPrim<B>::def{Prim::attention, &forward, &vjp};
+const OpDef<B> AttentionPrim<B>::def{.prim = Prim::attention, .forward = &forward, .vjp = &vjp,
+                                     .vjp_reads = &vjp_reads_fixed<B, 7u>};  // q, k, v and the saved probabilities
 
 /// inputs: 0 q (B, T, H * hd), 1 k, 2 v (B, T, KV * hd), optionally 3 the document starts
 /// (B, T) int32 of packed rows; AttentionAttrs (no mask).
@@ -57,7 +58,8 @@ struct FlashAttentionPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> FlashAttentionPrim<B>::def{Prim::flash_attention, &forward, &vjp};
+const OpDef<B> FlashAttentionPrim<B>::def{.prim = Prim::flash_attention, .forward = &forward, .vjp = &vjp,
+                                          .vjp_reads = &vjp_reads_fixed<B, 15u | kVjpReadsOutput>};  // q, k, v, starts, out
 
 /// The checks fused_attention and flash_attention share; returns B (q's rows / T).
 template <class B>

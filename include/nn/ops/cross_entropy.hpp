@@ -28,8 +28,11 @@ struct CrossEntropyPrim {
   }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
+// The vjp reads the logits and targets (and the saved logsumexp), and writes each logit's
+// gradient after reading that logit only: the gradient may take the logits' memory.
 template <class B>
-const OpDef<B> CrossEntropyPrim<B>::def{Prim::cross_entropy, &forward, &vjp};
+const OpDef<B> CrossEntropyPrim<B>::def{.prim = Prim::cross_entropy, .forward = &forward, .vjp = &vjp,
+                                        .vjp_reads = &vjp_reads_fixed<B, 3u>, .vjp_overwrites = 0};
 
 }  // namespace detail
 

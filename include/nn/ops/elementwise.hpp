@@ -3,6 +3,7 @@
 // backend's unary_f / unary_df), broadcasting binary arithmetic, where, stop_gradient.
 #pragma once
 
+#include "../backend/math.hpp"
 #include "common.hpp"
 
 namespace nn {
@@ -31,10 +32,14 @@ struct UnaryPrim {
     B::unary_vjp(a.op, a.arg, tp.in(n, 0), n.value, n.grad, s.g, s.acc);
   }
   static const char* kernel(const Node<B>& n) { return unary_name(attrs_of<UnaryAttrs>(n).op); }
+  static std::uint32_t vjp_reads(const GTape<B>&, const Node<B>& n) {
+    const unsigned r = unary_df_reads(attrs_of<UnaryAttrs>(n).op);
+    return ((r & 1) ? vjp_reads_input(0) : 0u) | ((r & 2) ? kVjpReadsOutput : 0u);
+  }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> UnaryPrim<B>::def{Prim::unary, &forward, &vjp, false, &kernel};
+const OpDef<B> UnaryPrim<B>::def{.prim = Prim::unary, .forward = &forward, .vjp = &vjp, .kernel = &kernel, .vjp_reads = &vjp_reads};
 
 /// a op b with broadcasting. Each input's gradient is formed at the output's shape, then reduced
 /// to the input's shape by the tape's accumulate_reduced (the one place that sums broadcasts).
@@ -59,10 +64,16 @@ struct BinaryPrim {
     }
   }
   static const char* kernel(const Node<B>& n) { return binary_name(attrs_of<BinaryAttrs>(n).op); }
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    unsigned r = 0;
+    for (int k = 0; k < 2; ++k)
+      if (tp.needs_grad(n, static_cast<std::size_t>(k))) r |= binary_df_reads(attrs_of<BinaryAttrs>(n).op, k);
+    return r;  // bit 0 a (input 0), bit 1 b (input 1)
+  }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> BinaryPrim<B>::def{Prim::binary, &forward, &vjp, false, &kernel};
+const OpDef<B> BinaryPrim<B>::def{.prim = Prim::binary, .forward = &forward, .vjp = &vjp, .kernel = &kernel, .vjp_reads = &vjp_reads};
 
 /// where(mask, a, b): inputs 0 mask, 1 a, 2 b.
 template <class B>
@@ -84,7 +95,7 @@ struct WherePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> WherePrim<B>::def{Prim::where, &forward, &vjp};
+const OpDef<B> WherePrim<B>::def{.prim = Prim::where, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 1u>};
 
 /// A copy that the backward sweep does not cross.
 template <class B>
@@ -94,7 +105,7 @@ struct StopGradientPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> StopGradientPrim<B>::def{Prim::stop_gradient, &forward, &vjp};
+const OpDef<B> StopGradientPrim<B>::def{.prim = Prim::stop_gradient, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 }  // namespace detail
 

@@ -21,7 +21,7 @@ struct SwigluPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SwigluPrim<B>::def{Prim::swiglu, &forward, &vjp};
+const OpDef<B> SwigluPrim<B>::def{.prim = Prim::swiglu, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 3u>};
 
 }  // namespace detail
 

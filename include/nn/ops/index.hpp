@@ -25,7 +25,7 @@ struct GatherRowsPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> GatherRowsPrim<B>::def{Prim::gather_rows, &forward, &vjp};
+const OpDef<B> GatherRowsPrim<B>::def{.prim = Prim::gather_rows, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 2u>};
 
 /// inputs: 0 x (..., V), 1 idx (integer, x.shape[:-1]). out: idx.shape.
 template <class B>
@@ -40,7 +40,7 @@ struct PickPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> PickPrim<B>::def{Prim::pick, &forward, &vjp};
+const OpDef<B> PickPrim<B>::def{.prim = Prim::pick, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 2u>};
 
 template <class B>
 void require_ids(const GTape<B>& tp, GVar ids, const char* op) {

@@ -61,10 +61,14 @@ struct MatmulPrim {
       else mm(n, g, true, a2, ta, s.g, s.acc);
     }
   }
+  // dA = g B^T reads B, dB = A^T g reads A: a frozen weight's product never keeps its input.
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    return (tp.needs_grad(n, 0) ? vjp_reads_input(1) : 0u) | (tp.needs_grad(n, 1) ? vjp_reads_input(0) : 0u);
+  }
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> MatmulPrim<B>::def{Prim::matmul, &forward, &vjp};
+const OpDef<B> MatmulPrim<B>::def{.prim = Prim::matmul, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads};
 
 }  // namespace detail
 

@@ -32,7 +32,7 @@ struct RmsNormPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> RmsNormPrim<B>::def{Prim::rmsnorm, &forward, &vjp};
+const OpDef<B> RmsNormPrim<B>::def{.prim = Prim::rmsnorm, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 3u>};
 
 }  // namespace detail
 

@@ -37,7 +37,7 @@ struct QuantizedMatmulPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> QuantizedMatmulPrim<B>::def{Prim::quantized_matmul, &forward, &vjp};
+const OpDef<B> QuantizedMatmulPrim<B>::def{.prim = Prim::quantized_matmul, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 14u>};
 
 /// inputs: 0 ids (integer, any shape), 1 codes, 2 scales, 3 biases (affine only). out: ids.shape + (D).
 template <class B>
@@ -51,7 +51,7 @@ struct QuantizedGatherPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> QuantizedGatherPrim<B>::def{Prim::quantized_gather, &forward, &vjp};
+const OpDef<B> QuantizedGatherPrim<B>::def{.prim = Prim::quantized_gather, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// The checks both builders share: the matrix's three tensors form one (rows, cols) matrix in
 /// format q (quant.hpp's check, with the op's name), none asks for a gradient.

@@ -30,7 +30,7 @@ struct BernoulliPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> BernoulliPrim<B>::def{Prim::bernoulli, &forward, &vjp};
+const OpDef<B> BernoulliPrim<B>::def{.prim = Prim::bernoulli, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// y = x * bernoulli(1 - p, x.shape, key) / (1 - p): inputs 0 x, 1 key; p the drop probability.
 /// saved[0] holds the mask already scaled (0 or 1/(1-p), in x's dtype), drawn by the forward
@@ -57,7 +57,7 @@ struct DropoutPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> DropoutPrim<B>::def{Prim::dropout, &forward, &vjp};
+const OpDef<B> DropoutPrim<B>::def{.prim = Prim::dropout, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 }  // namespace detail
 

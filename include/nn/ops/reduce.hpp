@@ -38,7 +38,7 @@ struct SumPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SumPrim<B>::def{Prim::sum, &forward, &vjp};
+const OpDef<B> SumPrim<B>::def{.prim = Prim::sum, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// max over one axis (MaxAttrs); saved[0] holds the argmax (i32, keepdims shape).
 template <class B>
@@ -57,7 +57,7 @@ struct MaxPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> MaxPrim<B>::def{Prim::max, &forward, &vjp};
+const OpDef<B> MaxPrim<B>::def{.prim = Prim::max, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 /// Normalised, sorted, de-duplicated axes; an empty list means every axis.
 inline std::vector<int> norm_axes(const Shape& s, std::span<const int> axes, const char* op) {

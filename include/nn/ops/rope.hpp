@@ -31,7 +31,7 @@ struct RopePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> RopePrim<B>::def{Prim::rope, &forward, &vjp};
+const OpDef<B> RopePrim<B>::def{.prim = Prim::rope, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 6u>};
 
 }  // namespace detail
 

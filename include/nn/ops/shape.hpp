@@ -40,7 +40,7 @@ struct ReshapePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> ReshapePrim<B>::def{Prim::reshape, &forward, &vjp, true};
+const OpDef<B> ReshapePrim<B>::def{.prim = Prim::reshape, .forward = &forward, .vjp = &vjp, .aliases_input = true, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct PermutePrim {
@@ -55,7 +55,7 @@ struct PermutePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> PermutePrim<B>::def{Prim::permute, &forward, &vjp};
+const OpDef<B> PermutePrim<B>::def{.prim = Prim::permute, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct SlicePrim {
@@ -72,7 +72,7 @@ struct SlicePrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SlicePrim<B>::def{Prim::slice, &forward, &vjp};
+const OpDef<B> SlicePrim<B>::def{.prim = Prim::slice, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct ConcatPrim {
@@ -106,7 +106,7 @@ struct ConcatPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> ConcatPrim<B>::def{Prim::concat, &forward, &vjp};
+const OpDef<B> ConcatPrim<B>::def{.prim = Prim::concat, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 template <class B>
 struct BroadcastPrim {
@@ -115,7 +115,7 @@ struct BroadcastPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> BroadcastPrim<B>::def{Prim::broadcast_to, &forward, &vjp};
+const OpDef<B> BroadcastPrim<B>::def{.prim = Prim::broadcast_to, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads_fixed<B, 0u>};
 
 }  // namespace detail
 

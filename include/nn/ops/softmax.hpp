@@ -24,7 +24,8 @@ struct SoftmaxPrim {
   static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
 };
 template <class B>
-const OpDef<B> SoftmaxPrim<B>::def{Prim::softmax, &forward, &vjp};
+const OpDef<B> SoftmaxPrim<B>::def{.prim = Prim::softmax, .forward = &forward, .vjp = &vjp,
+                                   .vjp_reads = &vjp_reads_fixed<B, kVjpReadsOutput>};  // y only
 
 template <class B>
 GVar softmax_impl(GTape<B>& tp, GVar x, bool log) {
