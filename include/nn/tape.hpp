@@ -423,15 +423,16 @@ class GTape {
   /// (OpDef::vjp_reads; quantized_matmul's vjp, for one, never reads x). A gradient lives from
   /// the first vjp that writes it to its own vjp. Saved buffers (tp.scratch) keep their own
   /// memory. Afterwards the planned nodes cannot be read (an nn::Error names the node) and the
-  /// tape allocates nothing on replay. Returns the bytes the plan's blocks hold. A tape with
-  /// checkpoint segments is only materialised (their pool already shares its buffers).
+  /// tape allocates nothing on replay. Returns the bytes the plan's blocks hold. With checkpoint
+  /// segments, their pooled intermediates keep the segment pool (shared already); the rest is
+  /// planned, a segment's inputs living until the backward sweep recomputes the segment.
   std::size_t plan_memory(GVar out, bool backward = true) {
     Node<B>& o = const_cast<Node<B>&>(unpooled(out, "plan_memory", true));
     if (open_segment_ >= 0) detail::fail("plan_memory", "a checkpoint segment is still open");
     loss_ = backward && o.requires_grad && o.value.numel() == 1 ? out.index : -1;
     const std::int64_t N = static_cast<std::int64_t>(nodes_.size());
     blocks_.clear();
-    if (segments_.empty()) plan_blocks(out.index);
+    plan_blocks(out.index);
     for (Node<B>& n : nodes_) {  // what the plan did not place gets its own buffer
       if (n.deferred && !n.planned && !n.pooled) n.value = B::alloc(n.value.shape(), n.value.dtype());
       n.deferred = false;
@@ -804,6 +805,14 @@ class GTape {
         std::int64_t& l = last[static_cast<std::size_t>(root[u])];
         l = std::max(l, v + 1);
       }
+      if (n.pooled && bwd) {  // the sweep runs it forward again on entering its segment (from the top)
+        const Segment& sg = segments_[static_cast<std::size_t>(n.segment)];
+        const std::int64_t enter = 2 * at_vjp(std::min<std::int64_t>(sg.end - 1, loss_)) + 1;
+        for (std::int32_t in : n.inputs) {
+          std::int64_t& l = last[static_cast<std::size_t>(root[static_cast<std::size_t>(in)])];
+          l = std::max(l, enter);
+        }
+      }
     }
     // A gradient is first written by the vjp of its last consumer (the sweep runs in reverse).
     for (std::int64_t j = N - 1; j >= 0; --j) {
@@ -825,7 +834,7 @@ class GTape {
     const std::int32_t out_root = root[static_cast<std::size_t>(out)];
     for (std::int64_t i = 0; i < N; ++i) {
       Node<B>& n = nodes_[static_cast<std::size_t>(i)];
-      if (!n.def || i == out) continue;
+      if (!n.def || i == out || n.pooled || nodes_[static_cast<std::size_t>(root[static_cast<std::size_t>(i)])].pooled) continue;
       const std::size_t bytes = static_cast<std::size_t>(n.value.numel()) * dtype_size(n.value.dtype());
       const std::int32_t r = root[static_cast<std::size_t>(i)];
       if (!n.def->aliases_input && i != out_root)

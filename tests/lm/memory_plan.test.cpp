@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // The compiled step's memory plan (CompiledStep::plan_memory, on by default on the CPU) on the
 // decoder: a planned step gives the eager step's losses and weights bit for bit, for the Llama
-// and the Qwen2-style fixtures, f32 and f64, full and LoRA, over a float or a 4-bit base; it
+// and the Qwen2-style fixtures, f32 and f64, full and LoRA, over a float or a 4-bit base, with
+// and without per-layer checkpointing; it
 // holds less than the unplanned step; switching it records again.
 #include "support/check.hpp"
 
@@ -64,12 +65,15 @@ lm::CausalLM make(const char* name, DType dt, Kind kind) {
 TEST_CASE("memory plan: a planned compiled decoder step equals the eager step bit for bit") {
   for (const char* name : {"llama", "qwen2"})
     for (DType dt : {DType::f32, DType::f64})
-      for (Kind kind : {Kind::full, Kind::lora, Kind::qlora}) {
+      for (Kind kind : {Kind::full, Kind::lora, Kind::qlora})
+        for (bool ckpt : {false, true}) {  // with checkpoint segments, planned around the segment pool
         if (kind == Kind::qlora && dt == DType::f64) continue;  // quantized scales are float32 here
+        CAPTURE(ckpt);
         CAPTURE(name);
         CAPTURE(dtype_name(dt));
         CAPTURE(static_cast<int>(kind));
         lm::CausalLM eager = make(name, dt, kind), compiled = make(name, dt, kind);
+        compiled.grad_checkpoint(ckpt);
         AdamW opt_e(1e-2), opt_c(1e-2);
         auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
           return lm_loss(tp, m, ids, mask, tg);
@@ -84,7 +88,7 @@ TEST_CASE("memory plan: a planned compiled decoder step equals the eager step bi
         }
         CHECK(step.recordings() == 1);
         CHECK(test::flat_values(eager) == test::flat_values(compiled));
-      }
+        }
 }
 
 TEST_CASE("memory plan: the planned step holds less, and switching the plan records again") {
