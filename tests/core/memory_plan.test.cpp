@@ -51,9 +51,9 @@ GVar random_graph(GTape<cpu>& tp, const Params& ps, std::uint32_t seed, int ops)
       }
       case 2: y = binary(tp, binaries[pick(4)], a, v); break;  // broadcast (6) over (4, 6)
       case 3: {
-        Tensor m = Tensor::zeros({4, 6}, dt);
-        for (std::int64_t k = 0; k < 24; k += 3) detail::store_from_double(m.raw(), dt, k, 1.0);
-        y = where(tp, tp.constant(m), a, b);
+        std::vector<double> m(24, 0.0);
+        for (std::size_t k = 0; k < m.size(); k += 3) m[k] = 1.0;
+        y = where(tp, tp.constant(Tensor::from_doubles({4, 6}, m, dt)), a, b);
         break;
       }
       case 4: y = pick(2) ? matmul(tp, a, w) : matmul(tp, matmul(tp, a, b, false, true), any()); break;

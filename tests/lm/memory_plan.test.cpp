@@ -67,27 +67,27 @@ TEST_CASE("memory plan: a planned compiled decoder step equals the eager step bi
     for (DType dt : {DType::f32, DType::f64})
       for (Kind kind : {Kind::full, Kind::lora, Kind::qlora})
         for (bool ckpt : {false, true}) {  // with checkpoint segments, planned around the segment pool
-        if (kind == Kind::qlora && dt == DType::f64) continue;  // quantized scales are float32 here
-        CAPTURE(ckpt);
-        CAPTURE(name);
-        CAPTURE(dtype_name(dt));
-        CAPTURE(static_cast<int>(kind));
-        lm::CausalLM eager = make(name, dt, kind), compiled = make(name, dt, kind);
-        compiled.grad_checkpoint(ckpt);
-        AdamW opt_e(1e-2), opt_c(1e-2);
-        auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
-          return lm_loss(tp, m, ids, mask, tg);
-        });
-        for (int i = 0; i < 3; ++i) {
-          const Batch bt = batch(eager, i);
-          auto [l, g] = value_and_grad(eager, [&](GTape<cpu>& tp, const lm::CausalLM& mm) {
-            return lm_loss(tp, mm, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
+          if (kind == Kind::qlora && dt == DType::f64) continue;  // quantized scales are float32 here
+          CAPTURE(ckpt);
+          CAPTURE(name);
+          CAPTURE(dtype_name(dt));
+          CAPTURE(static_cast<int>(kind));
+          lm::CausalLM eager = make(name, dt, kind), compiled = make(name, dt, kind);
+          compiled.grad_checkpoint(ckpt);
+          AdamW opt_e(1e-2), opt_c(1e-2);
+          auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
+            return lm_loss(tp, m, ids, mask, tg);
           });
-          opt_e.update(eager, g);
-          CHECK(step(bt.ids, bt.mask, bt.targets).item() == l.item());
-        }
-        CHECK(step.recordings() == 1);
-        CHECK(test::flat_values(eager) == test::flat_values(compiled));
+          for (int i = 0; i < 3; ++i) {
+            const Batch bt = batch(eager, i);
+            auto [l, g] = value_and_grad(eager, [&](GTape<cpu>& tp, const lm::CausalLM& mm) {
+              return lm_loss(tp, mm, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
+            });
+            opt_e.update(eager, g);
+            CHECK(step(bt.ids, bt.mask, bt.targets).item() == l.item());
+          }
+          CHECK(step.recordings() == 1);
+          CHECK(test::flat_values(eager) == test::flat_values(compiled));
         }
 }
 
