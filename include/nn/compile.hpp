@@ -162,15 +162,10 @@ class CompiledStep {
     // On the CPU the recording defers every kernel and plans the buffers first (GTape::
     // plan_memory), so not even the first call holds every intermediate at once.
     const bool plan = plan_ && std::is_same_v<B, cpu>;
-    tp_.defer_kernels(plan);
-    try {
-      if constexpr (kFits)  // else only the static_assert above speaks
-        loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
-    } catch (...) {
-      tp_.defer_kernels(false);
-      throw;
+    if constexpr (kFits) {  // else only the static_assert above speaks
+      auto build = [&] { return std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars); };
+      loss_ = plan ? tp_.record_deferred(build) : build();
     }
-    tp_.defer_kernels(false);
     if (plan) {
       tp_.plan_memory(loss_);
       tp_.replay_forward();

@@ -6623,18 +6623,24 @@ class GTape {
   ///   GVar loss = tp.record_planned([&] { return cross_entropy(tp, model.logits(tp, ids), tg); }, false);
   template <class F>
   GVar record_planned(F&& build, bool backward = true) {
+    const GVar out = record_deferred(std::forward<F>(build));
+    plan_memory(out, backward);
+    replay();
+    return out;
+  }
+  /// The first step alone: records build() with its kernels deferred and returns its output, to
+  /// be planned (plan_memory) before anything runs. A throw from build() leaves deferral off.
+  template <class F>
+  GVar record_deferred(F&& build) {
     defer_kernels(true);
-    GVar out;
     try {
-      out = build();
+      const GVar out = build();
+      defer_kernels(false);
+      return out;
     } catch (...) {
       defer_kernels(false);
       throw;
     }
-    defer_kernels(false);
-    plan_memory(out, backward);
-    replay();
-    return out;
   }
 
   // ---- checkpoint segments (nn::checkpoint, grad_checkpoint.hpp) --------------------------------
@@ -6937,7 +6943,7 @@ class GTape {
                    "call plan_memory() first");
   }
   // Whether node j's vjp reads input k's data (true for k past the mask's bits).
-  static bool vjp_reads(std::uint32_t mask, std::size_t k) {
+  static bool mask_reads(std::uint32_t mask, std::size_t k) {
     return k >= 31 || (mask & vjp_reads_input(static_cast<int>(k))) != 0;
   }
   // plan_memory's placement. Time runs over the replay: node i's forward at step i, then (when
@@ -6967,7 +6973,7 @@ class GTape {
       for (std::size_t k = 0; k < n.inputs.size(); ++k) {
         std::int64_t& l = last[static_cast<std::size_t>(root[static_cast<std::size_t>(n.inputs[k])])];
         l = std::max(l, 2 * i + 1);  // its forward reads it
-        if (runs_vjp(n, i) && vjp_reads(mask, k))  // and so may its vjp
+        if (runs_vjp(n, i) && mask_reads(mask, k))  // and so may its vjp
           l = std::max(l, n.def->vjp_overwrites == static_cast<int>(k) ? v : v + 1);
       }
       if (runs_vjp(n, i) && (mask & kVjpReadsOutput)) {
@@ -13496,15 +13502,10 @@ class CompiledStep {
     // On the CPU the recording defers every kernel and plans the buffers first (GTape::
     // plan_memory), so not even the first call holds every intermediate at once.
     const bool plan = plan_ && std::is_same_v<B, cpu>;
-    tp_.defer_kernels(plan);
-    try {
-      if constexpr (kFits)  // else only the static_assert above speaks
-        loss_ = std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars);
-    } catch (...) {
-      tp_.defer_kernels(false);
-      throw;
+    if constexpr (kFits) {  // else only the static_assert above speaks
+      auto build = [&] { return std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars); };
+      loss_ = plan ? tp_.record_deferred(build) : build();
     }
-    tp_.defer_kernels(false);
     if (plan) {
       tp_.plan_memory(loss_);
       tp_.replay_forward();

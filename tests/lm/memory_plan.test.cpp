@@ -4,50 +4,16 @@
 // and the Qwen2-style fixtures, f32 and f64, full and LoRA, over a float or a 4-bit base, with
 // and without per-layer checkpointing; it
 // holds less than the unplanned step; switching it records again.
-#include "support/check.hpp"
-
-#include <nn/lm/load.hpp>
+#include "support/lm_step.hpp"
 
 using namespace nn;
+using test::lm_batch;
+using test::lm_loss;
+using test::make_lora;
 
 namespace {
 
 const std::string kModels = std::string(NN_FIXTURES_DIR) + "/lm/models";
-
-GVar lm_loss(GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar targets) {
-  return cross_entropy_rows(tp, m.logits(tp, ids, mask), targets, 6);
-}
-
-struct Batch {
-  Tensor ids, mask, targets;
-};
-// A fixed right-padded batch of 2 x 7 ids; `shift` makes another.
-Batch batch(const lm::CausalLM& m, std::int64_t shift) {
-  std::vector<std::int64_t> ids, tg;
-  std::vector<double> keep;
-  for (std::int64_t b = 0; b < 2; ++b)
-    for (std::int64_t t = 0; t < 7; ++t) {
-      ids.push_back((b * 13 + t * 5 + 1 + shift) % m.config().vocab_size);
-      keep.push_back(b == 1 && t >= 5 ? 0.0 : 1.0);
-    }
-  for (std::int64_t b = 0; b < 2; ++b)
-    for (std::int64_t t = 0; t < 6; ++t)
-      tg.push_back(keep[static_cast<std::size_t>(b * 7 + t + 1)] != 0 ? ids[static_cast<std::size_t>(b * 7 + t + 1)] : -100);
-  return {Tensor::from<std::int64_t>({2, 7}, ids), attention_mask_fill(Tensor::from_doubles({2, 7}, keep, DType::f32), m.dtype()),
-          Tensor::from<std::int64_t>({2, 6}, tg)};
-}
-
-// LoRA rank 4 on q_proj and v_proj over L (Linear, or QuantizedLinear: QLoRA), lora_b random.
-template <class L>
-void make_lora(lm::CausalLM& m) {
-  m.freeze();
-  m.map_modules<L>([](const std::string& p) { return p.ends_with("q_proj") || p.ends_with("v_proj"); },
-                   [&m](const std::string& p, L& l) {
-                     LoraLinear a = LoraLinear::from_base(l, 4);
-                     a.lora_b = test::random_tensor({4, a.lora_b.value.dim(1)}, m.dtype(), std::hash<std::string>{}(p));
-                     return a;
-                   });
-}
 
 enum class Kind { full, lora, qlora };
 
@@ -78,14 +44,7 @@ TEST_CASE("memory plan: a planned compiled decoder step equals the eager step bi
           auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
             return lm_loss(tp, m, ids, mask, tg);
           });
-          for (int i = 0; i < 3; ++i) {
-            const Batch bt = batch(eager, i);
-            auto [l, g] = value_and_grad(eager, [&](GTape<cpu>& tp, const lm::CausalLM& mm) {
-              return lm_loss(tp, mm, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
-            });
-            opt_e.update(eager, g);
-            CHECK(step(bt.ids, bt.mask, bt.targets).item() == l.item());
-          }
+          test::step_alongside_eager(eager, opt_e, step, 3);
           CHECK(step.recordings() == 1);
           CHECK(test::flat_values(eager) == test::flat_values(compiled));
         }
@@ -97,7 +56,7 @@ TEST_CASE("memory plan: the planned step holds less, and switching the plan reco
   auto step = compile<3>(m, opt, [](GTape<cpu>& tp, const lm::CausalLM& mm, GVar ids, GVar mask, GVar tg) {
     return lm_loss(tp, mm, ids, mask, tg);
   });
-  const Batch bt = batch(m, 0);
+  const test::LmBatch bt = lm_batch(m);
   const double planned_loss = step(bt.ids, bt.mask, bt.targets).item();
   const std::size_t planned = step.tape().bytes();
   step.plan_memory(false);

@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// What the decoder tests that compare a compiled step with the eager one share: the loss, a
+// fixed padded batch, a LoRA conversion with random lora_b, and the lock-step loop.
+#pragma once
+
+#include "support/check.hpp"
+
+#include <nn/lm/load.hpp>
+
+namespace nn::test {
+
+// The next-token loss on a right-padded batch of 2 x 7 ids (6 targets a row).
+template <class B>
+GVar lm_loss(GTape<B>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar targets) {
+  return cross_entropy_rows(tp, m.logits(tp, ids, mask), targets, 6);
+}
+
+struct LmBatch {
+  Tensor ids, mask, targets;  // ids: (2, 7); mask: the additive attention mask; targets: (2, 6), -100 on padding
+};
+// A fixed right-padded batch (row 1 padded after 5 ids); `shift` makes another.
+inline LmBatch lm_batch(const lm::CausalLM& m, std::int64_t shift = 0) {
+  std::vector<std::int64_t> ids, tg;
+  std::vector<double> keep;
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t t = 0; t < 7; ++t) {
+      ids.push_back((b * 13 + t * 5 + 1 + shift) % m.config().vocab_size);
+      keep.push_back(b == 1 && t >= 5 ? 0.0 : 1.0);
+    }
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t t = 0; t < 6; ++t)
+      tg.push_back(keep[static_cast<std::size_t>(b * 7 + t + 1)] != 0 ? ids[static_cast<std::size_t>(b * 7 + t + 1)] : -100);
+  return {Tensor::from<std::int64_t>({2, 7}, ids), attention_mask_fill(Tensor::from_doubles({2, 7}, keep, DType::f32), m.dtype()),
+          Tensor::from<std::int64_t>({2, 6}, tg)};
+}
+
+// LoRA rank 4 on q_proj and v_proj over L (Linear, or QuantizedLinear: QLoRA), lora_b random
+// (seeded by the path, so two copies get the same; lora_a comes from nn::random).
+template <class L>
+void make_lora(lm::CausalLM& m) {
+  m.freeze();
+  m.map_modules<L>([](const std::string& p) { return p.ends_with("q_proj") || p.ends_with("v_proj"); },
+                   [&m](const std::string& p, L& l) {
+                     LoraLinear a = LoraLinear::from_base(l, 4);
+                     a.lora_b = random_tensor({4, a.lora_b.value.dim(1)}, m.dtype(), std::hash<std::string>{}(p));
+                     return a;
+                   });
+}
+
+// `steps` optimizer steps on `eager` (value_and_grad, then opt_e) beside `step` (a compiled
+// step over another copy with its own optimizer), batch lm_batch(eager, i) at step i: the losses
+// must be equal bit for bit at every step. The caller compares the weights.
+template <class Opt, class Step>
+void step_alongside_eager(lm::CausalLM& eager, Opt& opt_e, Step& step, int steps) {
+  for (int i = 0; i < steps; ++i) {
+    const LmBatch bt = lm_batch(eager, i);
+    auto [l, g] = value_and_grad(eager, [&](GTape<cpu>& tp, const lm::CausalLM& mm) {
+      return lm_loss(tp, mm, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
+    });
+    opt_e.update(eager, g);
+    CHECK(step(bt.ids, bt.mask, bt.targets).item() == l.item());
+  }
+}
+
+}  // namespace nn::test
