@@ -7,9 +7,10 @@ set -euo pipefail
 # make: cmake only *recommends* it. dataset-fashion-mnist: the example's data (and its CTest run).
 # python3: tools/amalgamate --check and tools/check_readme run as tests. libopenmpi-dev +
 # openmpi-bin: nn::distributed's MPI and the mpirun data-parallel tests. bible-kjv: the text the
-# finetune smoke tests (and the README's main job) make their Proverbs data from.
+# finetune smoke tests (and the README's main job) make their Proverbs data from. libcli11-dev +
+# libyaml-cpp-dev: the finetune example's flags and its mlx-lm config file (the example only).
 pkgs=(cmake make g++ libeigen3-dev nlohmann-json3-dev doctest-dev libopenblas-dev python3 dataset-fashion-mnist
-      libopenmpi-dev openmpi-bin bible-kjv)
+      libopenmpi-dev openmpi-bin bible-kjv libcli11-dev libyaml-cpp-dev)
 
 missing=()
 for p in "${pkgs[@]}"; do

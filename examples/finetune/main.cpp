@@ -21,9 +21,8 @@ extern "C" void openblas_set_num_threads(int);
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-#include <map>
-#include <sstream>
 
+#include "options.hpp"
 #include "progress.hpp"
 #include "svg.hpp"
 
@@ -33,130 +32,7 @@ using namespace nn::lm;
 
 namespace {
 
-struct Args {
-  std::string model, data, adapter_path = "adapters", schedule = "cosine", prompt, fuse, logits_out, precision = "f32",
-      outtype = "f16", export_adapter;
-  LoraConfig lora;
-  double lr = 1e-4;
-  int warmup = 0, iters = 100, batch = 4, seq = 256, grad_accum = 1, val_every = 25, val_batches = 4,
-      save_every = 50, threads = 0, max_tokens = 40;
-  std::uint64_t seed = 0;
-  bool resume = false, resume_new_hyper = false, peft = true, dequantize = false, grad_checkpoint = false, pack = false;
-};
-
-const char* kUsage =
-    "usage: finetune --model PATH --data DIR_or_FILE [options]\n"
-    "  --model PATH          a Hugging Face folder (config.json, model.safetensors, tokenizer.json) or a .gguf file\n"
-    "  --data DIR|FILE       JSONL: DIR/train.jsonl (+ DIR/valid.jsonl), or one file split 90/10\n"
-    "                        records: {\"text\"} | {\"prompt\",\"completion\"} | {\"messages\"} (ChatML)\n"
-    "  --rank 8 --scale 20 --rslora --dropout 0 --layers N (last N layers, -1 all)\n"
-    "  --keys q_proj,v_proj  projections to adapt (q k v o _proj, gate up down _proj)\n"
-    "  --lr 1e-4 --schedule cosine|constant --warmup N --iters 100 --batch 4 --seq 256 --grad-accum 1\n"
-    "  --val-every 25 --val-batches 4 --save-every 50 --resume --adapter-path adapters --no-peft\n"
-    "  --resume              continue from ADAPTER_PATH/checkpoint.safetensors; the schedule and optimizer flags\n"
-    "                        must be the run's (checked) unless --resume-new-hyperparameters\n"
-    "  --threads N --seed 0 --prompt TEXT --max-tokens 40\n"
-    "  --fuse OUT            the merged model (base + LoRA, in float32): a Hugging Face folder, or OUT.gguf for\n"
-    "                        llama.cpp (the metadata and tokenizer of the .gguf or Hugging Face --model carry over)\n"
-    "  --outtype f16         the GGUF's types: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m (llama-quantize's mixtures), same\n"
-    "  --export-adapter OUT.gguf  the LoRA as a llama.cpp GGUF adapter (llama-cli --lora OUT.gguf)\n"
-    "  --dequantize          a quantized base (GGUF Q4_0..Q8_0, Q2_K..Q6_K; an mlx-lm -q folder) in float32 (by default it stays quantized: QLoRA)\n"
-    "  --precision f32|bf16  bf16: the frozen base weights stored in bfloat16 (half the memory), products on bf16\n"
-    "                        operands with f32 accumulation; adapters, optimizer state and reductions stay f32\n"
-    "  --grad-checkpoint     recompute each decoder layer's activations in the backward pass instead of keeping\n"
-    "                        them (mlx-lm's flag): less memory for one more forward pass, the same gradients\n"
-    "  --pack                pack several examples into each row of --seq positions (first-fit decreasing), each\n"
-    "                        attending only to itself, positions restarting per example: no padding to train on\n"
-    "  --logits-out FILE     after training, the logits of the prompt's tokens (safetensors: ids, logits)\n";
-
-Args parse(int argc, char** argv) {
-  Args a;
-  std::map<std::string, std::string> kv;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    if (k == "-h" || k == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    }
-    if (k.rfind("--", 0) != 0) nn::detail::fail("finetune", "unexpected argument '", k, "'\n", kUsage);
-    k = k.substr(2);
-    if (k == "rslora" || k == "resume" || k == "resume-new-hyperparameters" || k == "no-peft" || k == "dequantize" ||
-        k == "grad-checkpoint" || k == "pack") {
-      kv[k] = "1";
-      continue;
-    }
-    if (i + 1 >= argc) nn::detail::fail("finetune", "--", k, " needs a value");
-    kv[k] = argv[++i];
-  }
-  auto num = [&](const char* k, auto& out) {
-    auto it = kv.find(k);
-    if (it == kv.end()) return;
-    std::istringstream is(it->second);
-    if (!(is >> out) || !is.eof()) nn::detail::fail("finetune", "--", k, " expects a number, got '", it->second, "'");
-    kv.erase(it);
-  };
-  auto str = [&](const char* k, std::string& out) {
-    auto it = kv.find(k);
-    if (it == kv.end()) return;
-    out = it->second;
-    kv.erase(it);
-  };
-  str("model", a.model);
-  str("data", a.data);
-  str("adapter-path", a.adapter_path);
-  str("schedule", a.schedule);
-  str("prompt", a.prompt);
-  str("fuse", a.fuse);
-  str("logits-out", a.logits_out);
-  str("precision", a.precision);
-  str("outtype", a.outtype);
-  str("export-adapter", a.export_adapter);
-  num("rank", a.lora.rank);
-  num("scale", a.lora.scale);
-  num("dropout", a.lora.dropout);
-  num("layers", a.lora.num_layers);
-  num("lr", a.lr);
-  num("warmup", a.warmup);
-  num("iters", a.iters);
-  num("batch", a.batch);
-  num("seq", a.seq);
-  num("grad-accum", a.grad_accum);
-  num("val-every", a.val_every);
-  num("val-batches", a.val_batches);
-  num("save-every", a.save_every);
-  num("threads", a.threads);
-  num("seed", a.seed);
-  num("max-tokens", a.max_tokens);
-  if (kv.erase("rslora")) a.lora.rslora = true;
-  if (kv.erase("resume")) a.resume = true;
-  if (kv.erase("resume-new-hyperparameters")) a.resume = a.resume_new_hyper = true;
-  if (kv.erase("no-peft")) a.peft = false;
-  if (kv.erase("dequantize")) a.dequantize = true;
-  if (kv.erase("grad-checkpoint")) a.grad_checkpoint = true;
-  if (kv.erase("pack")) a.pack = true;
-  std::string keys = "q_proj,v_proj";
-  str("keys", keys);
-  if (!kv.empty()) nn::detail::fail("finetune", "unknown option --", kv.begin()->first, "\n", kUsage);
-  if (a.model.empty() || a.data.empty()) nn::detail::fail("finetune", "--model and --data are required\n", kUsage);
-  if (!a.logits_out.empty() && a.prompt.empty()) nn::detail::fail("finetune", "--logits-out needs --prompt");
-  // The GGUF outputs are checked before training, not after it.
-  if (std::find(gguf_outtypes().begin(), gguf_outtypes().end(), a.outtype) == gguf_outtypes().end())
-    nn::detail::fail("finetune", "--outtype is one of f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m same, got '", a.outtype, "'");
-  if (!a.export_adapter.empty() && !a.export_adapter.ends_with(".gguf"))
-    nn::detail::fail("finetune", "--export-adapter writes a .gguf file, got '", a.export_adapter, "'");
-  if (a.schedule != "cosine" && a.schedule != "constant") nn::detail::fail("finetune", "--schedule is cosine or constant");
-  if (a.precision != "f32" && a.precision != "bf16")
-    nn::detail::fail("finetune", "--precision is f32 or bf16, got '", a.precision, "'");
-  if (a.iters <= 0 || a.batch <= 0 || a.seq < 2 || a.grad_accum <= 0 || a.warmup < 0 || a.warmup >= a.iters + 1)
-    nn::detail::fail("finetune", "need iters > 0, batch > 0, seq >= 2, grad-accum > 0, 0 <= warmup <= iters");
-  a.lora.keys.clear();
-  std::istringstream ks(keys);
-  for (std::string k; std::getline(ks, k, ',');) {
-    if (k.empty()) continue;
-    a.lora.keys.push_back(lora_key_path(k));
-  }
-  return a;
-}
+using Args = finetune::Options;
 
 /// Greedy decoding with the KV cache: the prompt is prefilled once, then one token per step, up to
 /// max_tokens or EOS. Returns the new tokens.
@@ -194,23 +70,26 @@ std::vector<std::size_t> my_rows(std::span<const std::size_t> rows, const nn::di
   return mine;
 }
 
-/// Mean next-token loss over up to `batches` validation batches (token-weighted), each batch's
-/// rows shared out over the group and the sums added up. One row per forward pass: its logits,
-/// (T, vocab) in float32, are what an evaluation holds beside the training step's buffers, so a
-/// row at a time keeps the run's peak memory at the step's (the sum is the same up to rounding).
-double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int seq,
+/// Mean next-token loss over up to `batches` batches of `data` (-1: all of it), token-weighted,
+/// each batch's rows shared out over the group and the sums added up. One row per forward pass:
+/// its logits, (T, vocab) in float32, are what an evaluation holds beside the training step's
+/// buffers, so a row at a time keeps the run's peak memory at the step's (the sum is the same up
+/// to rounding). Rows are padded as the training batches are (mlx-lm: to a multiple of 32).
+double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int max_seq,
                 const nn::distributed::Group& g) {
   if (data.empty()) return NAN;
+  const std::size_t n_batches = batches < 0 ? (data.size() + static_cast<std::size_t>(batch) - 1) / static_cast<std::size_t>(batch)
+                                            : static_cast<std::size_t>(batches);
   double sum = 0;
   std::int64_t count = 0;
-  for (int b = 0; b < batches; ++b) {
+  for (std::size_t b = 0; b < n_batches; ++b) {
     std::vector<std::size_t> all;
-    for (int i = 0; i < batch && static_cast<std::size_t>(b * batch + i) < data.size(); ++i)
-      all.push_back(static_cast<std::size_t>(b * batch + i));
+    for (std::size_t i = 0; i < static_cast<std::size_t>(batch) && b * static_cast<std::size_t>(batch) + i < data.size(); ++i)
+      all.push_back(b * static_cast<std::size_t>(batch) + i);
     if (all.empty()) break;
     for (std::size_t row : my_rows(all, g)) {
       const std::size_t one[] = {row};
-      Batch bt = make_batch(data, one, seq + 1, seq, m.dtype());
+      Batch bt = make_batch(data, one, max_seq, 32, m.dtype());
       if (bt.tokens == 0) continue;
       // Recorded with its kernels deferred, then planned forward-only and run: the tape holds
       // the logits and a layer's transients, not every intermediate (GTape::plan_memory).
@@ -229,11 +108,47 @@ double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches
   return total > 0 ? g.sum(sum) / total : NAN;
 }
 
-Schedule make_schedule(const Args& a) {
-  Schedule main = a.schedule == "cosine" ? cosine_decay(a.lr, std::max(1, a.iters - a.warmup)) : constant_schedule(a.lr);
-  if (a.warmup == 0) return main;
-  // mlx-lm's warm-up: a linear ramp from 0, then the main schedule from step warmup + 1
-  return join_schedules({linear_schedule(0.0, a.lr, a.warmup), main}, {a.warmup + 1});
+/// The training batches' width. mlx-lm pads each batch to a multiple of 32 (at most
+/// max_seq_length - 1 positions); here a batch is also never narrower than the widest so far, so
+/// the compiled step records again only when the width grows (padding is masked: the same loss).
+struct Widths {
+  std::int64_t widest = 0;
+  Batch make(const std::vector<Example>& data, std::span<const std::size_t> rows, int max_seq, DType dt) {
+    Batch b = make_batch(data, rows, max_seq, 32, dt);
+    if (b.inputs.dim(1) < widest) b = make_batch(data, rows, max_seq, widest, dt);
+    widest = std::max(widest, b.inputs.dim(1));
+    return b;
+  }
+};
+
+/// --fine-tune-type full: the last num_layers decoder layers trainable (mlx-lm: the embedding,
+/// the final norm and the head stay frozen). Returns how many layers.
+int unfreeze_layers(CausalLM& model, int num_layers) {
+  const int n = static_cast<int>(model.config().num_hidden_layers);
+  const int first = num_layers < 0 ? 0 : n - num_layers;
+  model.freeze();
+  model.unfreeze([first](const std::string& p) {
+    const auto lp = nn::lm::detail::layer_path(p);
+    return lp && lp->first >= first;
+  });
+  return n - first;
+}
+
+/// adapter_config.json as mlx-lm writes it: what the adapters need (`base`) plus every option of
+/// the run under mlx_lm.lora's names.
+void write_adapter_config(const fs::path& dir, nlohmann::json base, const Args& a) {
+  const nlohmann::json run = finetune::run_config_json(a);
+  for (const auto& [k, v] : run.items())
+    if (!base.contains(k)) base[k] = v;
+  nn::lm::detail::write_text(dir / "adapter_config.json", base.dump(2) + "\n");
+}
+
+/// mlx-lm's adapter folder for a full finetune: the trained weights (adapters.safetensors) and
+/// adapter_config.json; mlx_lm.load(model, adapter_path=...) reads it.
+void save_full(const fs::path& dir, const CausalLM& model, const Args& a) {
+  fs::create_directories(dir);
+  save_safetensors(dir / "adapters.safetensors", model.trainable_parameters(), {{"format", "mlx"}});
+  write_adapter_config(dir, {{"fine_tune_type", "full"}, {"num_layers", a.num_layers}}, a);
 }
 
 int run(const Args& a) {
@@ -241,8 +156,11 @@ int run(const Args& a) {
   const bool lead = world.rank() == 0;                           // prints, logs and writes files
   if (!lead) std::freopen("/dev/null", "w", stdout);             // errors still reach stderr
   if (a.batch % world.size() != 0)
-    nn::detail::fail("finetune", "--batch ", a.batch, " (the global batch) must be a multiple of the ", world.size(),
+    nn::detail::fail("finetune", "--batch-size ", a.batch, " (the global batch) must be a multiple of the ", world.size(),
                      " ranks");
+  if (a.fine_tune_type == "dora")
+    nn::detail::fail("finetune", "--fine-tune-type dora is not implemented yet (lora and full are)");
+  const bool full = a.fine_tune_type == "full";
 #if defined(_OPENMP)
   if (a.threads > 0) omp_set_num_threads(a.threads);
 #endif
@@ -253,8 +171,10 @@ int run(const Args& a) {
   std::printf("%s\n", nn::cpu_info().line().c_str());
   if (world.size() > 1) std::printf("data parallel: %d ranks, %d rows each per global batch of %d\n", world.size(),
                                     a.batch / world.size(), a.batch);
+  if (!a.config.empty()) std::printf("config: %s (flags given override it)\n", a.config.c_str());
   std::printf("loading %s\n", a.model.c_str());
-  Pretrained pt = load_pretrained(a.model, DType::f32, !a.dequantize);
+  // A full finetune trains float weights: a quantized base is loaded dequantized.
+  Pretrained pt = load_pretrained(a.model, DType::f32, !a.dequantize && !full);
   CausalLM& model = pt.model;
   const Tokenizer& tok = pt.tokenizer;
   const ModelConfig& c = model.config();
@@ -262,6 +182,9 @@ int run(const Args& a) {
               static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
               static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
               static_cast<long long>(c.vocab_size), nn::detail::with_commas(model.num_params()).c_str());
+  if (a.num_layers > c.num_hidden_layers)
+    nn::detail::fail("finetune", "--num-layers ", a.num_layers, ": the model has only ", c.num_hidden_layers,
+                     " layers (-1 trains all)");
 
   {
     int quantized = 0;
@@ -276,18 +199,64 @@ int run(const Args& a) {
   }
 
   TokenizerText enc{tok};
-  Splits data = load_splits(a.data, enc, DataOptions{}, 0.1, a.seed);
-  std::printf("data: %zu train, %zu valid examples\n", data.train.size(), data.valid.size());
+  DataOptions dopt;
+  dopt.mask_prompt = a.mask_prompt;
+  Splits data = load_splits(a.data, enc, dopt, 0.1, a.seed);
+  std::vector<Example> test_set;
+  if (a.test) {
+    const fs::path tf = fs::path(a.data) / "test.jsonl";
+    if (!fs::is_directory(a.data) || !fs::exists(tf))
+      nn::detail::fail("finetune", "--test reads DATA/test.jsonl: no file ", tf.string());
+    test_set = load_jsonl(tf, enc, dopt);
+  }
+  std::printf("data: %zu train, %zu valid%s examples%s\n", data.train.size(), data.valid.size(),
+              a.test ? (", " + std::to_string(test_set.size()) + " test").c_str() : "",
+              a.mask_prompt ? " (loss on the completions only: --mask-prompt)" : "");
   const bool chat = !data.train.empty() && data.train.front().offset > 0;
   const std::string prompt = a.prompt.empty() ? "" : chat ? ChatML{}.render({{"user", a.prompt}}, true) : a.prompt;
 
+  auto report_test = [&]() {
+    model.train(false);
+    const double t = evaluate(model, test_set, a.test_batches, a.batch, a.max_seq_length, world);
+    std::printf("Test loss %.3f, Test ppl %.3f.\n", t, std::exp(t));
+  };
+  if (!a.train) {  // --test alone: the adapters in --adapter-path, as mlx-lm
+    const fs::path cfg = fs::path(a.adapter_path) / "adapter_config.json";
+    if (fs::exists(cfg)) {
+      if (nn::lm::detail::read_json_file(cfg, "adapters").value("fine_tune_type", "lora") == "full")
+        model.load_weights_partial(fs::path(a.adapter_path) / "adapters.safetensors");
+      else load_mlx_adapters(a.adapter_path, model);
+      std::printf("adapters: %s\n", a.adapter_path.c_str());
+    }
+    report_test();
+    return 0;
+  }
+
   const std::string before = lead ? generate(model, tok, prompt, a.max_tokens) : std::string();
 
-  model.freeze();
-  const int converted = apply_lora(model, a.lora);
-  std::printf("LoRA rank %lld scale %g on %d projections: %s trainable of %s\n", static_cast<long long>(a.lora.rank),
-              a.lora.effective_scale(), converted, nn::detail::with_commas(model.num_trainable()).c_str(),
-              nn::detail::with_commas(model.num_params()).c_str());
+  if (full) {
+    const int n = unfreeze_layers(model, a.num_layers);
+    std::printf("full finetune of the last %d layers: %s trainable of %s\n", n,
+                nn::detail::with_commas(model.num_trainable()).c_str(), nn::detail::with_commas(model.num_params()).c_str());
+  } else {
+    model.freeze();
+    const int converted = apply_lora(model, a.lora);
+    std::printf("LoRA rank %lld scale %g on %d projections: %s trainable of %s\n", static_cast<long long>(a.lora.rank),
+                a.lora.effective_scale(), converted, nn::detail::with_commas(model.num_trainable()).c_str(),
+                nn::detail::with_commas(model.num_params()).c_str());
+  }
+  if (!a.resume_adapter_file.empty()) {  // mlx-lm: load_weights(strict=False) over the new adapters
+    const NamedTensors w = load_safetensors(a.resume_adapter_file);
+    std::set<std::string> trainable;
+    for (const auto& [p, t] : model.trainable_parameters()) trainable.insert(p);
+    std::size_t used = 0;
+    for (const auto& [p, t] : w) used += trainable.count(p);
+    if (used == 0)
+      nn::detail::fail("finetune", "--resume-adapter-file ", a.resume_adapter_file, ": none of its ", w.size(),
+                       " tensors is a trainable parameter of this run (another --fine-tune-type, keys or --num-layers?)");
+    model.load_weights_partial(w);
+    std::printf("resumed adapter weights from %s (%zu tensors)\n", a.resume_adapter_file.c_str(), used);
+  }
 
   if (a.grad_checkpoint) {
     model.grad_checkpoint(true);
@@ -301,33 +270,43 @@ int run(const Args& a) {
                 cpu_info().bf16.c_str());
   }
 
-  // Every rank starts from rank 0's trainable weights (the LoRA matrices; the frozen base came
-  // from the same file everywhere), after checking that all ranks built the same tree. Then each
-  // rank draws its own dropout masks: nn::random seeded with --seed + rank.
+  // Every rank starts from rank 0's trainable weights (the LoRA matrices, or the layers a full
+  // finetune trains; the frozen base came from the same file everywhere), after checking that all
+  // ranks built the same tree. Then each rank draws its own dropout masks: nn::random seeded with
+  // --seed + rank.
   nn::distributed::broadcast_parameters(model, world, 0, /*trainable_only=*/true);
   if (world.size() > 1) nn::distributed::seed(world, a.seed);
 
-  Adam opt(make_schedule(a));
+  std::unique_ptr<Optimizer> opt_ptr = finetune::make_optimizer(a);
+  Optimizer& opt = *opt_ptr;
   opt.init(model);
+  // mlx-lm's run header, on one line
+  std::printf("run: %s on %s layers%s; optimizer %s, learning rate %.3e at step 1%s; batch %d, %d iters, "
+              "max seq %d%s\n",
+              a.fine_tune_type.c_str(), a.num_layers < 0 ? "all" : std::to_string(a.num_layers).c_str(),
+              full ? "" : (", rank " + std::to_string(a.lora.rank)).c_str(), a.optimizer.c_str(), opt.learning_rate(),
+              a.lr_schedule && a.schedule.empty() ? (" (lr_schedule " + a.lr_schedule->name + ")").c_str() : "",
+              a.batch, a.iters, a.max_seq_length, a.grad_accum > 1 ? (", " + std::to_string(a.grad_accum) + " micro-batches per step").c_str() : "");
   if (lead) fs::create_directories(a.adapter_path);
   const fs::path ckpt = fs::path(a.adapter_path) / "checkpoint.safetensors";
-  // --pack: the training examples in rows of --seq positions, several per row (the padded
-  // batches are --seq wide too, so the same positions carry more real tokens)
+  const int T = a.positions();
+  // --pack: the training examples in rows of T positions, several per row
   std::vector<std::vector<std::size_t>> packed;
   if (a.pack) {
-    packed = pack_examples(data.train, a.seq);
+    packed = pack_examples(data.train, T);
     std::printf("packing: %zu examples into %zu rows of %d positions, %.1f%% of positions used\n", data.train.size(),
-                packed.size(), a.seq, 100.0 * pack_fill(data.train, packed, a.seq));
+                packed.size(), T, 100.0 * pack_fill(data.train, packed, T));
   }
   BatchOrder order = a.pack ? BatchOrder(packed.size(), static_cast<std::size_t>(a.batch), a.seed)
                             : BatchOrder(data.train, static_cast<std::size_t>(a.batch), a.seed);
+  Widths widths;
   // This rank's rows of the next batch: padded examples, or packed rows with their documents.
   auto next_batch = [&]() {
     const std::vector<std::size_t> rows = my_rows(order.next(), world);
-    if (!a.pack) return PackedBatch{make_batch(data.train, rows, a.seq + 1, a.seq, model.dtype()), Tensor(), Tensor()};
+    if (!a.pack) return PackedBatch{widths.make(data.train, rows, a.max_seq_length, model.dtype()), Tensor(), Tensor()};
     std::vector<std::vector<std::size_t>> sel;
     for (std::size_t r : rows) sel.push_back(packed[r]);
-    return make_packed_batch(data.train, std::span(sel), a.seq, model.dtype());
+    return make_packed_batch(data.train, std::span(sel), T, model.dtype());
   };
   if (a.resume) {
     if (!fs::exists(ckpt)) nn::detail::fail("finetune", "--resume: no checkpoint at ", ckpt.string());
@@ -336,8 +315,8 @@ int run(const Args& a) {
     } catch (const nn::Error& e) {
       nn::detail::fail("finetune", e.what(), "\n(finetune: --resume-new-hyperparameters resumes with these flags on purpose)");
     }
-    // the batch order is a function of the seed: replay it up to where the run stopped
-    for (std::int64_t i = 0; i < opt.step() * a.grad_accum; ++i) order.next();
+    // the batch order is a function of the seed: replay it (and the widths) up to where the run stopped
+    for (std::int64_t i = 0; i < opt.step() * a.grad_accum; ++i) next_batch();
     std::printf("resumed at step %lld\n", static_cast<long long>(opt.step()));
   }
 
@@ -357,20 +336,27 @@ int run(const Args& a) {
   }
   auto save_all = [&]() {
     if (!lead) return;
-    save_mlx_adapters(a.adapter_path, model, a.lora);
-    if (a.peft) save_peft_adapters(fs::path(a.adapter_path) / "peft", model, a.lora, a.model);
+    if (full) {
+      save_full(a.adapter_path, model, a);
+    } else {
+      save_mlx_adapters(a.adapter_path, model, a.lora);
+      write_adapter_config(a.adapter_path, nn::lm::detail::read_json_file(fs::path(a.adapter_path) / "adapter_config.json", "finetune"), a);
+      if (a.peft) save_peft_adapters(fs::path(a.adapter_path) / "peft", model, a.lora, a.model);
+    }
     save(ckpt, model, opt);
   };
 
-  finetune::Progress progress(a.iters, lead ? (fs::path(a.adapter_path) / "metrics.jsonl").string() : std::string());
+  finetune::Progress progress(a.iters, a.steps_per_report,
+                              lead ? (fs::path(a.adapter_path) / "metrics.jsonl").string() : std::string());
   finetune::Series train_curve, val_curve;
-  if (!a.resume) {
-    const double v0 = evaluate(model, data.valid, a.val_batches, a.batch, a.seq, world);
-    if (!std::isnan(v0)) {
-      progress.validation(0, v0);
-      val_curve.emplace_back(0, v0);
-    }
-  }
+  auto validate = [&](int it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double v = evaluate(model, data.valid, a.val_batches, a.batch, a.max_seq_length, world);
+    if (std::isnan(v)) return;
+    progress.validation(it, v, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    val_curve.emplace_back(it, v);
+  };
+  if (!a.resume) validate(0);
   std::int64_t trained = 0;  // target tokens trained on (all ranks), padding and prompts excluded
   for (int it = static_cast<int>(opt.step()) + 1; it <= a.iters; ++it) {
     double loss = 0;
@@ -410,22 +396,17 @@ int run(const Args& a) {
     }
     tokens = static_cast<std::int64_t>(world.sum(static_cast<double>(tokens)));
     train_curve.emplace_back(it, loss);
-    progress.step(it, loss, opt.learning_rate(), tokens, std::max(1, a.iters / 20));
-    if (a.val_every > 0 && (it % a.val_every == 0 || it == a.iters)) {
-      const double v = evaluate(model, data.valid, a.val_batches, a.batch, a.seq, world);
-      if (!std::isnan(v)) {
-        progress.validation(it, v);
-        val_curve.emplace_back(it, v);
-      }
-    }
+    progress.step(it, loss, opt.learning_rate(), tokens);
+    if (a.steps_per_eval > 0 ? it % a.steps_per_eval == 0 || it == a.iters : it == a.iters) validate(it);
     if (a.save_every > 0 && it % a.save_every == 0) save_all();
   }
   save_all();
+  if (a.test) report_test();
   if (!lead) return 0;  // the rest (curve, samples, exports) is rank 0's
   const fs::path svg = fs::path(a.adapter_path) / "loss.svg";
   finetune::write_loss_svg(svg.string(), train_curve, val_curve);
-  std::printf("adapters: %s (mlx-lm)%s; loss curve: %s; %.1f s\n", a.adapter_path.c_str(),
-              a.peft ? ", peft/ (PEFT)" : "", svg.string().c_str(), progress.seconds());
+  std::printf("%s: %s (mlx-lm)%s; loss curve: %s; %.1f s\n", full ? "weights" : "adapters", a.adapter_path.c_str(),
+              a.peft && !full ? ", peft/ (PEFT)" : "", svg.string().c_str(), progress.seconds());
   std::printf("trained on %lld target tokens, %.1f per second\n", static_cast<long long>(trained),
               static_cast<double>(trained) / std::max(progress.seconds(), 1e-9));
   if (const long kb = nn::peak_rss_kb(); kb > 0) std::printf("peak RSS of the run: %ld MB\n", kb / 1024);
@@ -483,7 +464,7 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   try {
-    return run(parse(argc, argv));
+    return run(finetune::parse_options(argc, argv));
   } catch (const nn::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -45,7 +45,7 @@ cmake --build "$build" -j2 --target finetune
 data="$build/finetune-data"
 [[ -f $data/train.jsonl ]] || python3 examples/finetune/make_data.py "$data"
 
-"$build/examples/finetune/finetune" --model "$model" --data "$data" \
-  --iters 60 --batch 4 --seq 64 --lr 2e-4 --warmup 5 --val-every 20 --val-batches 6 --save-every 30 \
+# The run's settings are an mlx_lm.lora config file (examples/finetune/proverbs.yaml); "$@" overrides them.
+"$build/examples/finetune/finetune" -c examples/finetune/proverbs.yaml --model "$model" --data "$data" \
   --adapter-path "$build/finetune-adapters" --max-tokens 40 \
   --prompt "Recite Proverbs 3:5 from the King James Bible." "$@"

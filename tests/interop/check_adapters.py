@@ -163,7 +163,7 @@ def main():
             cmd = [args.finetune, "--model", model_dir, "--data", data, "--iters", "12", "--batch", "4", "--seq", "24",
                    "--lr", "3e-2", "--schedule", "constant", "--rank", "4", "--scale", "2",
                    "--keys", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--val-every", "0",
-                   "--save-every", "0", "--adapter-path", out, "--prompt", "The wise son shall hear instruction",
+                   "--save-every", "0", "--num-layers", "-1", "--mask-prompt", "--adapter-path", out, "--prompt", "The wise son shall hear instruction",
                    "--max-tokens", "0", "--logits-out", os.path.join(out, "logits.safetensors"),
                    "--fuse", os.path.join(out, "fused"), "--threads", "1"] + extra
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -23,13 +23,13 @@ for src in llama qwen2 hf-llama hf-qwen2; do
   [[ $src == hf-* ]] && model="$out/$src"
   common=(--model "$model" --data "$out/data" --iters 40 --batch 4 --seq 16 --lr 1e-2 --rank 4
           --scale 2 --keys q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --val-every 0
-          --save-every 40 --adapter-path "$d/run" --no-peft --seed 1)
+          --save-every 40 --adapter-path "$d/run" --no-peft --seed 1 --num-layers -1 --mask-prompt)
   "$ft" "${common[@]}" --prompt "the cat sat on" --max-tokens 8 --fuse "$d/fused-f16.gguf" --outtype f16 \
-    --export-adapter "$d/adapter.gguf" --logits-out "$d/nn-logits.safetensors" | grep -E "loss 4|step 40/|fused|adapter written"
+    --export-adapter "$d/adapter.gguf" --logits-out "$d/nn-logits.safetensors" | grep -E "Iter 40:|fused|adapter written"
   for o in q8_0 q4_k_m; do
     "$ft" "${common[@]}" --resume --fuse "$d/fused-$o.gguf" --outtype "$o" | grep -E "fused"
   done
-  "$ft" --model "$model" --data "$out/data" --iters 1 --lr 0 --batch 4 --seq 16 --val-every 0 \
+  "$ft" --model "$model" --data "$out/data" --iters 1 --lr 0 --batch 4 --seq 16 --val-every 0 --num-layers -1 \
     --adapter-path "$d/base-run" --no-peft --fuse "$d/base-f16.gguf" --outtype f16 | grep -E "fused"
   echo "== $arch"
   base="$model"
