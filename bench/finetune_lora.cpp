@@ -7,7 +7,10 @@
 //
 //   bench_finetune --model PATH [--threads N] [--steps N] [--warmup N] [--batch B] [--seq T]
 //                  [--rank 8] [--scale 20] [--keys q_proj,v_proj] [--precision f32|bf16]
-//                  [--base dequantized|quantized] [--grad-checkpoint 0|1]
+//                  [--base dequantized|quantized] [--grad-checkpoint 0|1] [--full N]
+//
+// --full N trains the last N decoder layers' own weights instead (-1: all layers; the embedding,
+// final norm and head stay frozen, as mlx-lm's --fine-tune-type full), on a float32 base.
 //
 // --base quantized keeps a quantized GGUF's matrices quantized (QLoRA over affine blocks, as the
 // finetune example does by default); dequantized (the default, what PyTorch + PEFT run) widens
@@ -32,7 +35,8 @@
 int main(int argc, char** argv) try {
   bench::print_cpu_info();
   std::string model_path, keys = "q_proj,v_proj", precision = "f32", base = "dequantized";
-  int threads = 1, steps = 10, warmup = 2, grad_checkpoint = 0;
+  int threads = 1, steps = 10, warmup = 2, grad_checkpoint = 0, full = 0;
+  bool full_given = false;
   std::int64_t B = 4, T = 64;
   nn::lm::LoraConfig lora;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -49,12 +53,14 @@ int main(int argc, char** argv) try {
     else if (k == "--precision") precision = v;
     else if (k == "--base") base = v;
     else if (k == "--grad-checkpoint") grad_checkpoint = std::stoi(v);
+    else if (k == "--full") full = std::stoi(v), full_given = true;
     else nn::detail::fail("bench_finetune", "unknown option ", k);
   }
   if (model_path.empty() || argc % 2 == 0) nn::detail::fail("bench_finetune", "usage: bench_finetune --model PATH [--threads N] ...");
   if (threads < 1 || steps < 1 || warmup < 1 || B < 1 || T < 2) nn::detail::fail("bench_finetune", "sizes must be positive");
   if (precision != "f32" && precision != "bf16") nn::detail::fail("bench_finetune", "--precision is f32 or bf16");
   if (base != "dequantized" && base != "quantized") nn::detail::fail("bench_finetune", "--base is dequantized or quantized");
+  if (full_given && base == "quantized") nn::detail::fail("bench_finetune", "--full trains float weights: --base dequantized");
   lora.keys.clear();
   std::istringstream ks(keys);
   for (std::string k; std::getline(ks, k, ',');)
@@ -65,7 +71,15 @@ int main(int argc, char** argv) try {
   nn::random::seed(0);
   nn::lm::CausalLM model = nn::lm::load_pretrained(model_path, nn::DType::f32, base == "quantized").model;
   model.freeze();
-  nn::lm::apply_lora(model, lora);
+  if (full_given) {
+    const int first = full < 0 ? 0 : static_cast<int>(model.config().num_hidden_layers) - full;
+    model.unfreeze([first](const std::string& p) {
+      const auto lp = nn::lm::detail::layer_path(p);
+      return lp && lp->first >= first;
+    });
+  } else {
+    nn::lm::apply_lora(model, lora);
+  }
   if (precision == "bf16") nn::set_precision(model, nn::Precision::bf16);  // the frozen base in bfloat16
   model.grad_checkpoint(grad_checkpoint != 0);
   nn::Adam opt(1e-4);
@@ -109,14 +123,14 @@ int main(int argc, char** argv) try {
               100.0 * check_us / (median_ms * 1e3), static_cast<unsigned long long>(sink));
   std::printf("RESULT impl=nn threads=%d tok_s=%.1f median_ms=%.2f min_ms=%.2f cpu_ms=%.2f rss_peak_mb=%.1f "
               "rss_start_mb=%.1f rss_now_mb=%.1f loss_first=%.4f loss_last=%.4f params=%lld trainable=%lld "
-              "precision=%s base=%s grad_checkpoint=%d seq=%lld batch=%lld team_reductions=%lld tape_mb=%.1f\n",
+              "precision=%s base=%s grad_checkpoint=%d seq=%lld batch=%lld team_reductions=%lld tape_mb=%.1f mode=%s\n",
               threads, static_cast<double>(B * T) / (median_ms / 1e3), median_ms, ms[0], cpu_ms,
               static_cast<double>(bench::proc_status_kb("VmHWM")) / 1024.0, static_cast<double>(rss_start_kb) / 1024.0,
               static_cast<double>(bench::proc_status_kb("VmRSS")) / 1024.0, first_loss, last_loss,
               static_cast<long long>(model.num_params()), static_cast<long long>(model.num_trainable()),
               precision.c_str(), base.c_str(), grad_checkpoint, static_cast<long long>(T), static_cast<long long>(B),
               static_cast<long long>(nn::detail::TeamLoad::get().reductions()),
-              static_cast<double>(step.tape().bytes()) / 1e6);
+              static_cast<double>(step.tape().bytes()) / 1e6, full_given ? "full" : "lora");
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());

@@ -6,7 +6,10 @@
 #
 #   python3 bench/finetune_peft.py --model PATH [--threads N] [--steps N] [--warmup N] [--batch B]
 #                                  [--seq T] [--rank 8] [--scale 20] [--keys q_proj,v_proj]
-#                                  [--attn sdpa|eager]
+#                                  [--attn sdpa|eager] [--full N]
+#
+# --full N: no PEFT; the last N decoder layers' own weights trained (-1: all; the embedding, final
+# norm and head frozen, as mlx-lm's and bench_finetune's --full).
 #
 # transformers' default attention on PyTorch 2 is sdpa (what a PEFT user gets); --attn eager is
 # the same algorithm nn runs. Prints one `RESULT key=value ...` line (tokens/s from the median step).
@@ -31,6 +34,7 @@ def main():
     ap.add_argument("--scale", type=float, default=20.0)
     ap.add_argument("--keys", default="q_proj,v_proj")
     ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
+    ap.add_argument("--full", type=int, default=None, help="train the last N layers' weights (-1: all), no LoRA")
     ap.add_argument("--precision", choices=("f32", "bf16"), default="f32",
                     help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = ap.parse_args()
@@ -53,7 +57,16 @@ def main():
                                                                   attn_implementation=args.attn)
     cfg = peft.LoraConfig(r=args.rank, lora_alpha=args.scale * args.rank, lora_dropout=0.0,
                           target_modules=args.keys.split(","), bias="none", task_type="CAUSAL_LM")
-    model = peft.get_peft_model(model, cfg)
+    if args.full is None:
+        model = peft.get_peft_model(model, cfg)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        layers = model.model.layers
+        first = 0 if args.full < 0 else len(layers) - args.full
+        for layer in layers[first:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
     model.train()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     V = model.config.vocab_size
@@ -86,7 +99,7 @@ def main():
     print(f"RESULT impl=torch threads={args.threads} tok_s={args.batch * args.seq / (med / 1e3):.1f} "
           f"median_ms={med:.2f} min_ms={ms[0]:.2f} cpu_ms={cpu_ms:.2f} rss_peak_mb={rss_kb('VmHWM') / 1024:.1f} "
           f"rss_start_mb={rss_start / 1024:.1f} rss_now_mb={rss_kb('VmRSS') / 1024:.1f} loss_first={first:.4f} "
-          f"loss_last={last:.4f} trainable={trainable} precision={args.precision} attn={args.attn} version={torch.__version__}/peft-{peft.__version__}/transformers-{transformers.__version__}")
+          f"loss_last={last:.4f} trainable={trainable} mode={'lora' if args.full is None else 'full'} precision={args.precision} attn={args.attn} version={torch.__version__}/peft-{peft.__version__}/transformers-{transformers.__version__}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 #
 #   bench/run_finetune.sh [BUILD_DIR] [--model PATH] [--threads "1 2"] [--steps N] [--batch B]
 #                         [--seq T] [--python PY] [--attn sdpa|eager] [--precision f32|bf16]
-#                         [--base dequantized|quantized] [--nn-only]
+#                         [--base dequantized|quantized] [--full N] [--nn-only]
 #
 # BUILD_DIR (default build) holds bench/bench_finetune. PY (default $NN_BENCH_PYTHON, else
 # python3) must import torch, transformers, peft and gguf. Defaults follow the main job: batch 4,
@@ -16,12 +16,13 @@
 # (set_precision) against PyTorch's forward under torch.autocast("cpu", dtype=torch.bfloat16).
 # --base quantized: nn keeps the GGUF's Q4_1 matrices quantized (QLoRA, the finetune example's
 # default) while PyTorch runs the dequantized model. --nn-only: skip PyTorch (no torch needed);
-# the table then holds nn's columns only.
+# the table then holds nn's columns only. --full N: a full finetune of the last N layers (-1: all)
+# on both sides instead of LoRA (PyTorch without PEFT).
 # Timings mean something only on an idle machine: the load average is printed.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
-build=build threads="1 2" steps=8 B=4 T=64 attn=sdpa model="" precision=f32 base=dequantized nn_only=0
+build=build threads="1 2" steps=8 B=4 T=64 attn=sdpa model="" precision=f32 base=dequantized nn_only=0 full=()
 py="${NN_BENCH_PYTHON:-python3}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,7 +36,8 @@ while [ $# -gt 0 ]; do
     --precision) precision="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --nn-only) nn_only=1; shift ;;
-    -h|--help) sed -n '3,20p' "$0"; exit 0 ;;
+    --full) full=(--full "$2"); shift 2 ;;
+    -h|--help) sed -n '3,21p' "$0"; exit 0 ;;
     *) build="$1"; shift ;;
   esac
 done
@@ -53,7 +55,9 @@ fi
 unset OMP_WAIT_POLICY
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "model: $model; batch $B x seq $T; LoRA rank 8 scale 20 on q_proj, v_proj; PyTorch attention: $attn; precision $precision; nn base $base"
+what="LoRA rank 8 scale 20 on q_proj, v_proj"
+((${#full[@]})) && what="full finetune of the last ${full[1]} layers (-1: all)"
+echo "model: $model; batch $B x seq $T; $what; PyTorch attention: $attn; precision $precision; nn base $base"
 echo
 if ((nn_only)); then
   echo "| threads | nn tok/s | nn peak RSS MB | nn RSS after the steps MB | loss first / last |"
@@ -65,7 +69,7 @@ fi
 version=""
 for t in $threads; do
   out=$(OMP_NUM_THREADS=$t "$nn_bin" --model "$model" --threads "$t" --steps "$steps" --batch "$B" --seq "$T" \
-         --precision "$precision" --base "$base")
+         --precision "$precision" --base "$base" "${full[@]}")
   nn=$(grep '^RESULT' <<<"$out")
   cpu=$(grep -m1 '^# cpu:' <<<"$out" | sed 's/^# //')
   if ((nn_only)); then
@@ -74,7 +78,7 @@ for t in $threads; do
     continue
   fi
   th=$(OMP_NUM_THREADS=$t MKL_NUM_THREADS=$t "$py" "$here/finetune_peft.py" --model "$model" --threads "$t" \
-         --steps "$steps" --batch "$B" --seq "$T" --attn "$attn" --precision "$precision" 2>/dev/null | grep '^RESULT')
+         --steps "$steps" --batch "$B" --seq "$T" --attn "$attn" --precision "$precision" "${full[@]}" 2>/dev/null | grep '^RESULT')
   a=$(field tok_s "$nn") b=$(field tok_s "$th")
   version=$(field version "$th")
   printf '| %s | %s | %s | %.2fx | %s | %s | %s / %s |\n' "$t" "$a" "$b" "$(awk "BEGIN{print $a/$b}")" \
