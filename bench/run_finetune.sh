@@ -63,7 +63,9 @@ if ((nn_only)); then
   echo "| threads | nn tok/s | nn peak RSS MB | nn RSS after the steps MB | loss first / last |"
   echo "|---|---|---|---|---|"
 else
-  echo "| threads | nn tok/s | PyTorch+PEFT tok/s | ratio | nn peak RSS MB | PyTorch peak RSS MB | RSS after the steps nn / PyTorch MB |"
+  them="PyTorch+PEFT"
+  ((${#full[@]})) && them="PyTorch"
+  echo "| threads | nn tok/s | $them tok/s | ratio | nn peak RSS MB | PyTorch peak RSS MB | RSS after the steps nn / PyTorch MB |"
   echo "|---|---|---|---|---|---|---|"
 fi
 version=""
