@@ -5780,6 +5780,7 @@ class Tokenizer {
 #include <random>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -5795,11 +5796,23 @@ concept TextEncoder = requires(const T& t, const std::string& s) {
   { t.eos_id() } -> std::convertible_to<std::int32_t>;
 };
 
-/// One training sequence: its tokens, and the first token position that counts in the loss
-/// (0 = all; the prompt's length when only the completion is learned).
+/// One training sequence: its tokens, the first token position that counts in the loss (0 =
+/// all; the prompt's length when only the completion is learned), and, for a conversation
+/// learned turn by turn, the token ranges [begin, end) of its assistant turns (empty: everything
+/// from `offset` on).
 struct Example {
   std::vector<std::int32_t> tokens;
   std::size_t offset = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> learn;
+
+  /// Whether the next-token target at token position `pos` (>= 1) counts in the loss.
+  bool learned(std::size_t pos) const {
+    if (pos < std::max<std::size_t>(offset, 1)) return false;
+    if (learn.empty()) return true;
+    for (const auto& [b, e] : learn)
+      if (pos >= b && pos < e) return true;
+    return false;
+  }
 };
 
 /// A chat message, as mlx-lm's {"role", "content"}.
@@ -5826,8 +5839,12 @@ struct ChatML {
 /// How the three JSONL forms become examples.
 struct DataOptions {
   ChatML chat;
-  /// Learn only the completion / the last assistant message (mlx-lm's --mask-prompt).
+  /// Learn only the completion / the assistant turns (mlx-lm's --mask-prompt).
   bool mask_prompt = true;
+  /// With mask_prompt, a {"messages"} conversation learns every assistant turn, each from its
+  /// first token to its end-of-turn marker, and nothing else (the user, system and tool turns
+  /// are context). False: mlx-lm's rule, the last message only, everything before it masked.
+  bool every_assistant_turn = true;
 };
 
 namespace detail {
@@ -5875,10 +5892,23 @@ Example make_example(const nlohmann::json& j, const Tok& tok, const DataOptions&
     detail::data_fail(where, line, "a record needs \"text\", \"prompt\"+\"completion\" or \"messages\"");
   }
   ex.tokens = tok.encode(opt.chat.render(msgs, false), false);
-  if (opt.mask_prompt) {
-    std::vector<Message> head(msgs.begin(), msgs.end() - 1);
-    ex.offset = tok.encode(opt.chat.render(head, msgs.back().role == "assistant"), false).size();
+  if (!opt.mask_prompt) return ex;
+  const auto count = [&](std::size_t n, bool open_turn) {  // tokens of the first n messages
+    return tok.encode(opt.chat.render(std::vector<Message>(msgs.begin(), msgs.begin() + static_cast<std::ptrdiff_t>(n)),
+                                      open_turn), false).size();
+  };
+  if (opt.every_assistant_turn) {
+    // each assistant turn: from after its header (the prefix rendered with a generation prompt)
+    // to the end of the prefix that includes it (its content and end-of-turn marker)
+    for (std::size_t i = 0; i < msgs.size(); ++i)
+      if (msgs[i].role == "assistant")
+        ex.learn.emplace_back(std::min(count(i, true), ex.tokens.size()), std::min(count(i + 1, false), ex.tokens.size()));
+    if (!ex.learn.empty()) {
+      ex.offset = ex.learn.front().first;
+      return ex;
+    }
   }
+  ex.offset = count(msgs.size() - 1, msgs.back().role == "assistant");
   return ex;
 }
 
@@ -5962,7 +5992,7 @@ inline Batch make_batch(const std::vector<Example>& data, std::span<const std::s
       const std::size_t i = static_cast<std::size_t>(b * T + t);
       in[i] = ex.tokens[static_cast<std::size_t>(t)];
       tg[i] = ex.tokens[static_cast<std::size_t>(t + 1)];
-      if (t + 1 >= std::max<std::int64_t>(static_cast<std::int64_t>(ex.offset), 1)) {
+      if (ex.learned(static_cast<std::size_t>(t + 1))) {
         mk[i] = 1.0;
         ++count;
       }
@@ -6037,7 +6067,7 @@ inline PackedBatch make_packed_batch(const std::vector<Example>& data, std::span
         if (t + 1 >= L) continue;  // a one-token example: no target
         in[i] = ex.tokens[static_cast<std::size_t>(t)];
         tg[i] = ex.tokens[static_cast<std::size_t>(t + 1)];
-        if (t + 1 >= std::max<std::int64_t>(static_cast<std::int64_t>(ex.offset), 1)) {
+        if (ex.learned(static_cast<std::size_t>(t + 1))) {
           mk[i] = 1.0;
           ++count;
         }

@@ -43,6 +43,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (const auto& e : ex) {
     if (e.tokens.empty()) nn_fuzz::broken(kName, "an example without tokens");
     if (e.offset > e.tokens.size()) nn_fuzz::broken(kName, "a loss offset past the example's tokens");
+    for (const auto& [b, end] : e.learn)
+      if (b > end || end > e.tokens.size()) nn_fuzz::broken(kName, "a learned turn outside the example's tokens");
   }
   std::vector<std::size_t> rows(std::min<std::size_t>(ex.size(), 8));
   std::iota(rows.begin(), rows.end(), std::size_t{0});

@@ -52,6 +52,46 @@ TEST_CASE("the three record forms") {
   CHECK(std::string(withsys.tokens.begin(), withsys.tokens.begin() + 40).rfind("<|im_start|>system\nYou are a helpful", 0) == 0);
 }
 
+TEST_CASE("a multi-turn conversation learns every assistant turn, and only those") {
+  Bytes tok;
+  const auto conv = nlohmann::json::parse(R"({"messages": [{"role": "system", "content": "s"},
+      {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+      {"role": "tool", "content": "t"}, {"role": "user", "content": "q2"},
+      {"role": "assistant", "content": "a2"}]})");
+  const std::string sys = "<|im_start|>system\ns<|im_end|>\n", u1 = "<|im_start|>user\nq1<|im_end|>\n",
+                    hdr = "<|im_start|>assistant\n", a1 = "a1<|im_end|>\n", tool = "<|im_start|>tool\nt<|im_end|>\n",
+                    u2 = "<|im_start|>user\nq2<|im_end|>\n", a2 = "a2<|im_end|>\n";
+  const std::string full = sys + u1 + hdr + a1 + tool + u2 + hdr + a2;
+  DataOptions opt;
+  const Example ex = make_example(conv, tok, opt, "f", 1);
+  REQUIRE(ex.tokens == tok.encode(full, false));
+  // the byte positions of the two assistant turns' content and end-of-turn markers
+  const std::size_t b1 = (sys + u1 + hdr).size(), e1 = b1 + a1.size();
+  const std::size_t b2 = (sys + u1 + hdr + a1 + tool + u2 + hdr).size(), e2 = b2 + a2.size();
+  CHECK(ex.learn == std::vector<std::pair<std::size_t, std::size_t>>{{b1, e1}, {b2, e2}});
+  for (std::size_t pos = 1; pos < full.size(); ++pos)
+    CHECK_MESSAGE(ex.learned(pos) == ((pos >= b1 && pos < e1) || (pos >= b2 && pos < e2)), "position " << pos);
+  // the batch's mask: target t + 1 counts exactly on the two turns (the tool's output does not)
+  const std::vector<Example> data{ex};
+  const std::size_t row[] = {0};
+  const Batch b = make_batch(data, row, 1024);
+  const std::vector<double> m = b.mask.to_doubles();
+  for (std::size_t t = 0; t + 1 < full.size(); ++t) CHECK(m[t] == (ex.learned(t + 1) ? 1.0 : 0.0));
+  CHECK(b.tokens == static_cast<std::int64_t>(a1.size() + a2.size()));
+  // mlx-lm's rule: the last message only
+  DataOptions last;
+  last.every_assistant_turn = false;
+  const Example ml = make_example(conv, tok, last, "f", 1);
+  CHECK(ml.learn.empty());
+  CHECK(ml.offset == b2);
+  // and no masking at all
+  DataOptions none;
+  none.mask_prompt = false;
+  const Example all = make_example(conv, tok, none, "f", 1);
+  CHECK(all.offset == 0);
+  CHECK(all.learn.empty());
+}
+
 TEST_CASE("batches: inputs, shifted targets, and a mask over the completion only") {
   std::vector<Example> data{{{1, 2, 3, 4, 5}, 2}, {{7, 8, 9}, 0}};
   std::vector<std::size_t> rows{0, 1};
