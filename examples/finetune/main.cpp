@@ -158,8 +158,6 @@ int run(const Args& a) {
   if (a.batch % world.size() != 0)
     nn::detail::fail("finetune", "--batch-size ", a.batch, " (the global batch) must be a multiple of the ", world.size(),
                      " ranks");
-  if (a.fine_tune_type == "dora")
-    nn::detail::fail("finetune", "--fine-tune-type dora is not implemented yet (lora and full are)");
   const bool full = a.fine_tune_type == "full";
 #if defined(_OPENMP)
   if (a.threads > 0) omp_set_num_threads(a.threads);
@@ -241,7 +239,8 @@ int run(const Args& a) {
   } else {
     model.freeze();
     const int converted = apply_lora(model, a.lora);
-    std::printf("LoRA rank %lld scale %g on %d projections: %s trainable of %s\n", static_cast<long long>(a.lora.rank),
+    std::printf("%s rank %lld scale %g on %d projections: %s trainable of %s\n", a.lora.dora ? "DoRA" : "LoRA",
+                static_cast<long long>(a.lora.rank),
                 a.lora.effective_scale(), converted, nn::detail::with_commas(model.num_trainable()).c_str(),
                 nn::detail::with_commas(model.num_params()).c_str());
   }
@@ -439,8 +438,9 @@ int run(const Args& a) {
     const auto t0 = std::chrono::steady_clock::now();
     set_precision(model, Precision::f32);  // the fused weights: the (bf16-rounded) base + the adapters, in f32
     dequantize_layers(model);              // a quantized base: merged in float32 (LoraLinear::fused), the rest dequantized
-    model.map_modules<LoraLinear>([](const std::string&) { return true; },
-                                  [](const std::string&, const LoraLinear& l) { return l.fused(); });
+    const auto all = [](const std::string&) { return true; };
+    model.map_modules<LoraLinear>(all, [](const std::string&, const LoraLinear& l) { return l.fused(); });
+    model.map_modules<DoraLinear>(all, [](const std::string&, const DoraLinear& l) { return l.fused(); });
     if (a.fuse.ends_with(".gguf")) {
       const GgufExportReport r = fs::is_directory(a.model) ? save_gguf(a.fuse, model, fs::path(a.model), a.outtype)
                                                            : save_gguf(a.fuse, model, GgufFile(a.model), a.outtype);

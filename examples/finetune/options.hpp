@@ -324,6 +324,7 @@ inline Options parse_options(int argc, char** argv) {
       if (!k.empty()) o.lora.keys.push_back(nn::lm::lora_key_path(k));
   }
   o.lora.num_layers = o.num_layers;
+  o.lora.dora = o.fine_tune_type == "dora";
   if (o.resume_new_hyper) o.resume = true;
   if (!o.train && !o.test) o.train = true;
   if (o.model.empty() || o.data.empty()) nn::detail::fail("finetune", "--model and --data are required (finetune --help)");
@@ -331,6 +332,9 @@ inline Options parse_options(int argc, char** argv) {
   if (!o.export_adapter.empty() && !o.export_adapter.ends_with(".gguf"))
     nn::detail::fail("finetune", "--export-adapter writes a .gguf file, got '", o.export_adapter, "'");
   if (o.warmup >= o.iters + 1) nn::detail::fail("finetune", "--warmup ", o.warmup, " must be at most --iters ", o.iters);
+  if (o.fine_tune_type == "dora" && !o.export_adapter.empty())
+    nn::detail::fail("finetune", "--export-adapter: llama.cpp's LoRA adapters cannot express DoRA (no magnitude "
+                     "vector); --fuse model.gguf writes the merged model instead");
   if (o.fine_tune_type == "full" && (!o.export_adapter.empty() || !o.resume_adapter_file.empty()))
     nn::detail::fail("finetune", "--fine-tune-type full trains the weights themselves: --export-adapter and "
                      "--resume-adapter-file are for LoRA");

@@ -8,4 +8,5 @@
 #include "modules/rope.hpp"
 #include "modules/dropout.hpp"
 #include "modules/quantized.hpp"
+#include "modules/dora.hpp"
 #include "modules/lora.hpp"

@@ -22,10 +22,10 @@
 // nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp, nn/module.hpp,
 // nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp,
 // nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp,
-// nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
-// nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp,
-// nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp,
-// nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
+// nn/modules/dora.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
+// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
+// nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp,
+// nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -8781,8 +8781,10 @@ void layer_same_dtype(const GTape<B>& tp, GVar x, GVar y, const char* layer, con
 }  // namespace nn
 // ---- end nn/layers/helpers.hpp ----
 // ---- begin nn/layers/linear.hpp ----
-// Linear and LoRA-adapted linear layers, weights laid out as PyTorch, MLX and Hugging Face store
+// Linear, LoRA- and DoRA-adapted linear layers, weights laid out as PyTorch, MLX and Hugging Face store
 // them: weight (out, in), so y = x W^T + b (torch.nn.Linear, mlx.nn.Linear).
+
+#include <utility>
 
 
 namespace nn {
@@ -8881,6 +8883,76 @@ GVar lora_linear(GTape<B>& tp, GVar x, GVar w0, GVar bias0, GVar a, GVar b, doub
   detail::check_lora(tp, x, w0, a, b, "lora_linear");
   detail::check_bias(tp, w0, bias0, "lora_linear");
   return add(tp, linear(tp, x, w0, bias0), detail::lora_branch(tp, x, a, b, scale));
+}
+
+namespace detail {
+
+/// The squared norms of a dense weight's rows, summed in double, stored in dtype dt (a host
+/// tensor). w: (out, in) -> (out)
+inline Tensor row_squares(const Tensor& weight, DType dt) {
+  const Tensor w = weight.to(Device::cpu);
+  Tensor out = Tensor::zeros(Shape{w.dim(0)}, dt);
+  for (std::int64_t i = 0; i < w.dim(0); ++i) {
+    double n2 = 0;
+    for (std::int64_t j = 0; j < w.dim(1); ++j) {
+      const double v = load_as_double(w.raw(), w.dtype(), i * w.dim(1) + j);
+      n2 += v * v;
+    }
+    store_from_double(out.raw(), dt, i, n2);
+  }
+  return out;
+}
+
+/// What DoRA's norm reads of a full-precision base weight: its rows' squared norms (out) and
+/// W A (out, r), the latter as (A^T W^T)^T through linear, so a bfloat16 weight (set_precision)
+/// is read as linear reads it. A bfloat16 weight is frozen by construction: its squared norms are
+/// a constant of the recording. w0: (out, in), a: (in, r).
+template <class B>
+std::pair<GVar, GVar> dora_weight_terms(GTape<B>& tp, GVar w0, GVar a) {
+  GVar w_sq = tp.dtype(w0) == DType::bf16 ? tp.constant(row_squares(tp.value(w0), tp.dtype(a)).to(B::device))
+                                          : sum(tp, mul(tp, w0, w0), {1});
+  return {w_sq, transpose(tp, linear(tp, transpose(tp, a), w0))};
+}
+
+}  // namespace detail
+
+/// DoRA's per-output-row factor m / ||W + scale (A B)^T||_row (Liu et al. 2024, "DoRA"; mlx-lm
+/// tuner/dora.py DoRALinear; PEFT's use_dora), the norm detached (stop_gradient) as both do,
+/// following the paper's section 4.3: m gets its gradient here, A and B only through the branch
+/// this factor multiplies. The squared row norm is expanded,
+///   ||W_i + s (A B)^T_i||^2 = ||W_i||^2 + 2 s (W A)_i . B_{:,i} + s^2 (B^T (A^T A))_i . B_{:,i},
+/// so W enters only as its rows' squared norms and the product W A (r columns): a quantized W is
+/// multiplied, never dequantized whole, and no (out, in) temporary is made.
+/// w_sq: (out) sums of squares of W's rows, wa: (out, r) = W A, a: (in, r), b: (r, out),
+/// m: (out) -> (out).
+template <class B>
+GVar dora_factor(GTape<B>& tp, GVar w_sq, GVar wa, GVar a, GVar b, GVar m, double scale) {
+  GVar bt = transpose(tp, b);                                            // (out, r)
+  GVar cross = sum(tp, mul(tp, wa, bt), {1});                            // (out)
+  GVar ata = matmul(tp, a, a, true, false);                              // (r, r)
+  GVar quad = sum(tp, mul(tp, matmul(tp, bt, ata), bt), {1});            // (out)
+  GVar n2 = add(tp, add(tp, w_sq, nn::scale(tp, cross, 2 * scale)), nn::scale(tp, quad, scale * scale));
+  return mul(tp, m, stop_gradient(tp, rsqrt(tp, n2)));
+}
+
+/// y = m / ||W0 + scale (A B)^T||_row * (x W0^T + scale (x A) B) [+ b0]: DoRA over a full-precision
+/// weight (mlx-lm DoRALinear's forward; the bias is added after the rescale, as there and in
+/// PEFT). x: (..., in), w0: (out, in), a: (in, r), b: (r, out), m: (out) -> y: (..., out).
+template <class B>
+GVar dora_linear(GTape<B>& tp, GVar x, GVar w0, GVar a, GVar b, GVar m, double scale) {
+  detail::check_lora(tp, x, w0, a, b, "dora_linear");
+  if (tp.shape(m) != Shape{tp.shape(w0)[0]})
+    detail::fail("dora_linear", "magnitude m ", tp.shape(m).str(), " does not match weight ", tp.shape(w0).str(),
+                 ": m must be (out) = (", tp.shape(w0)[0], ")");
+  const auto [w_sq, wa] = detail::dora_weight_terms(tp, w0, a);
+  return mul(tp, lora_linear(tp, x, w0, a, b, scale), dora_factor(tp, w_sq, wa, a, b, m, scale));
+}
+
+/// The same with the base's bias b0: (out), added after the rescale.
+template <class B>
+GVar dora_linear(GTape<B>& tp, GVar x, GVar w0, GVar bias0, GVar a, GVar b, GVar m, double scale) {
+  detail::check_bias(tp, w0, bias0, "dora_linear");
+  return add(tp, dora_linear(tp, x, w0, a, b, m, scale), bias0);
 }
 
 }  // namespace nn
@@ -12212,16 +12284,73 @@ int quantize(M& model, int group = 64, int bits = 4, QuantMode mode = QuantMode:
 
 }  // namespace nn
 // ---- end nn/modules/quantized.hpp ----
+// ---- begin nn/modules/dora.hpp ----
+// DoraLinear: weight-decomposed low-rank adaptation (Liu et al. 2024, "DoRA"), laid out as
+// mlx-lm's DoRALinear (linear.weight, lora_a (in, r), lora_b (r, out), m (out)).
+
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
+
 // ---- begin nn/modules/lora.hpp ----
 // LoraLinear: a frozen Linear plus a trainable low-rank update (Hu et al. 2021), laid out as
 // mlx-lm's LoRALinear (linear.weight, lora_a (in, r), lora_b (r, out)).
 
 #include <cmath>
+#include <tuple>
 #include <utility>
 #include <variant>
 
 
 namespace nn {
+
+namespace detail {
+
+/// W + (scale * b^T) @ a^T in W's dtype, computed on backend B where the factors live: the merge
+/// LoRA and DoRA fuse share (mlx-lm's fuse). base: a Linear, weight (out, in); a: (in, r),
+/// b: (r, out). Returns the Linear with the merged weight, bias kept, trainable.
+template <class B>
+Linear merge_low_rank(Linear out, const Tensor& lora_a, const Tensor& lora_b, double scale, const char* who) {
+  for (const Tensor* t : {&lora_a, &lora_b})
+    if (t->device() != B::device)
+      fail(who, "the layer lives on ", t->device(), " but the merge runs on backend ", B::name,
+           ": call fused<B>() with the backend of ", t->device());
+  GTape<B> tp;
+  GVar bt = nn::scale(tp, transpose(tp, tp.constant(lora_b)), scale);  // (out, r)
+  GVar delta = matmul(tp, bt, tp.constant(lora_a), false, true);       // (out, in)
+  if (tp.dtype(delta) == out.weight.dtype()) {
+    out.weight = Param(tp.value(add(tp, tp.constant(out.weight.value), delta)).clone());
+  } else {
+    // a bfloat16/float16 weight (dequantized from such scales): delta cast to it, then the sum
+    // rounded to it, as MLX adds two half-precision arrays
+    const Tensor d = tp.value(delta).to(Device::cpu).to(out.weight.dtype());
+    Tensor w = out.weight.value.to(Device::cpu).clone();
+    const DType t = w.dtype();
+    for (std::int64_t i = 0; i < w.numel(); ++i)
+      store_from_double(w.raw(), t, i, QuantMath::in(t, load_as_double(w.raw(), t, i) + load_as_double(d.raw(), t, i)));
+    out.weight = Param(w.to(out.weight.value.device()));
+  }
+  out.unfreeze();
+  return out;
+}
+
+/// The adapter factors a LoRA or DoRA layer starts from, as mlx-lm draws them: lora_a (in, r)
+/// ~ U(+-1/sqrt(in)) from nn::random's sequence, lora_b (r, out) zero; in dtype dt.
+inline std::pair<Param, Param> initial_factors(std::int64_t in, std::int64_t out, std::int64_t rank, DType dt) {
+  init::LoraInit f = init::lora(in, out, rank);
+  return {Param(f.lora_a.to(dt)), Param(f.lora_b.to(dt))};
+}
+
+/// The adapters' dtype over a base: the weight's for a Linear; float32 beside a quantized base
+/// (float64 over float64 scales), as QLoRA trains.
+inline DType adapter_dtype(const Linear& l) { return l.weight.dtype(); }
+inline DType adapter_dtype(const QuantizedLinear& q) {
+  return q.scales.dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+}  // namespace detail
 
 /// y = linear(x) + scale * (dropout(x) @ lora_a) @ lora_b over a full-precision Linear (LoRA) or
 /// a QuantizedLinear (QLoRA), as mlx-lm's LoRALinear over either. from_base(base, r) freezes the
@@ -12236,15 +12365,11 @@ struct LoraLinear {
   Dropout drop{0.0};
 
   static LoraLinear from_base(Linear base, std::int64_t rank) {
-    const DType dt = base.weight.dtype();
     base.freeze();
-    return with_adapters(std::move(base), rank, dt);
+    return with_adapters(std::move(base), rank);
   }
   /// QLoRA: adapters in float32 (float64 over float64 scales) beside the quantized base.
-  static LoraLinear from_base(QuantizedLinear base, std::int64_t rank) {
-    const DType dt = base.scales.dtype() == DType::f64 ? DType::f64 : DType::f32;
-    return with_adapters(std::move(base), rank, dt);
-  }
+  static LoraLinear from_base(QuantizedLinear base, std::int64_t rank) { return with_adapters(std::move(base), rank); }
   /// Whether the base is a QuantizedLinear.
   bool quantized() const { return std::holds_alternative<QuantizedLinear>(base); }
   /// The full-precision base (an nn::Error naming the layer's format when it is quantized).
@@ -12297,30 +12422,8 @@ struct LoraLinear {
   /// the layer lives (`l.fused<nn::cuda>()` for a layer on the GPU).
   template <class B = cpu>
   Linear fused() const {
-    for (const Tensor* t : {&lora_a.value, &lora_b.value})
-      if (t->device() != B::device)
-        detail::fail("LoraLinear::fused", "the layer lives on ", t->device(), " but the merge runs on backend ",
-                     B::name, ": call fused<B>() with the backend of ", t->device());
     Linear out = quantized() ? std::get<QuantizedLinear>(base).dequantized() : std::get<Linear>(base);
-    GTape<B> tp;
-    GVar bt = nn::scale(tp, transpose(tp, tp.constant(lora_b.value)), effective_scale());  // (out, r)
-    GVar delta = matmul(tp, bt, tp.constant(lora_a.value), false, true);                   // (out, in)
-    if (tp.dtype(delta) == out.weight.dtype()) {
-      out.weight = Param(tp.value(add(tp, tp.constant(out.weight.value), delta)).clone());
-    } else {
-      // a bfloat16/float16 weight (dequantized from such scales): delta cast to it, then the sum
-      // rounded to it, as MLX adds two half-precision arrays
-      const Tensor d = tp.value(delta).to(Device::cpu).to(out.weight.dtype());
-      Tensor w = out.weight.value.to(Device::cpu).clone();
-      const DType t = w.dtype();
-      for (std::int64_t i = 0; i < w.numel(); ++i)
-        detail::store_from_double(w.raw(), t, i,
-                                  detail::QuantMath::in(t, detail::load_as_double(w.raw(), t, i) +
-                                                               detail::load_as_double(d.raw(), t, i)));
-      out.weight = Param(w.to(out.weight.value.device()));
-    }
-    out.unfreeze();
-    return out;
+    return detail::merge_low_rank<B>(std::move(out), lora_a.value, lora_b.value, effective_scale(), "LoraLinear::fused");
   }
   /// mlx-lm's fuse() over a quantized base: the dequantized merge above, quantized again in the
   /// base's format (mode, group, bits). An nn::Error over a full-precision base.
@@ -12335,12 +12438,10 @@ struct LoraLinear {
 
  private:
   template <class Base>
-  static LoraLinear with_adapters(Base base, std::int64_t rank, DType dt) {
+  static LoraLinear with_adapters(Base base, std::int64_t rank) {
     LoraLinear l;
-    init::LoraInit f = init::lora(base.in_features(), base.out_features(), rank);
+    std::tie(l.lora_a, l.lora_b) = detail::initial_factors(base.in_features(), base.out_features(), rank, detail::adapter_dtype(base));
     l.base = std::move(base);
-    l.lora_a = Param(f.lora_a.to(dt));
-    l.lora_b = Param(f.lora_b.to(dt));
     return l;
   }
   double scale_ = 20.0;
@@ -12349,6 +12450,138 @@ struct LoraLinear {
 
 }  // namespace nn
 // ---- end nn/modules/lora.hpp ----
+
+namespace nn {
+
+/// y = m / ||W + s (A B)^T||_row * (x W^T + s (dropout(x) A) B) + bias over a full-precision
+/// Linear or a QuantizedLinear (QDoRA), as mlx-lm's DoRALinear over either: the LoRA update
+/// re-normalised per output row, with a trained magnitude m per row. The norm is detached (no
+/// gradient flows through it), as in mlx-lm, PEFT and the paper's section 4.3; the math is
+/// nn::dora_factor (layers/linear.hpp).
+///
+/// from_base(base, r) freezes the base, draws lora_a and zeroes lora_b as LoraLinear (so the
+/// layer starts equal to its base) and sets m to the norms of W's rows (float32 beside a
+/// quantized base, from its dequantized weight, as mlx-lm; the adapters' dtype otherwise).
+///
+/// Relation to PEFT's LoraConfig(use_dora=True): the same layer. PEFT's lora_magnitude_vector is
+/// m, lora_A.weight / lora_B.weight are lora_a^T / lora_b^T, scaling = lora_alpha / r is `scale`.
+/// PEFT initialises the magnitude to ||W + scaling B A|| (= ||W|| while B is zero). One
+/// difference, in training with dropout only: PEFT rescales the base output computed from the
+/// dropped-out x, mlx-lm (and nn) from x itself; with dropout 0, or in eval mode, they agree.
+struct DoraLinear {
+  std::variant<Linear, QuantizedLinear> base;  // reflected as "linear", frozen
+  Param lora_a;                                // (in, r)
+  Param lora_b;                                // (r, out)
+  Param m;                                     // (out) the learned magnitude of each output row
+  Dropout drop{0.0};
+
+  static DoraLinear from_base(Linear base, std::int64_t rank) {
+    base.freeze();
+    return with_adapters(std::move(base), rank);
+  }
+  /// QDoRA: adapters and m in float32 (float64 over float64 scales) beside the quantized base.
+  static DoraLinear from_base(QuantizedLinear base, std::int64_t rank) { return with_adapters(std::move(base), rank); }
+  bool quantized() const { return std::holds_alternative<QuantizedLinear>(base); }
+  std::int64_t in_features() const { return lora_a.value.dim(0); }
+  std::int64_t out_features() const { return lora_b.value.dim(1); }
+  std::int64_t rank() const { return lora_a.value.dim(1); }
+  DoraLinear& scale(double s) {
+    scale_ = s;
+    return *this;
+  }
+  DoraLinear& dropout(double p) {
+    drop = Dropout(p);
+    return *this;
+  }
+  DoraLinear& rslora(bool on = true) {
+    rslora_ = on;
+    return *this;
+  }
+  /// The multiplier of the update: scale, or scale / sqrt(r) with rslora (PEFT's use_rslora).
+  double effective_scale() const { return rslora_ ? scale_ / std::sqrt(static_cast<double>(rank())) : scale_; }
+
+  // x: (..., in) -> (..., out)
+  template <class B>
+  GVar operator()(GTape<B>& tp, GVar x) const {
+    GVar a = nn::param(tp, lora_a), b = nn::param(tp, lora_b), mag = nn::param(tp, m);
+    const double s = effective_scale();
+    const bool no_drop = drop.p() == 0.0 || !drop.training();
+    if (const auto* l = std::get_if<Linear>(&base)) {
+      GVar w = nn::param(tp, l->weight);
+      if (no_drop) return l->bias ? dora_linear(tp, x, w, nn::param(tp, *l->bias), a, b, mag, s) : dora_linear(tp, x, w, a, b, mag, s);
+      detail::check_lora(tp, x, w, a, b, "DoraLinear");
+      const auto [w_sq, wa] = detail::dora_weight_terms(tp, w, a);
+      GVar y = add(tp, linear(tp, x, w), detail::lora_branch(tp, drop(tp, x), a, b, s));
+      y = mul(tp, y, dora_factor(tp, w_sq, wa, a, b, mag, s));
+      return l->bias ? add(tp, y, nn::param(tp, *l->bias)) : y;
+    }
+    // A quantized base: W A as (A^T W^T)^T through the quantized product; the rows' squared
+    // norms of the frozen W once per recording (a Buffer is never trained, so a replay's
+    // constant stays exact).
+    const QuantizedLinear& q = std::get<QuantizedLinear>(base);
+    auto w = detail::bind_quantized(tp, q.weight, q.scales, q.biases);
+    GVar y = quantized_matmul(tp, x, w.wq, w.scales, w.biases, q.quant(), true);
+    y = add(tp, y, detail::lora_branch(tp, no_drop ? x : drop(tp, x), a, b, s));
+    GVar wa = transpose(tp, quantized_matmul(tp, transpose(tp, a), w.wq, w.scales, w.biases, q.quant(), true));
+    y = mul(tp, y, dora_factor(tp, tp.constant(row_squares(q)), wa, a, b, mag, s));
+    return q.bias ? add(tp, y, nn::param(tp, *q.bias)) : y;
+  }
+
+  /// The merged Linear, mlx-lm's DoRALinear.fuse(dequantize=True): W' = W + (s b^T) @ a^T (a
+  /// quantized base dequantized first), then each row of W' scaled to norm m_i; bias kept.
+  template <class B = cpu>
+  Linear fused() const {
+    Linear out = quantized() ? std::get<QuantizedLinear>(base).dequantized() : std::get<Linear>(base);
+    out = detail::merge_low_rank<B>(std::move(out), lora_a.value, lora_b.value, effective_scale(), "DoraLinear::fused");
+    // rows rescaled in double on the CPU, stored in the weight's dtype
+    Tensor w = out.weight.value.to(Device::cpu).clone();
+    const Tensor mag = m.value.to(Device::cpu);
+    const DType t = w.dtype();
+    const std::int64_t rows = w.dim(0), cols = w.dim(1);
+    const Tensor n2 = detail::row_squares(w, DType::f64);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const double f = detail::load_as_double(mag.raw(), mag.dtype(), i) / std::sqrt(n2.data<double>()[i]);
+      for (std::int64_t j = 0; j < cols; ++j)
+        detail::store_from_double(w.raw(), t, i * cols + j,
+                                  detail::QuantMath::in(t, f * detail::load_as_double(w.raw(), t, i * cols + j)));
+    }
+    out.weight = Param(w.to(out.weight.value.device()));
+    return out;
+  }
+  /// mlx-lm's fuse() over a quantized base: the merge above quantized again in the base's format.
+  template <class B = cpu>
+  QuantizedLinear fused_quantized() const {
+    if (!quantized()) detail::fail("DoraLinear", "the base is a full-precision Linear; use fused()");
+    return QuantizedLinear::from_linear(fused<B>(), std::get<QuantizedLinear>(base).quant());
+  }
+
+  NN_MODULE(DoraLinear, NN_RENAME(base, "linear"), lora_a, lora_b, m, drop, NN_STATIC(scale_, rslora_))
+
+ private:
+  /// The squared norms of a quantized weight's rows, from its dequantized values. -> (out)
+  static Tensor row_squares(const QuantizedLinear& q) {
+    return detail::row_squares(dequantize(q.matrix()), detail::adapter_dtype(q)).to(q.scales.value.device());
+  }
+  template <class Base>
+  static DoraLinear with_adapters(Base base, std::int64_t rank) {
+    DoraLinear l;
+    const DType dt = detail::adapter_dtype(base);
+    std::tie(l.lora_a, l.lora_b) = detail::initial_factors(base.in_features(), base.out_features(), rank, dt);
+    Tensor sq;  // f64, so each norm is rounded once, to dt
+    if constexpr (std::is_same_v<Base, QuantizedLinear>) sq = detail::row_squares(dequantize(base.matrix()), DType::f64);
+    else sq = detail::row_squares(base.weight.value, DType::f64);
+    Tensor mag = Tensor::zeros(sq.shape(), dt);
+    for (std::int64_t i = 0; i < sq.dim(0); ++i) detail::store_from_double(mag.raw(), dt, i, std::sqrt(sq.data<double>()[i]));
+    l.m = Param(mag.to(l.lora_a.value.device()));
+    l.base = std::move(base);
+    return l;
+  }
+  double scale_ = 20.0;
+  bool rslora_ = false;
+};
+
+}  // namespace nn
+// ---- end nn/modules/dora.hpp ----
 // ---- end nn/modules.hpp ----
 // ---- begin nn/optim.hpp ----
 // Every optimizer, schedule and clip_grad_norm (included by nn.hpp).

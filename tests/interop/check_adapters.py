@@ -6,12 +6,13 @@ For a tiny random Llama (untied head) and a tiny random Qwen2 (tied, q/k/v biase
 with transformers and a byte-level BPE tokenizer trained here with tokenizers, this script:
 
   1. runs the finetune program (a few LoRA steps on all seven projections, rank 4, plus a second
-     run with --rslora), which writes the mlx-lm adapter directory, the PEFT directory, a fused
+     run with --rslora, and a DoRA run, --fine-tune-type dora), which writes the mlx-lm adapter directory, the PEFT directory, a fused
      Hugging Face folder (--fuse) and the logits of a prompt after training (--logits-out);
-  2. loads the PEFT directory over the base model with peft.PeftModel (torch, float32);
+  2. loads the PEFT directory over the base model with peft.PeftModel (torch, float32; DoRA's
+     through its use_dora and lora_magnitude_vector);
   3. loads the mlx-lm directory with mlx_lm.utils.load_model + load_adapters (MLX, float32);
   4. loads the fused folder with transformers;
-  5. (QLoRA) converts each model with mlx_lm.convert -q (affine, group 64, 4 bits; the down
+  5. (QLoRA, and QDoRA the same way) converts each model with mlx_lm.convert -q (affine, group 64, 4 bits; the down
      projections' 160 inputs are not a multiple of 64, so mlx-lm leaves them float32), finetunes
      over that folder kept quantized, loads the adapters over the same 4-bit folder in mlx-lm,
      and the fused folder (dequantized base + merged LoRA) in transformers;
@@ -155,8 +156,10 @@ def main():
         shutil.rmtree(q4, ignore_errors=True)
         from mlx_lm import convert
         convert(base, q4, quantize=True, dtype="float32")
-        for variant, extra in (("lora", []), ("rslora", ["--rslora", "--dropout", "0.1"]), ("qlora-4bit", [])):
-            quantized = variant.startswith("qlora")
+        dora = ["--fine-tune-type", "dora"]
+        for variant, extra in (("lora", []), ("rslora", ["--rslora", "--dropout", "0.1"]), ("qlora-4bit", []),
+                               ("dora", dora), ("qdora-4bit", dora)):
+            quantized = variant.startswith("q")
             model_dir = q4 if quantized else base
             out = os.path.join(work, f"{arch}-{variant}")
             shutil.rmtree(out, ignore_errors=True)

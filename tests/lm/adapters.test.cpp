@@ -178,6 +178,17 @@ TEST_CASE("adapter configs: wrong types and out-of-range numbers raise nn::Error
   test::check_error(peft(R"({"r": 0, "lora_alpha": 8})"), {"[adapters] a.json: r must be a positive integer, got 0"});
   test::check_error(peft(R"({"r": 2, "lora_alpha": 1e308, "use_rslora": false, "lora_dropout": -0.5})"), {"a.json", "dropout"});
   CHECK(lm::peft_adapter_config_from_json(nlohmann::json::parse(R"({"r": 4, "lora_alpha": 8})"), "a.json").scale == 2.0);
+  // PEFT options that change the layer beyond one rank and one scale are refused, not ignored
+  test::check_error(peft(R"({"r": 4, "alpha_pattern": {"q_proj": 16}})"), {"a.json", "alpha_pattern"});
+  test::check_error(peft(R"({"r": 4, "rank_pattern": {"q_proj": 8}})"), {"a.json", "rank_pattern"});
+  test::check_error(peft(R"({"r": 4, "modules_to_save": ["lm_head"]})"), {"a.json", "modules_to_save"});
+  test::check_error(peft(R"({"r": 4, "bias": "lora_only"})"), {"a.json", "bias 'lora_only'"});
+  CHECK(lm::peft_adapter_config_from_json(
+            nlohmann::json::parse(R"({"r": 4, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": null, "bias": "none"})"),
+            "a.json").rank == 4);
+  // mlx-lm's fine_tune_type: lora or dora; full is not an adapter
+  CHECK(lm::mlx_adapter_config_from_json(nlohmann::json::parse(R"({"fine_tune_type": "dora", "lora_parameters": {"rank": 2, "scale": 1}})"), "a.json").dora);
+  test::check_error(mlx(R"({"fine_tune_type": "full", "lora_parameters": {"rank": 2, "scale": 1}})"), {"a.json", "'full'", "lora or dora"});
 }
 
 TEST_CASE("lora_key_path: command-line keys to their paths inside a decoder layer") {

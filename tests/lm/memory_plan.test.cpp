@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // The compiled step's memory plan (CompiledStep::plan_memory, on by default on the CPU) on the
 // decoder: a planned step gives the eager step's losses and weights bit for bit, for the Llama
-// and the Qwen2-style fixtures, f32 and f64, full and LoRA, over a float or a 4-bit base, with
+// and the Qwen2-style fixtures, f32 and f64, full, LoRA and DoRA, over a float or a 4-bit base, with
 // and without per-layer checkpointing; it
 // holds less than the unplanned step; switching it records again.
 #include "support/lm_step.hpp"
@@ -15,14 +15,16 @@ namespace {
 
 const std::string kModels = std::string(NN_FIXTURES_DIR) + "/lm/models";
 
-enum class Kind { full, lora, qlora };
+enum class Kind { full, lora, qlora, dora, qdora };
 
 lm::CausalLM make(const char* name, DType dt, Kind kind) {
   lm::CausalLM m = lm::load_hf(kModels + "/" + name, dt);
-  if (kind == Kind::qlora) quantize(m, Quant::affine(32, 4), [](const std::string& p) { return p.find("layers.") != std::string::npos; });
+  if (kind == Kind::qlora || kind == Kind::qdora) quantize(m, Quant::affine(32, 4), [](const std::string& p) { return p.find("layers.") != std::string::npos; });
   random::seed(1);  // the same lora_a draws for every copy
   if (kind == Kind::lora) make_lora<Linear>(m);
   if (kind == Kind::qlora) make_lora<QuantizedLinear>(m);
+  if (kind == Kind::dora) make_lora<Linear, DoraLinear>(m);
+  if (kind == Kind::qdora) make_lora<QuantizedLinear, DoraLinear>(m);
   return m;
 }
 
@@ -31,9 +33,9 @@ lm::CausalLM make(const char* name, DType dt, Kind kind) {
 TEST_CASE("memory plan: a planned compiled decoder step equals the eager step bit for bit") {
   for (const char* name : {"llama", "qwen2"})
     for (DType dt : {DType::f32, DType::f64})
-      for (Kind kind : {Kind::full, Kind::lora, Kind::qlora})
+      for (Kind kind : {Kind::full, Kind::lora, Kind::qlora, Kind::dora, Kind::qdora})
         for (bool ckpt : {false, true}) {  // with checkpoint segments, planned around the segment pool
-          if (kind == Kind::qlora && dt == DType::f64) continue;  // quantized scales are float32 here
+          if ((kind == Kind::qlora || kind == Kind::qdora) && dt == DType::f64) continue;  // quantized scales are float32 here
           CAPTURE(ckpt);
           CAPTURE(name);
           CAPTURE(dtype_name(dt));

@@ -35,13 +35,14 @@ inline LmBatch lm_batch(const lm::CausalLM& m, std::int64_t shift = 0) {
 }
 
 // LoRA rank 4 on q_proj and v_proj over L (Linear, or QuantizedLinear: QLoRA), lora_b random
-// (seeded by the path, so two copies get the same; lora_a comes from nn::random).
-template <class L>
+// (seeded by the path, so two copies get the same; lora_a comes from nn::random). Adapter
+// DoraLinear: DoRA the same way.
+template <class L, class Adapter = LoraLinear>
 void make_lora(lm::CausalLM& m) {
   m.freeze();
   m.map_modules<L>([](const std::string& p) { return p.ends_with("q_proj") || p.ends_with("v_proj"); },
                    [&m](const std::string& p, L& l) {
-                     LoraLinear a = LoraLinear::from_base(l, 4);
+                     Adapter a = Adapter::from_base(l, 4);
                      a.lora_b = random_tensor({4, a.lora_b.value.dim(1)}, m.dtype(), std::hash<std::string>{}(p));
                      return a;
                    });

@@ -1,10 +1,14 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// Linear and LoRA-adapted linear layers, weights laid out as PyTorch, MLX and Hugging Face store
+// Linear, LoRA- and DoRA-adapted linear layers, weights laid out as PyTorch, MLX and Hugging Face store
 // them: weight (out, in), so y = x W^T + b (torch.nn.Linear, mlx.nn.Linear).
 #pragma once
 
+#include <utility>
+
 #include "../ops/elementwise.hpp"
 #include "../ops/matmul.hpp"
+#include "../ops/reduce.hpp"
+#include "../ops/shape.hpp"
 #include "helpers.hpp"
 
 namespace nn {
@@ -103,6 +107,76 @@ GVar lora_linear(GTape<B>& tp, GVar x, GVar w0, GVar bias0, GVar a, GVar b, doub
   detail::check_lora(tp, x, w0, a, b, "lora_linear");
   detail::check_bias(tp, w0, bias0, "lora_linear");
   return add(tp, linear(tp, x, w0, bias0), detail::lora_branch(tp, x, a, b, scale));
+}
+
+namespace detail {
+
+/// The squared norms of a dense weight's rows, summed in double, stored in dtype dt (a host
+/// tensor). w: (out, in) -> (out)
+inline Tensor row_squares(const Tensor& weight, DType dt) {
+  const Tensor w = weight.to(Device::cpu);
+  Tensor out = Tensor::zeros(Shape{w.dim(0)}, dt);
+  for (std::int64_t i = 0; i < w.dim(0); ++i) {
+    double n2 = 0;
+    for (std::int64_t j = 0; j < w.dim(1); ++j) {
+      const double v = load_as_double(w.raw(), w.dtype(), i * w.dim(1) + j);
+      n2 += v * v;
+    }
+    store_from_double(out.raw(), dt, i, n2);
+  }
+  return out;
+}
+
+/// What DoRA's norm reads of a full-precision base weight: its rows' squared norms (out) and
+/// W A (out, r), the latter as (A^T W^T)^T through linear, so a bfloat16 weight (set_precision)
+/// is read as linear reads it. A bfloat16 weight is frozen by construction: its squared norms are
+/// a constant of the recording. w0: (out, in), a: (in, r).
+template <class B>
+std::pair<GVar, GVar> dora_weight_terms(GTape<B>& tp, GVar w0, GVar a) {
+  GVar w_sq = tp.dtype(w0) == DType::bf16 ? tp.constant(row_squares(tp.value(w0), tp.dtype(a)).to(B::device))
+                                          : sum(tp, mul(tp, w0, w0), {1});
+  return {w_sq, transpose(tp, linear(tp, transpose(tp, a), w0))};
+}
+
+}  // namespace detail
+
+/// DoRA's per-output-row factor m / ||W + scale (A B)^T||_row (Liu et al. 2024, "DoRA"; mlx-lm
+/// tuner/dora.py DoRALinear; PEFT's use_dora), the norm detached (stop_gradient) as both do,
+/// following the paper's section 4.3: m gets its gradient here, A and B only through the branch
+/// this factor multiplies. The squared row norm is expanded,
+///   ||W_i + s (A B)^T_i||^2 = ||W_i||^2 + 2 s (W A)_i . B_{:,i} + s^2 (B^T (A^T A))_i . B_{:,i},
+/// so W enters only as its rows' squared norms and the product W A (r columns): a quantized W is
+/// multiplied, never dequantized whole, and no (out, in) temporary is made.
+/// w_sq: (out) sums of squares of W's rows, wa: (out, r) = W A, a: (in, r), b: (r, out),
+/// m: (out) -> (out).
+template <class B>
+GVar dora_factor(GTape<B>& tp, GVar w_sq, GVar wa, GVar a, GVar b, GVar m, double scale) {
+  GVar bt = transpose(tp, b);                                            // (out, r)
+  GVar cross = sum(tp, mul(tp, wa, bt), {1});                            // (out)
+  GVar ata = matmul(tp, a, a, true, false);                              // (r, r)
+  GVar quad = sum(tp, mul(tp, matmul(tp, bt, ata), bt), {1});            // (out)
+  GVar n2 = add(tp, add(tp, w_sq, nn::scale(tp, cross, 2 * scale)), nn::scale(tp, quad, scale * scale));
+  return mul(tp, m, stop_gradient(tp, rsqrt(tp, n2)));
+}
+
+/// y = m / ||W0 + scale (A B)^T||_row * (x W0^T + scale (x A) B) [+ b0]: DoRA over a full-precision
+/// weight (mlx-lm DoRALinear's forward; the bias is added after the rescale, as there and in
+/// PEFT). x: (..., in), w0: (out, in), a: (in, r), b: (r, out), m: (out) -> y: (..., out).
+template <class B>
+GVar dora_linear(GTape<B>& tp, GVar x, GVar w0, GVar a, GVar b, GVar m, double scale) {
+  detail::check_lora(tp, x, w0, a, b, "dora_linear");
+  if (tp.shape(m) != Shape{tp.shape(w0)[0]})
+    detail::fail("dora_linear", "magnitude m ", tp.shape(m).str(), " does not match weight ", tp.shape(w0).str(),
+                 ": m must be (out) = (", tp.shape(w0)[0], ")");
+  const auto [w_sq, wa] = detail::dora_weight_terms(tp, w0, a);
+  return mul(tp, lora_linear(tp, x, w0, a, b, scale), dora_factor(tp, w_sq, wa, a, b, m, scale));
+}
+
+/// The same with the base's bias b0: (out), added after the rescale.
+template <class B>
+GVar dora_linear(GTape<B>& tp, GVar x, GVar w0, GVar bias0, GVar a, GVar b, GVar m, double scale) {
+  detail::check_bias(tp, w0, bias0, "dora_linear");
+  return add(tp, dora_linear(tp, x, w0, a, b, m, scale), bias0);
 }
 
 }  // namespace nn

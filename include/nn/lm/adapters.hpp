@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// LoRA adapters for decoder models named as Hugging Face names them (model.layers.N.<key>):
-// applying LoRA by path, and reading/writing mlx-lm and PEFT adapter directories.
+// LoRA and DoRA adapters for decoder models named as Hugging Face names them
+// (model.layers.N.<key>): applying them by path, and reading/writing mlx-lm and PEFT adapter
+// directories.
 #pragma once
 
 #include <cmath>
@@ -15,13 +16,14 @@
 
 #include "../io/safetensors.hpp"
 #include "../io/weights.hpp"
-#include "../modules/lora.hpp"
+#include "../modules/dora.hpp"
 #include "json.hpp"
 
 namespace nn::lm {
 
-/// The LoRA of a fine-tune, as mlx-lm's adapter_config.json holds it.
+/// The LoRA (or DoRA) of a fine-tune, as mlx-lm's adapter_config.json holds it.
 struct LoraConfig {
+  bool dora = false;      // DoraLinear instead of LoraLinear (mlx-lm fine_tune_type "dora", PEFT use_dora)
   std::int64_t rank = 8;
   double scale = 20.0;    // mlx-lm's multiplier (PEFT's lora_alpha / r)
   double dropout = 0.0;
@@ -55,6 +57,11 @@ inline std::optional<std::pair<int, std::string>> layer_path(const std::string& 
   }
 }
 
+/// Whether a parameter path names an adapter's trained tensor: lora_a, lora_b, or DoRA's m.
+inline bool is_adapter_param(const std::string& p) {
+  return p.ends_with(".lora_a") || p.ends_with(".lora_b") || p.ends_with(".m");
+}
+
 template <class M>
 int count_layers(const M& model) {
   int n = 0;
@@ -81,8 +88,8 @@ inline nlohmann::json read_json(const std::filesystem::path& path) { return read
 
 /// Replaces every Linear at "model.layers.N.<key>" (key in cfg.keys, N among the last
 /// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers), and every
-/// QuantizedLinear there by a LoraLinear over it (QLoRA). The fields must be
-/// std::variant<Linear, LoraLinear, ...>. Returns how many layers were converted; raises when a key
+/// QuantizedLinear there by a LoraLinear over it (QLoRA); a DoraLinear instead with cfg.dora.
+/// The fields must be std::variant<Linear, LoraLinear, DoraLinear, ...>. Returns how many layers were converted; raises when a key
 /// matches nothing (a typo would otherwise train nothing).
 template <class M>
 int apply_lora(M& model, const LoraConfig& cfg) {
@@ -99,12 +106,15 @@ int apply_lora(M& model, const LoraConfig& cfg) {
       }
     return false;
   };
-  auto lora = [&](const std::string&, const auto& base) {
-    return LoraLinear::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
+  auto adapt = [&]<class Layer>(const auto& base) {
+    return Layer::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
   };
+  auto lora = [&](const std::string&, const auto& base) { return adapt.template operator()<LoraLinear>(base); };
+  auto dora = [&](const std::string&, const auto& base) { return adapt.template operator()<DoraLinear>(base); };
   // full-precision bases (LoRA), then quantized ones (QLoRA)
-  int converted = model.template map_modules<Linear>(pick, lora);
-  converted += model.template map_modules<QuantizedLinear>(pick, lora);
+  int converted = cfg.dora ? model.template map_modules<Linear>(pick, dora) : model.template map_modules<Linear>(pick, lora);
+  converted += cfg.dora ? model.template map_modules<QuantizedLinear>(pick, dora)
+                        : model.template map_modules<QuantizedLinear>(pick, lora);
   for (const auto& k : cfg.keys)
     if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear or QuantizedLinear in model.layers.N");
   return converted;
@@ -113,20 +123,20 @@ int apply_lora(M& model, const LoraConfig& cfg) {
 // ---- mlx-lm --------------------------------------------------------------------------------
 
 /// Writes an mlx-lm adapter directory: adapters.safetensors (model.layers.N.<key>.lora_a (in, r),
-/// .lora_b (r, out)) and adapter_config.json (fine_tune_type, num_layers, lora_parameters; an
-/// rsLoRA config is written with its effective scale).
+/// .lora_b (r, out), and DoRA's .m (out)) and adapter_config.json (fine_tune_type "lora" or
+/// "dora", num_layers, lora_parameters; an rsLoRA config is written with its effective scale).
 /// mlx_lm.load(model, adapter_path=dir) applies it.
 template <class M>
 void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg) {
   std::filesystem::create_directories(dir);
   NamedTensors t;
   for (auto& [p, v] : model.trainable_parameters())
-    if (p.ends_with(".lora_a") || p.ends_with(".lora_b")) t.emplace_back(p, v);
+    if (detail::is_adapter_param(p)) t.emplace_back(p, v);
   if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
   save_safetensors(dir / "adapters.safetensors", t, {{"format", "mlx"}});
   // mlx-lm multiplies by lora_parameters.scale and has no rsLoRA flag: rsLoRA is written as its
   // effective scale (scale / sqrt(rank)), which computes the same layer (and reads back so).
-  nlohmann::json j = {{"fine_tune_type", "lora"},
+  nlohmann::json j = {{"fine_tune_type", cfg.dora ? "dora" : "lora"},
                       {"num_layers", cfg.num_layers},
                       {"lora_parameters",
                        {{"rank", cfg.rank}, {"scale", cfg.effective_scale()}, {"dropout", cfg.dropout}, {"keys", cfg.keys}}}};
@@ -152,7 +162,9 @@ inline LoraConfig mlx_adapter_config_from_json(const nlohmann::json& j, const st
   LoraConfig c;
   try {
     const std::string type = j.value("fine_tune_type", std::string("lora"));
-    if (type != "lora") nn::detail::fail("adapters", label, ": fine_tune_type '", type, "' is not supported (lora only)");
+    if (type != "lora" && type != "dora")
+      nn::detail::fail("adapters", label, ": fine_tune_type '", type, "' is not an adapter (lora or dora)");
+    c.dora = type == "dora";
     auto lp = j.find("lora_parameters");
     if (lp == j.end() || !lp->is_object()) nn::detail::fail("adapters", label, ": missing object field 'lora_parameters'");
     c.rank = lp->at("rank").get<std::int64_t>();
@@ -185,10 +197,8 @@ LoraConfig load_mlx_adapters(const std::filesystem::path& dir, M& model) {
   NamedTensors w = load_safetensors(dir / "adapters.safetensors");
   apply_lora(model, cfg);
   NamedTensors all;
-  for (auto& [p, v] : model.parameters()) {
-    bool adapter = p.ends_with(".lora_a") || p.ends_with(".lora_b");
-    if (!adapter) all.emplace_back(p, v);  // the base is given as it is
-  }
+  for (auto& [p, v] : model.parameters())
+    if (!detail::is_adapter_param(p)) all.emplace_back(p, v);  // the base is given as it is
   for (auto& e : w) all.push_back(e);
   nn::detail::load_weights_impl(model, all, true, (dir / "adapters.safetensors").string());
   return cfg;
@@ -198,8 +208,9 @@ LoraConfig load_mlx_adapters(const std::filesystem::path& dir, M& model) {
 
 /// Writes a PEFT LoRA directory: adapter_model.safetensors with
 /// base_model.model.<path>.lora_A.weight (r, in) and .lora_B.weight (out, r) — the transposes of
-/// mlx-lm's factors — and adapter_config.json with r, lora_alpha (scale * r, or scale with
-/// rslora, so PEFT's scaling equals ours), target_modules, use_rslora, layers_to_transform.
+/// mlx-lm's factors — (and DoRA's .lora_magnitude_vector (out), m as it is) and
+/// adapter_config.json with r, lora_alpha (scale * r, or scale with rslora, so PEFT's scaling
+/// equals ours), target_modules, use_rslora, use_dora, layers_to_transform.
 template <class M>
 void save_peft_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg,
                         const std::string& base_model = "") {
@@ -207,8 +218,12 @@ void save_peft_adapters(const std::filesystem::path& dir, const M& model, const 
   NamedTensors t;
   GTape<cpu> tp;
   for (auto& [p, v] : model.trainable_parameters()) {
-    const bool a = p.ends_with(".lora_a"), b = p.ends_with(".lora_b");
-    if (!a && !b) continue;
+    if (!detail::is_adapter_param(p)) continue;
+    if (p.ends_with(".m")) {
+      t.emplace_back("base_model.model." + p.substr(0, p.size() - 2) + ".lora_magnitude_vector", v);
+      continue;
+    }
+    const bool a = p.ends_with(".lora_a");
     const std::string mod = p.substr(0, p.size() - 7);
     Tensor tr = tp.value(transpose(tp, tp.constant(v))).clone();  // (in, r) -> (r, in); (r, out) -> (out, r)
     t.emplace_back("base_model.model." + mod + (a ? ".lora_A.weight" : ".lora_B.weight"), tr);
@@ -224,6 +239,7 @@ void save_peft_adapters(const std::filesystem::path& dir, const M& model, const 
                       {"lora_alpha", cfg.rslora ? cfg.scale : cfg.scale * static_cast<double>(cfg.rank)},
                       {"lora_dropout", cfg.dropout},
                       {"use_rslora", cfg.rslora},
+                      {"use_dora", cfg.dora},
                       {"target_modules", targets},
                       {"bias", "none"},
                       {"fan_in_fan_out", false},
@@ -250,9 +266,18 @@ inline LoraConfig peft_adapter_config_from_json(const nlohmann::json& j, const s
     if (cfg.rank < 1) nn::detail::fail("adapters", label, ": r must be a positive integer, got ", cfg.rank);
     const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
     cfg.rslora = j.value("use_rslora", false);
+    cfg.dora = j.value("use_dora", false);
     cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
     cfg.dropout = j.value("lora_dropout", 0.0);
     if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", label, ": fan_in_fan_out is not supported");
+    // what would change the layer beyond one rank and one scale: refused, never ignored
+    for (const char* k : {"rank_pattern", "alpha_pattern"})
+      if (j.contains(k) && !j[k].is_null() && !j[k].empty())
+        nn::detail::fail("adapters", label, ": ", k, " (per-module ranks or alphas) is not supported");
+    if (j.contains("modules_to_save") && !j["modules_to_save"].is_null() && !j["modules_to_save"].empty())
+      nn::detail::fail("adapters", label, ": modules_to_save is not supported (adapters only)");
+    if (const std::string bias = j.value("bias", std::string("none")); bias != "none")
+      nn::detail::fail("adapters", label, ": bias '", bias, "' is not supported (\"none\" only)");
   } catch (const nlohmann::json::exception& e) {
     nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
   }
@@ -278,6 +303,13 @@ LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
     std::string n = name;
     const std::string pre = "base_model.model.";
     if (n.rfind(pre, 0) == 0) n = n.substr(pre.size());
+    if (n.ends_with(".lora_magnitude_vector")) {  // DoRA's m, (out), as it is
+      if (!cfg.dora)
+        nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name,
+                         "' is a DoRA magnitude but adapter_config.json has no use_dora: true");
+      mine.emplace_back(n.substr(0, n.size() - 22) + ".m", t);
+      continue;
+    }
     const bool a = n.ends_with(".lora_A.weight"), b = n.ends_with(".lora_B.weight");
     if (!a && !b) nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name, "' is not a LoRA factor");
     const std::string mod = n.substr(0, n.size() - 14);
@@ -298,7 +330,7 @@ LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
   apply_lora(model, cfg);
   NamedTensors all;
   for (auto& [p, v] : model.parameters())
-    if (!p.ends_with(".lora_a") && !p.ends_with(".lora_b")) all.emplace_back(p, v);
+    if (!detail::is_adapter_param(p)) all.emplace_back(p, v);
   for (auto& e : mine) all.push_back(e);
   nn::detail::load_weights_impl(model, all, true, (dir / "adapter_model.safetensors").string());
   return cfg;

@@ -328,6 +328,9 @@ void save_gguf_adapter(const std::filesystem::path& path, const M& model, const 
   GTape<cpu> tp;
   int n = 0;
   for (auto& [p, v] : model.trainable_parameters()) {
+    if (p.ends_with(".m"))  // a DoRA layer: llama.cpp's adapters add b·a to W, nothing rescales rows
+      nn::detail::fail("gguf", path.string(), ": '", p, "' is a DoRA magnitude; llama.cpp's LoRA adapters cannot "
+                       "express DoRA: fuse the model (DoraLinear::fused) and export that instead");
     const bool a = p.ends_with(".lora_a"), b = p.ends_with(".lora_b");
     if (!a && !b) continue;
     const std::string g = detail::hf_to_gguf_name(p.substr(0, p.size() - 7) + ".weight", path.string());

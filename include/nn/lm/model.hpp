@@ -30,9 +30,10 @@ namespace nn::lm {
 
 /// A projection LoRA may replace in place: model.map_modules<nn::Linear>(pred, f) with f
 /// returning nn::LoraLinear::from_base(l, r) swaps the alternative and keeps the path
-/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them). A
-/// quantized model (a GGUF's blocks kept, nn::quantize(model, ...)) holds QuantizedLinear.
-using Projection = std::variant<Linear, LoraLinear, QuantizedLinear>;
+/// ("...q_proj.linear.weight", "...q_proj.lora_a" afterwards, as mlx-lm names them); DoRA's
+/// nn::DoraLinear likewise. A quantized model (a GGUF's blocks kept, nn::quantize(model, ...))
+/// holds QuantizedLinear.
+using Projection = std::variant<Linear, LoraLinear, DoraLinear, QuantizedLinear>;
 
 /// The token embedding, full precision or quantized (then also the tied head's matrix).
 using TokenEmbedding = std::variant<Embedding, QuantizedEmbedding>;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <tuple>
 #include <utility>
 #include <variant>
 
@@ -15,6 +16,52 @@
 #include "quantized.hpp"
 
 namespace nn {
+
+namespace detail {
+
+/// W + (scale * b^T) @ a^T in W's dtype, computed on backend B where the factors live: the merge
+/// LoRA and DoRA fuse share (mlx-lm's fuse). base: a Linear, weight (out, in); a: (in, r),
+/// b: (r, out). Returns the Linear with the merged weight, bias kept, trainable.
+template <class B>
+Linear merge_low_rank(Linear out, const Tensor& lora_a, const Tensor& lora_b, double scale, const char* who) {
+  for (const Tensor* t : {&lora_a, &lora_b})
+    if (t->device() != B::device)
+      fail(who, "the layer lives on ", t->device(), " but the merge runs on backend ", B::name,
+           ": call fused<B>() with the backend of ", t->device());
+  GTape<B> tp;
+  GVar bt = nn::scale(tp, transpose(tp, tp.constant(lora_b)), scale);  // (out, r)
+  GVar delta = matmul(tp, bt, tp.constant(lora_a), false, true);       // (out, in)
+  if (tp.dtype(delta) == out.weight.dtype()) {
+    out.weight = Param(tp.value(add(tp, tp.constant(out.weight.value), delta)).clone());
+  } else {
+    // a bfloat16/float16 weight (dequantized from such scales): delta cast to it, then the sum
+    // rounded to it, as MLX adds two half-precision arrays
+    const Tensor d = tp.value(delta).to(Device::cpu).to(out.weight.dtype());
+    Tensor w = out.weight.value.to(Device::cpu).clone();
+    const DType t = w.dtype();
+    for (std::int64_t i = 0; i < w.numel(); ++i)
+      store_from_double(w.raw(), t, i, QuantMath::in(t, load_as_double(w.raw(), t, i) + load_as_double(d.raw(), t, i)));
+    out.weight = Param(w.to(out.weight.value.device()));
+  }
+  out.unfreeze();
+  return out;
+}
+
+/// The adapter factors a LoRA or DoRA layer starts from, as mlx-lm draws them: lora_a (in, r)
+/// ~ U(+-1/sqrt(in)) from nn::random's sequence, lora_b (r, out) zero; in dtype dt.
+inline std::pair<Param, Param> initial_factors(std::int64_t in, std::int64_t out, std::int64_t rank, DType dt) {
+  init::LoraInit f = init::lora(in, out, rank);
+  return {Param(f.lora_a.to(dt)), Param(f.lora_b.to(dt))};
+}
+
+/// The adapters' dtype over a base: the weight's for a Linear; float32 beside a quantized base
+/// (float64 over float64 scales), as QLoRA trains.
+inline DType adapter_dtype(const Linear& l) { return l.weight.dtype(); }
+inline DType adapter_dtype(const QuantizedLinear& q) {
+  return q.scales.dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+}  // namespace detail
 
 /// y = linear(x) + scale * (dropout(x) @ lora_a) @ lora_b over a full-precision Linear (LoRA) or
 /// a QuantizedLinear (QLoRA), as mlx-lm's LoRALinear over either. from_base(base, r) freezes the
@@ -29,15 +76,11 @@ struct LoraLinear {
   Dropout drop{0.0};
 
   static LoraLinear from_base(Linear base, std::int64_t rank) {
-    const DType dt = base.weight.dtype();
     base.freeze();
-    return with_adapters(std::move(base), rank, dt);
+    return with_adapters(std::move(base), rank);
   }
   /// QLoRA: adapters in float32 (float64 over float64 scales) beside the quantized base.
-  static LoraLinear from_base(QuantizedLinear base, std::int64_t rank) {
-    const DType dt = base.scales.dtype() == DType::f64 ? DType::f64 : DType::f32;
-    return with_adapters(std::move(base), rank, dt);
-  }
+  static LoraLinear from_base(QuantizedLinear base, std::int64_t rank) { return with_adapters(std::move(base), rank); }
   /// Whether the base is a QuantizedLinear.
   bool quantized() const { return std::holds_alternative<QuantizedLinear>(base); }
   /// The full-precision base (an nn::Error naming the layer's format when it is quantized).
@@ -90,30 +133,8 @@ struct LoraLinear {
   /// the layer lives (`l.fused<nn::cuda>()` for a layer on the GPU).
   template <class B = cpu>
   Linear fused() const {
-    for (const Tensor* t : {&lora_a.value, &lora_b.value})
-      if (t->device() != B::device)
-        detail::fail("LoraLinear::fused", "the layer lives on ", t->device(), " but the merge runs on backend ",
-                     B::name, ": call fused<B>() with the backend of ", t->device());
     Linear out = quantized() ? std::get<QuantizedLinear>(base).dequantized() : std::get<Linear>(base);
-    GTape<B> tp;
-    GVar bt = nn::scale(tp, transpose(tp, tp.constant(lora_b.value)), effective_scale());  // (out, r)
-    GVar delta = matmul(tp, bt, tp.constant(lora_a.value), false, true);                   // (out, in)
-    if (tp.dtype(delta) == out.weight.dtype()) {
-      out.weight = Param(tp.value(add(tp, tp.constant(out.weight.value), delta)).clone());
-    } else {
-      // a bfloat16/float16 weight (dequantized from such scales): delta cast to it, then the sum
-      // rounded to it, as MLX adds two half-precision arrays
-      const Tensor d = tp.value(delta).to(Device::cpu).to(out.weight.dtype());
-      Tensor w = out.weight.value.to(Device::cpu).clone();
-      const DType t = w.dtype();
-      for (std::int64_t i = 0; i < w.numel(); ++i)
-        detail::store_from_double(w.raw(), t, i,
-                                  detail::QuantMath::in(t, detail::load_as_double(w.raw(), t, i) +
-                                                               detail::load_as_double(d.raw(), t, i)));
-      out.weight = Param(w.to(out.weight.value.device()));
-    }
-    out.unfreeze();
-    return out;
+    return detail::merge_low_rank<B>(std::move(out), lora_a.value, lora_b.value, effective_scale(), "LoraLinear::fused");
   }
   /// mlx-lm's fuse() over a quantized base: the dequantized merge above, quantized again in the
   /// base's format (mode, group, bits). An nn::Error over a full-precision base.
@@ -128,12 +149,10 @@ struct LoraLinear {
 
  private:
   template <class Base>
-  static LoraLinear with_adapters(Base base, std::int64_t rank, DType dt) {
+  static LoraLinear with_adapters(Base base, std::int64_t rank) {
     LoraLinear l;
-    init::LoraInit f = init::lora(base.in_features(), base.out_features(), rank);
+    std::tie(l.lora_a, l.lora_b) = detail::initial_factors(base.in_features(), base.out_features(), rank, detail::adapter_dtype(base));
     l.base = std::move(base);
-    l.lora_a = Param(f.lora_a.to(dt));
-    l.lora_b = Param(f.lora_b.to(dt));
     return l;
   }
   double scale_ = 20.0;
