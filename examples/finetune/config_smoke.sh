@@ -59,7 +59,8 @@ mask_prompt: true
 grad_accumulation_steps: 1
 EOF
 # iters: the command line (4) overrides the file (6), as in mlx-lm
-"$exe" -c "$work/mlx.yaml" --iters 4 --threads 2 | tee "$work/cfg.log"
+# --chat-template chatml: the prompts fit max_seq_length 33 without SmolLM2's template's system prompt
+"$exe" -c "$work/mlx.yaml" --chat-template chatml --iters 4 --threads 2 | tee "$work/cfg.log"
 
 grep -q "^LoRA rank 4 scale 10 on 8 projections" "$work/cfg.log" || fail "rank/scale/keys/num_layers not applied"
 grep -q "^gradient checkpointing" "$work/cfg.log" || fail "grad_checkpoint not applied"
@@ -116,12 +117,12 @@ print("finetune config smoke: every config key took effect")
 EOF
 
 # --test alone: the adapters in --adapter-path, the same test loss as after training
-"$exe" -c "$work/mlx.yaml" --train=false --test --iters 4 | tee "$work/test.log"
+"$exe" -c "$work/mlx.yaml" --chat-template chatml --train=false --test --iters 4 | tee "$work/test.log"
 [[ "$(grep '^Test loss' "$work/cfg.log")" == "$(grep '^Test loss' "$work/test.log")" ]] ||
   fail "--test on the saved adapters differs from the test loss after training"
 
 # --fine-tune-type full: the last layer's own weights trained and saved for mlx-lm
-"$exe" --model "$model" --data "$work/data" --train --fine-tune-type full --num-layers 1 --iters 1 --batch-size 2 \
+"$exe" --model "$model" --data "$work/data" --chat-template chatml --train --fine-tune-type full --num-layers 1 --iters 1 --batch-size 2 \
   --seq 32 --val-batches 1 --adapter-path "$work/full" | tee "$work/full.log"
 grep -q "^full finetune of the last 1 layers" "$work/full.log" || fail "no full finetune"
 python3 - "$work/full" <<'EOF'
@@ -134,7 +135,7 @@ assert json.load(open(f"{sys.argv[1]}/adapter_config.json"))["fine_tune_type"] =
 EOF
 
 # ... and --resume continues it bit for bit: 1 step + 1 resumed step = 2 steps straight
-full=(--model "$model" --data "$work/data" --fine-tune-type full --num-layers 1 --batch-size 2 --seq 32
+full=(--model "$model" --data "$work/data" --chat-template chatml --fine-tune-type full --num-layers 1 --batch-size 2 --seq 32
       --steps-per-eval 0 --val-batches 1 --learning-rate 1e-4)
 "$exe" "${full[@]}" --iters 1 --adapter-path "$work/full1" > /dev/null
 "$exe" "${full[@]}" --iters 2 --adapter-path "$work/full1" --resume > "$work/full-resume.log"
@@ -145,7 +146,7 @@ cmp "$work/full1/adapters.safetensors" "$work/full2/adapters.safetensors" ||
 
 # --fine-tune-type dora over the quantized base: mlx-lm's adapter folder with the magnitudes, and
 # --test alone reads it back to the test loss the run ended with
-dora=(--model "$model" --data "$work/data" --fine-tune-type dora --num-layers 1 --batch-size 2 --seq 32
+dora=(--model "$model" --data "$work/data" --chat-template chatml --fine-tune-type dora --num-layers 1 --batch-size 2 --seq 32
       --val-batches 1 --test --test-batches 2 --adapter-path "$work/dora")
 "$exe" "${dora[@]}" --train --iters 2 --steps-per-eval 0 | tee "$work/dora.log"
 grep -q "^DoRA rank 8 scale 20 on 7 projections" "$work/dora.log" || fail "no DoRA"

@@ -20,7 +20,10 @@ extern "C" void openblas_set_num_threads(int);
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
+#include <memory>
 
 #include "options.hpp"
 #include "progress.hpp"
@@ -199,6 +202,25 @@ int run(const Args& a) {
   TokenizerText enc{tok};
   DataOptions dopt;
   dopt.mask_prompt = a.mask_prompt;
+  // The chat format: the model's own template (as mlx-lm's apply_chat_template), a file, or ChatML.
+  {
+    std::string src, from;
+    if (a.chat_template == "auto") {
+      src = pt.chat_template;
+      from = "the model's tokenizer.chat_template";
+    } else if (a.chat_template != "chatml") {
+      std::ifstream f(a.chat_template, std::ios::binary);
+      if (!f) nn::detail::fail("finetune", "--chat-template ", a.chat_template, ": cannot open (auto, chatml or a .jinja file)");
+      src.assign(std::istreambuf_iterator<char>(f), {});
+      from = a.chat_template;
+    }
+    if (!src.empty()) {
+      dopt.chat_template = std::make_shared<const ChatTemplate>(src, from);
+      auto token = [&](std::optional<std::int32_t> id) { return id ? tok.id_to_token(*id) : std::string(); };
+      dopt.template_vars = {{"bos_token", token(tok.bos_id())}, {"eos_token", token(tok.eos_id())}};
+    }
+    std::printf("chat format: %s\n", dopt.chat_template ? from.c_str() : "ChatML");
+  }
   Splits data = load_splits(a.data, enc, dopt, 0.1, a.seed);
   std::vector<Example> test_set;
   if (a.test) {
@@ -207,11 +229,39 @@ int run(const Args& a) {
       nn::detail::fail("finetune", "--test reads DATA/test.jsonl: no file ", tf.string());
     test_set = load_jsonl(tf, enc, dopt);
   }
+  // An example whose learned tokens all lie past --max-seq-length (a long prompt, or a chat
+  // template's system prompt, fills the row) adds nothing but a 0/0 loss: drop it, and say so.
+  {
+    const auto positions = static_cast<std::size_t>(a.positions());
+    auto drop = [&](std::vector<Example>& set, const char* name) {
+      const std::size_t before = set.size();
+      std::erase_if(set, [&](const Example& ex) {
+        const std::size_t end = std::min(ex.tokens.size(), positions + 1);
+        for (std::size_t pos = 1; pos < end; ++pos)
+          if (ex.learned(pos)) return false;
+        return true;
+      });
+      if (set.size() < before)
+        std::printf("data: dropped %zu of %zu %s examples: nothing they learn lies within --max-seq-length %d\n", before - set.size(),
+                    before, name, a.max_seq_length);
+    };
+    drop(data.train, "train");
+    drop(data.valid, "valid");
+    drop(test_set, "test");
+    if (data.train.empty())
+      nn::detail::fail("finetune", "no train example learns a token within --max-seq-length ", a.max_seq_length,
+                       ": raise it (or use --chat-template chatml, without the template's system prompt)");
+  }
   std::printf("data: %zu train, %zu valid%s examples%s\n", data.train.size(), data.valid.size(),
               a.test ? (", " + std::to_string(test_set.size()) + " test").c_str() : "",
               a.mask_prompt ? " (loss on the completions only: --mask-prompt)" : "");
   const bool chat = !data.train.empty() && data.train.front().offset > 0;
-  const std::string prompt = a.prompt.empty() ? "" : chat ? ChatML{}.render({{"user", a.prompt}}, true) : a.prompt;
+  const std::string prompt = a.prompt.empty() ? ""
+                             : !chat             ? a.prompt
+                             : dopt.chat_template
+                                 ? dopt.chat_template->apply(nlohmann::ordered_json::array({{{"role", "user"}, {"content", a.prompt}}}), true,
+                                                             dopt.template_vars)
+                                 : ChatML{}.render({{"user", a.prompt}}, true);
 
   auto report_test = [&]() {
     model.train(false);

@@ -17,7 +17,8 @@ src=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$src/smoke_model.sh" "$build"
 mpirun=("$mpiexec" --allow-run-as-root --oversubscribe)
 export OMP_NUM_THREADS=1
-args=(--model "$model" --data "$work/data" --batch 4 --seq 32 --val-every 2 --val-batches 2 --schedule constant
+# ChatML without the model template's system prompt: the prompts fit --seq 32
+args=(--model "$model" --data "$work/data" --chat-template chatml --batch 4 --seq 32 --val-every 2 --val-batches 2 --schedule constant
       --lr 1e-4 --mask-prompt --num-layers -1 --keys q_proj,v_proj
       --no-peft --save-every 1)
 

@@ -52,7 +52,7 @@ struct Options {
   std::optional<LrSchedule> lr_schedule;
   YAML::Node optimizer_config;  // {adam: {...}, adamw: {...}, ...}: keyword arguments per optimizer
   // ---- nn's own ----
-  std::string schedule, prompt, fuse, logits_out, precision = "f32", outtype = "f16", export_adapter;
+  std::string schedule, prompt, fuse, logits_out, precision = "f32", outtype = "f16", export_adapter, chat_template = "auto";
   int warmup = 0, threads = 0, max_tokens = 40;
   bool resume = false, resume_new_hyper = false, peft = true, dequantize = false, pack = false;
 
@@ -229,7 +229,7 @@ inline Options parse_options(int argc, char** argv) {
   app.add_flag("--train", o.train, "Train (the default when neither --train nor --test is given)");
   app.add_option("--data", o.data,
                  "JSONL: DIR/{train,valid,test}.jsonl, or one file split 90/10; records {text} | {prompt, completion} | "
-                 "{messages} (ChatML)");
+                 "{messages[, tools]} (through the model's chat template)");
   app.add_option("--fine-tune-type", o.fine_tune_type, "lora, dora or full")
       ->check(CLI::IsMember({"lora", "dora", "full"}))->capture_default_str();
   app.add_option("--optimizer", o.optimizer, "adam, adamw, muon, sgd or adafactor (options: the config's optimizer_config)")
@@ -283,6 +283,10 @@ inline Options parse_options(int argc, char** argv) {
   app.add_flag("--no-peft{false}", o.peft, "Do not write the PEFT copy of the adapters");
   app.add_option("--threads", o.threads, "Threads (0: all)")->check(detail::at_least(0));
   app.add_option("--prompt", o.prompt, "Generate from this prompt before and after training");
+  app.add_option("--chat-template", o.chat_template,
+                 "How {messages} / {prompt, completion} render: auto (the model's own tokenizer.chat_template, "
+                 "else ChatML), chatml, or a .jinja file")
+      ->capture_default_str();
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate")->check(detail::at_least(0))->capture_default_str();
   app.add_option("--fuse", o.fuse, "Write the merged model: a Hugging Face folder, or OUT.gguf for llama.cpp");
   app.add_option("--outtype", o.outtype, "The fused GGUF's types")

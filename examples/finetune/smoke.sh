@@ -15,7 +15,8 @@ source "$src/smoke_model.sh" "${3:-}"
 # --rslora: both adapter formats must be written for it (mlx-lm's carries the effective scale)
 # (nn's short flags; mlx-lm's defaults differ: every projection of the last 16 layers, a constant
 # schedule, no prompt masking)
-args=(--model "$model" --data "$work/data" --batch 2 --seq 32 --val-every 1 --val-batches 1 --save-every 1
+# --seq 64: SmolLM2's chat template (used by default, as mlx-lm) puts a ~20-token system prompt first
+args=(--model "$model" --data "$work/data" --batch 2 --seq 64 --val-every 1 --val-batches 1 --save-every 1
       --schedule cosine --lr 1e-4 --mask-prompt --num-layers -1 --keys q_proj,v_proj
       --adapter-path "$work/out" --max-tokens 4 --prompt "Recite Proverbs 1:1 from the King James Bible." --rslora
       --logits-out "$work/out/logits.safetensors")

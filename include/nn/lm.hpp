@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// The LLM kit's umbrella: nn's core plus nn::lm (Llama / Qwen2 / SmolLM decoders, Hugging Face
-// and GGUF loading, the byte-level BPE tokenizer, JSONL data, LoRA by path and adapter files).
+// The LLM kit's umbrella: nn's core plus nn::lm (Llama / Qwen2 / Qwen3 / SmolLM decoders, Hugging
+// Face and GGUF loading, BPE tokenizers (byte-level and SentencePiece-style), chat templates,
+// JSONL data, LoRA / DoRA by path and adapter files).
 // Kept out of <nn/nn.hpp> so a program that only trains its own model does not compile it.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include "lm/gguf.hpp"
 #include "lm/load.hpp"
 #include "lm/tokenizer.hpp"
+#include "lm/chat_template.hpp"
 #include "lm/data.hpp"
 #include "lm/adapters.hpp"
 #include "lm/pretrained.hpp"

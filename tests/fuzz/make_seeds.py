@@ -113,6 +113,37 @@ put("tokenizer", "gpt2.json", tok_json(bl) + "\x01TEXT\x01Hello the world, it's 
 put("tokenizer", "split_nfc.json", tok_json(split, {"type": "NFC"}, template, pair_merges=False) + "\x01TEXT\x01e\u0301 in 12345 ok\r\n  x")
 put("tokenizer", "plain.json", tok_json({"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False}, added=False))
 
+# A SentencePiece-style BPE (byte fallback, "▁" spaces) as tokenizer.json (Llama 2's layout, and
+# Metaspace's) and as a GGUF "llama" vocabulary with scores.
+sp_tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "t", "h", "e", "a", "▁t", "he", "▁the", "▁a"]
+sp_merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a")]
+sp_vocab = {t: i for i, t in enumerate(sp_tokens)}
+sp_dec = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+                                           {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+
+
+def sp_json(normalizer, pre, decoder):
+    add = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+           for i, t in enumerate(sp_tokens[:3])]
+    return json.dumps({"version": "1.0", "added_tokens": add, "normalizer": normalizer, "pre_tokenizer": pre, "decoder": decoder,
+                       "post_processor": None,
+                       "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True, "byte_fallback": True,
+                                 "vocab": sp_vocab, "merges": [list(m) for m in sp_merges]}}, ensure_ascii=False)
+
+
+put("tokenizer", "spm_llama.json", sp_json({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                                                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+                                           None, sp_dec) + "\x01TEXT\x01the a\u00e9 <s>x\U0001F600")
+put("tokenizer", "spm_metaspace.json", sp_json(None, {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True},
+                                               {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True})
+    + "\x01TEXT\x01 the  a\n")
+skv = [("general.architecture", 8, "llama"), ("tokenizer.ggml.model", 8, "llama"), ("tokenizer.ggml.tokens", 9, (8, sp_tokens)),
+       ("tokenizer.ggml.scores", 9, (6, [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0, -9.0])),
+       ("tokenizer.ggml.token_type", 9, (5, [2, 3, 3] + [6] * 256 + [1] * 9)),
+       ("tokenizer.ggml.bos_token_id", 4, 1), ("tokenizer.ggml.eos_token_id", 4, 2), ("tokenizer.ggml.unknown_token_id", 4, 0),
+       ("tokenizer.ggml.add_space_prefix", 7, True)]
+put("tokenizer", "gguf_spm.gguf", gguf(skv, []) + "\x01TEXT\x01the a\u00e9 </s>x".encode())
+
 # ---- adapter configs, JSONL --------------------------------------------------------------------
 put("adapter_config", "mlx.json", json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters":
                                               {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}, indent=2))

@@ -18,7 +18,7 @@
 
 #include <unistd.h>
 
-#define NN_FUZZ_HARNESSES(X) X(safetensors) X(gguf) X(tokenizer) X(config) X(jsonl) X(checkpoint) X(adapter_config)
+#define NN_FUZZ_HARNESSES(X) X(safetensors) X(gguf) X(tokenizer) X(config) X(jsonl) X(checkpoint) X(adapter_config) X(chat_template)
 
 #define NN_FUZZ_DECLARE(name) extern "C" int nn_fuzz_##name(const std::uint8_t*, std::size_t);
 NN_FUZZ_HARNESSES(NN_FUZZ_DECLARE)

@@ -12,7 +12,7 @@
 # Harnesses (<name>_fuzz.cpp; each file's header says what it checks): safetensors, gguf,
 # tokenizer (tokenizer.json and GGUF tokenizer metadata, then encode/decode), config
 # (config.json -> ModelConfig), jsonl (datasets), checkpoint (whole-run checkpoints, load_into),
-# adapter_config (mlx-lm and PEFT adapter_config.json).
+# adapter_config (mlx-lm and PEFT adapter_config.json), chat_template (Jinja chat templates).
 #
 # tests/fuzz/make_seeds.py wrote the small hand-made seeds the committed corpus started from.
 # NN_FUZZ_FIXTURES=1 adds the GGUF fixtures (16-94 KB, far slower per input) to gguf's seeds.
@@ -81,6 +81,9 @@ case $name in
     build "$src" "$out/checkpoint_seeds" -DNN_FUZZ_WRITE_SEEDS -fsanitize=address,undefined
     "$out/checkpoint_seeds" "$work/seeds" ;;
   adapter_config) ;;
+  chat_template)  # the real templates of the chat-template fixtures (SmolLM2, Qwen2.5, Qwen3, Llama 3.x)
+    cp "$fixtures"/lm/chat_templates/*.jinja "$work/seeds/"
+    flags+=(-max_len=5000) ;;
 esac
 dict="$root/tests/fuzz/$name.dict"
 [[ -f $dict ]] && flags+=(-dict="$dict")

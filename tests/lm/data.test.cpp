@@ -1,9 +1,14 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// JSONL data in mlx-lm's three forms, ChatML, prompt masking, batching and errors.
+// JSONL data in mlx-lm's three forms, ChatML and the model's own chat template, prompt masking,
+// batching and errors.
 #include "support/check.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <memory>
+#include <sstream>
 
 #include <nn/lm/data.hpp>
 
@@ -90,6 +95,49 @@ TEST_CASE("a multi-turn conversation learns every assistant turn, and only those
   const Example all = make_example(conv, tok, none, "f", 1);
   CHECK(all.offset == 0);
   CHECK(all.learn.empty());
+}
+
+TEST_CASE("the model's chat template: tools and tool calls pass through, keys in file order, turns learned") {
+  // Qwen2.5-7B-Instruct's real template (tests/fixtures/lm/chat_templates, checked against
+  // transformers in tests/lm/chat_template.test.cpp).
+  std::ifstream f(std::string(NN_FIXTURES_DIR) + "/lm/chat_templates/qwen2.5.jinja", std::ios::binary);
+  REQUIRE(f);
+  DataOptions opt;
+  opt.chat_template = std::make_shared<const ChatTemplate>(std::string(std::istreambuf_iterator<char>(f), {}), "qwen2.5.jinja");
+  // "unit" before "city" in the file: the template's tojson keeps that order.
+  const std::string line = R"({"messages": [{"role": "user", "content": "Weather?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"unit": "C", "city": "Oslo"}}}]},
+      {"role": "tool", "content": "-3"}, {"role": "assistant", "content": "Cold."}],
+      "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}]})";
+  std::string oneline = line;
+  std::replace(oneline.begin(), oneline.end(), '\n', ' ');
+  std::istringstream in(oneline);
+  Bytes tok;
+  const std::vector<Example> ex = read_jsonl(in, "chat.jsonl", tok, opt);
+  REQUIRE(ex.size() == 1);
+  const std::string text(ex[0].tokens.begin(), ex[0].tokens.end());
+  const std::string sys = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n";
+  CHECK(text.rfind(sys, 0) == 0);
+  CHECK(text.find(R"(<tools>
+{"type": "function", "function": {"name": "w", "parameters": {}}}
+</tools>)") != std::string::npos);
+  const std::string call = "<tool_call>\n{\"name\": \"w\", \"arguments\": {\"unit\": \"C\", \"city\": \"Oslo\"}}\n</tool_call><|im_end|>\n";
+  const std::string tail = "<|im_start|>user\n<tool_response>\n-3\n</tool_response><|im_end|>\n<|im_start|>assistant\nCold.<|im_end|>\n";
+  CHECK(text.size() > call.size() + tail.size());
+  CHECK(text.substr(text.size() - tail.size()) == tail);
+  // Learned: the tool call (after "<|im_start|>assistant") and the final answer, with their end markers.
+  REQUIRE(ex[0].learn.size() == 2);
+  auto span = [&](std::size_t k) { return text.substr(ex[0].learn[k].first, ex[0].learn[k].second - ex[0].learn[k].first); };
+  CHECK(span(0) == call);
+  CHECK(span(1) == "Cold.<|im_end|>\n");
+  // Errors inside the template name the record.
+  const std::string bad = R"({"messages": [{"role": "user", "content": 5}]})";
+  std::istringstream in2(bad);
+  CHECK_THROWS_WITH_AS(read_jsonl(in2, "bad.jsonl", tok, opt), doctest::Contains("bad.jsonl:1"), nn::Error);
+  // ChatML has no tool format: a record with tools needs a template.
+  DataOptions chatml;
+  CHECK_THROWS_WITH_AS(make_example(nlohmann::json::parse(oneline), tok, chatml, "f", 3), doctest::Contains("needs the model's chat template"),
+                       nn::Error);
 }
 
 TEST_CASE("batches: inputs, shifted targets, and a mask over the completion only") {

@@ -571,7 +571,9 @@ TEST_CASE("gguf: unpermute_rows inverts convert_hf_to_gguf's permute; names map 
   CHECK(gguf_to_hf_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj.weight");
   CHECK(gguf_to_hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight");
   CHECK(gguf_to_hf_name("blk.x.ffn_down.weight") == "blk.x.ffn_down.weight");  // unmapped: reported as unknown
-  CHECK(gguf_to_hf_name("blk.0.attn_q_norm.weight") == "blk.0.attn_q_norm.weight");
+  CHECK(gguf_to_hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight");  // Qwen3
+  CHECK(gguf_to_hf_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight");
+  CHECK(gguf_to_hf_name("blk.0.post_attention_norm.weight") == "blk.0.post_attention_norm.weight");  // Gemma 2's: unmapped
 }
 
 TEST_CASE("load_gguf: metadata and tensor errors name the file and the key") {
@@ -584,7 +586,7 @@ TEST_CASE("load_gguf: metadata and tensor errors name the file and the key") {
   test::check_error([&] { lm::gguf_config(GgufFile::from_bytes(build(spec({})), "m.gguf")); },
                     {"[gguf]", "m.gguf", "missing metadata key \"general.architecture\""});
   test::check_error([&] { lm::gguf_config(GgufFile::from_bytes(build(spec({kv_str("general.architecture", "gpt2")})), "m.gguf")); },
-                    {"m.gguf", "\"gpt2\" is not supported"});
+                    {"m.gguf", "general.architecture \"gpt2\" is not a supported model family", "qwen3"});
   test::check_error([&] { lm::gguf_config(GgufFile::from_bytes(build(spec({kv_str("general.architecture", "llama")})), "m.gguf")); },
                     {"m.gguf", "missing metadata key \"llama.embedding_length\""});
   std::vector<KvWriter> kv = {kv_str("general.architecture", "llama"), kv_u32("llama.embedding_length", 32),

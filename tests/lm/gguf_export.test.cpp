@@ -403,10 +403,13 @@ TEST_CASE("save_gguf from a Hugging Face folder: convert_hf_to_gguf's tensors an
   {
     std::ifstream in(tok_dir + "/expected.json");
     expected = nlohmann::json::parse(in).at("real");
+    std::ifstream spm(tok_dir + "/spm_expected.json");  // SentencePiece-style (Llama 2's layout)
+    expected["spm"]["probes"] = nlohmann::json::parse(spm).at("variants").at("llama").at("probes");
   }
   const GgufFile ref(kGguf + "/llama-F32.gguf");  // the tiny llama as convert_hf_to_gguf lays it out
-  for (const char* short_name : {"gpt2", "llama3", "qwen2"}) {
-    const std::string name = "real_" + std::string(short_name);
+  for (const char* short_name : {"gpt2", "llama3", "qwen2", "spm"}) {
+    const bool spm = std::string(short_name) == "spm";
+    const std::string name = spm ? "spm_tokenizer" : "real_" + std::string(short_name);
     INFO(name);
     const fs::path folder = tmp("hf-" + name);
     fs::create_directories(folder);
@@ -435,19 +438,38 @@ TEST_CASE("save_gguf from a Hugging Face folder: convert_hf_to_gguf's tensors an
       CHECK(g.at(k).as_float() == v.as_float());
     }
     CHECK(g.at("tokenizer.chat_template").as_string() == "{% for m in messages %}{{ m.content }}{% endfor %}");
+    // The template comes with the model, from the folder and from the GGUF.
+    CHECK(pt.chat_template == "{% for m in messages %}{{ m.content }}{% endfor %}");
+    CHECK(load_pretrained(out).chat_template == pt.chat_template);
     // The tokenizer llama.cpp gets encodes as tokenizer.json does (and transformers: the
     // recorded ids), on every probe whose text NFC leaves alone: llama.cpp applies no normalizer,
     // and Qwen2's tokenizer.json has NFC.
     const Tokenizer from_gguf = gguf_tokenizer(g);
     int probes = 0;
     for (const auto& p : expected[short_name]["probes"]) {
-      if (!p["nfc_stable"].get<bool>()) continue;
+      if (!p.value("nfc_stable", true)) continue;
       const std::string text = p["text"].get<std::string>();
       CHECK(from_gguf.encode(text) == pt.tokenizer.encode(text));
       CHECK(from_gguf.encode(text) == p["ids"].get<std::vector<std::int32_t>>());
       ++probes;
     }
     CHECK(probes > 50);
+    CHECK(g.at("tokenizer.ggml.model").as_string() == (spm ? "llama" : "gpt2"));
+    if (spm) {
+      // Scores from the merge ranks: llama.cpp's rule gives the merges' ids on the whole sample.
+      std::ifstream in(tok_dir + "/corpus_sample.json");
+      const nlohmann::json sample = nlohmann::json::parse(in);
+      std::size_t chunks = 0;
+      for (const auto& c : sample.at("chunks")) {
+        const std::string text = c.get<std::string>();
+        INFO("chunk ", chunks, ": ", text.substr(0, 60));
+        CHECK(from_gguf.encode(text) == pt.tokenizer.encode(text));
+        ++chunks;
+      }
+      CHECK(chunks > 100);
+      CHECK(from_gguf.sentencepiece());
+      CHECK(from_gguf.unk_id() == 0);
+    }
     CHECK(from_gguf.bos_id() == pt.tokenizer.bos_id());
     CHECK(from_gguf.eos_id() == pt.tokenizer.eos_id());
   }

@@ -173,7 +173,10 @@ TEST_CASE("config: errors name the file and the field") {
   bad(j, {"\"num_hidden_layers\"", "expected an integer"});
   j = base_config();
   j["model_type"] = "gpt2";
-  bad(j, {"\"model_type\"", "\"gpt2\" is not supported", "llama", "qwen2"});
+  j.erase("architectures");
+  bad(j, {"model_type \"gpt2\" is not a supported model family", "llama", "qwen2", "qwen3"});
+  j["architectures"] = {"GPT2LMHeadModel"};  // the family is named as transformers names it too
+  bad(j, {"model_type \"gpt2\" (architectures [\"GPT2LMHeadModel\"]) is not a supported model family"});
   j = base_config();
   j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
   bad(j, {"\"rope_scaling\"", "\"yarn\" is not supported", "linear, llama3"});
@@ -319,7 +322,7 @@ TEST_CASE("logits: shape and dtype errors") {
 // ---- KV cache ----------------------------------------------------------------------------------
 
 TEST_CASE("decode: a prompt prefill then one token at a time gives the full forward's logits") {
-  for (const char* name : {"llama", "qwen2", "smollm_bf16"}) {
+  for (const char* name : {"llama", "qwen2", "smollm_bf16", "qwen3"}) {  // qwen3: q_norm / k_norm before the cache
     lm::CausalLM m = lm::load_hf(kModels + "/" + name, DType::f64);
     const Tensor ids = fixture_ids(), keep = fixture_keep();
     const Tensor full = run_logits(m);
@@ -346,7 +349,7 @@ TEST_CASE("decode: a prompt prefill then one token at a time gives the full forw
       CHECK(cache.length() == t + 1);
     }
     CHECK(cache.k.size() == 2);
-    CHECK(cache.k[0].shape() == Shape{2, m.config().num_key_value_heads, 7, 8});
+    CHECK(cache.k[0].shape() == Shape{2, m.config().num_key_value_heads, 7, m.config().head_dim});
     // Reassemble (B, T, V) from the steps and compare.
     std::vector<double> all(2 * 7 * 64);
     std::int64_t t0 = 0;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// nn::lm::Tokenizer against Hugging Face `tokenizers` (fixtures from tests/oracle/gen_tokenizer.py):
-// ids of a trained byte-level BPE under seven pre-tokenizer setups and of real GPT-2, Qwen2 and
-// Llama-3 vocabularies, decoding, the GGUF constructor, and load errors.
+// nn::lm::Tokenizer against Hugging Face `tokenizers` (fixtures from tests/oracle/gen_tokenizer.py
+// and gen_spm_tokenizer.py): ids of a trained byte-level BPE under seven pre-tokenizer setups, of
+// real GPT-2, Qwen2 and Llama-3 vocabularies and of a trained SentencePiece BPE under four
+// layouts, decoding, the GGUF constructors ("gpt2" and "llama"), and load errors.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -16,6 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include <nn/lm/tokenizer.hpp>
+
+#include "support/error_of.hpp"
 
 using nlohmann::json;
 using nn::lm::Tokenizer;
@@ -187,17 +190,8 @@ nn::lm::GgufTokenizerData gguf_from_json(const json& j, const std::string& pre) 
   return d;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const nn::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test::contains;
+using test::error_of;
 
 }  // namespace
 
@@ -386,7 +380,7 @@ TEST_CASE("tokenizer: from GGUF metadata (tokens, merges, token types, pre name)
     auto d = gguf_from_json(base, "no-such-pre");
     CHECK(contains(error_of([&] { Tokenizer::from_gguf(d, "m.gguf"); }), "[m.gguf] tokenizer.ggml.pre"));
     d.pre = "gpt-2";
-    d.model = "llama";
+    d.model = "bert";
     CHECK(contains(error_of([&] { Tokenizer::from_gguf(d, "m.gguf"); }), "tokenizer.ggml.model"));
     d.model = "gpt2";
     d.merges.push_back("nope xyz");
@@ -397,6 +391,101 @@ TEST_CASE("tokenizer: from GGUF metadata (tokens, merges, token types, pre name)
     d.bos_id.reset();
     d.add_bos = true;
     CHECK(contains(error_of([&] { Tokenizer::from_gguf(d, "m.gguf"); }), "add_bos_token"));
+  }
+}
+
+namespace {
+
+// GGUF metadata for the SentencePiece model, as convert_hf_to_gguf.py writes it (spm_expected.json "gguf").
+nn::lm::GgufTokenizerData spm_gguf(const json& g) {
+  nn::lm::GgufTokenizerData d;
+  d.model = g.at("model").get<std::string>();
+  d.tokens = g.at("tokens").get<std::vector<std::string>>();
+  d.scores = g.at("scores").get<std::vector<float>>();
+  d.token_types = g.at("token_type").get<std::vector<std::int32_t>>();
+  d.bos_id = g.at("bos").get<std::int32_t>();
+  d.eos_id = g.at("eos").get<std::int32_t>();
+  d.unk_id = g.at("unk").get<std::int32_t>();
+  d.add_bos = g.at("add_bos").get<bool>();
+  d.add_eos = g.at("add_eos").get<bool>();
+  d.add_space_prefix = g.at("add_space_prefix").get<bool>();
+  return d;
+}
+
+// Text a SentencePiece-style tokenizer gives back unchanged: no added tokens (a space is put
+// after each) and no "▁" (it decodes to a space).
+bool spm_plain(const std::string& s) {
+  for (const char* m : {"\xE2\x96\x81", "<s>", "</s>", "<unk>", "<|im_"})
+    if (s.find(m) != std::string::npos) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer: SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma layouts; GGUF \"llama\")") {
+  const json exp = fixture(kDir + "spm_expected.json");
+  const json base = fixture(kDir + "spm_tokenizer.json");
+  MESSAGE("fixtures recorded with tokenizers ", exp.at("tokenizers_version").get<std::string>(), ", sentencepiece ",
+          exp.at("sentencepiece_version").get<std::string>());
+  for (auto it = exp["variants"].begin(); it != exp["variants"].end(); ++it) {
+    const std::string name = it.key();
+    const json& v = it.value();
+    SUBCASE(name.c_str()) {
+      const Tokenizer t = Tokenizer::from_json(with_overrides(base, v["overrides"]), "spm_tokenizer.json");
+      CHECK(t.vocab_size() == exp["vocab"].get<std::size_t>());
+      CHECK(t.merges_size() == exp["merges"].get<std::size_t>());
+      check_probes(t, v["probes"], false, "spm/" + name, true);
+      check_chunks(t, sample_chunks(), v["chunks"], false, "spm/" + name, &expected()["chunk_sections"], true);
+      check_decode(t, v["decode"], "spm/" + name);
+      // Llama's layout strips the space it added; Gemma's adds none: both give the text back.
+      if (name == "llama" || name == "gemma") {
+        std::size_t n = 0;
+        for (const auto& c : sample_chunks()) {
+          if (!spm_plain(c)) continue;
+          INFO("spm/", name, " round trip of \"", c.substr(0, 60), "\"");
+          CHECK(t.decode(t.encode(c, {.add_special_tokens = false})) == c);
+          ++n;
+        }
+        CHECK(n > 100);
+      }
+    }
+  }
+  SUBCASE("GGUF \"llama\" model: llama.cpp's score-ordered merging gives the tokenizer.json's ids") {
+    const json& v = exp["variants"]["llama"];
+    const Tokenizer t = Tokenizer::from_gguf(spm_gguf(exp["gguf"]), "spm.gguf");
+    CHECK(t.bos_id() == 1);
+    CHECK(t.prefix_ids() == std::vector<std::int32_t>{1});
+    CHECK(t.merges_size() == 0);
+    check_probes(t, v["probes"], false, "gguf/spm", true);
+    check_chunks(t, sample_chunks(), v["chunks"], false, "gguf/spm", &expected()["chunk_sections"], true);
+    check_decode(t, v["decode"], "gguf/spm");
+  }
+  SUBCASE("errors name the field") {
+    nn::lm::GgufTokenizerData d = spm_gguf(exp["gguf"]);
+    d.scores.pop_back();
+    CHECK(contains(error_of([&] { Tokenizer::from_gguf(d, "m.gguf"); }), "tokenizer.ggml.scores: 3001 entries for 3002 tokens"));
+    d = spm_gguf(exp["gguf"]);
+    d.model = "bert";
+    CHECK(contains(error_of([&] { Tokenizer::from_gguf(d, "m.gguf"); }), "unsupported tokenizer model 'bert'"));
+    // A vocabulary without byte tokens: a character it lacks cannot be encoded.
+    d = spm_gguf(exp["gguf"]);
+    for (std::size_t i = 0; i < d.tokens.size(); ++i)
+      if (d.token_types[i] == 6) d.tokens[i] = "<nn_no_byte_" + std::to_string(i) + ">";
+    const Tokenizer nb = Tokenizer::from_gguf(d, "m.gguf");
+    CHECK(contains(error_of([&] { nb.encode("\xF0\x9F\xA6\x99"); }), "byte 0xF0 has no token"));
+    json j = base;
+    j["normalizer"] = json::parse(R"({"type": "Replace", "pattern": {"Regex": " +"}, "content": "\u2581"})");
+    CHECK(contains(error_of([&] { Tokenizer::from_json(j, "x.json"); }), "normalizer.pattern"));
+    j = base;
+    j["decoder"] = json::parse(R"({"type": "WordPiece"})");
+    CHECK(contains(error_of([&] { Tokenizer::from_json(j, "x.json"); }), "unsupported decoder 'WordPiece'"));
+    j = base;
+    j["normalizer"] = nullptr;
+    j["model"]["byte_fallback"] = false;
+    CHECK(contains(error_of([&] { Tokenizer::from_json(j, "x.json"); }), "neither byte-level BPE"));
+    j = base;
+    j["pre_tokenizer"] = json::parse(R"({"type": "Sequence", "pretokenizers": [{"type": "Digits"}, {"type": "Metaspace"}]})");
+    CHECK(contains(error_of([&] { Tokenizer::from_json(j, "x.json"); }), "Metaspace is only supported as the first"));
   }
 }
 
@@ -507,8 +596,8 @@ TEST_CASE("tokenizer: malformed tokenizer.json names the file and the field") {
   j["pre_tokenizer"] = {{"type", "Whitespace"}};  // tokenizers' own character classes: left out
   CHECK(contains(err(j), "pre_tokenizer.type: unsupported pre-tokenizer 'Whitespace'"));
   j = good;
-  j["pre_tokenizer"] = {{"type", "Metaspace"}};
-  CHECK(contains(err(j), "pre_tokenizer.type: unsupported pre-tokenizer 'Metaspace'"));
+  j["pre_tokenizer"] = {{"type", "CharDelimiterSplit"}, {"delimiter", " "}};
+  CHECK(contains(err(j), "pre_tokenizer.type: unsupported pre-tokenizer 'CharDelimiterSplit'"));
   j = good;
   j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "(?<=x)y"}}}, {"behavior", "Isolated"}};
   CHECK(contains(err(j), "pre_tokenizer.pattern"));
@@ -518,7 +607,7 @@ TEST_CASE("tokenizer: malformed tokenizer.json names the file and the field") {
   CHECK(contains(error_of([] { Tokenizer::from_file("/nonexistent/tokenizer.json"); }), "[tokenizer] /nonexistent/tokenizer.json: cannot open"));
   j = good;
   j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", " "}}}, {"behavior", "Isolated"}};
-  CHECK(contains(err(j), "pre_tokenizer: no ByteLevel pre-tokenizer"));
+  CHECK(contains(err(j), "pre_tokenizer: neither byte-level BPE"));
   j = good;
   j["decoder"] = {{"type", "WordPiece"}};
   CHECK(contains(err(j), "decoder.type: unsupported decoder 'WordPiece'"));
@@ -570,8 +659,9 @@ TEST_CASE("tokenizer: full corpus (NN_TOKENIZER_FULL_DIR)") {
     REQUIRE_MESSAGE(in, "missing ", dir, "/", f);
     return json::parse(in);
   };
-  const json exp = read("expected.json");
-  const auto chunks = read("corpus.json").at("chunks").get<std::vector<std::string>>();
+  const bool byte_level = std::filesystem::exists(std::string(dir) + "/expected.json");  // gen_tokenizer.py --full
+  const json exp = byte_level ? read("expected.json") : json::object({{"tokenizers", json::object()}});
+  const auto chunks = byte_level ? read("corpus.json").at("chunks").get<std::vector<std::string>>() : std::vector<std::string>{};
   for (auto it = exp["tokenizers"].begin(); it != exp["tokenizers"].end(); ++it) {
     const std::string name = it.key();
     const Tokenizer t = Tokenizer::from_file(std::string(dir) + "/" + it.value()["file"].get<std::string>());
@@ -582,4 +672,15 @@ TEST_CASE("tokenizer: full corpus (NN_TOKENIZER_FULL_DIR)") {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     MESSAGE("full/", name, ": checked in ", s, " s");
   }
+  // SentencePiece-style (tests/oracle/gen_spm_tokenizer.py --full DIR), when its files are there.
+  if (!std::filesystem::exists(std::string(dir) + "/spm_expected.json")) return;
+  const json sexp = read("spm_expected.json");
+  const json sbase = read("spm_tokenizer.json");
+  const auto schunks = read("spm_corpus.json").at("chunks").get<std::vector<std::string>>();
+  for (auto it = sexp["variants"].begin(); it != sexp["variants"].end(); ++it) {
+    const Tokenizer t = Tokenizer::from_json(with_overrides(sbase, it.value()["overrides"]), "spm_tokenizer.json");
+    check_chunks(t, schunks, it.value()["chunks"], false, "full/spm_" + it.key(), nullptr, true);
+  }
+  const Tokenizer g = Tokenizer::from_gguf(spm_gguf(sexp["gguf"]), "spm.gguf");
+  check_chunks(g, schunks, sexp["variants"]["llama"]["chunks"], false, "full/spm_gguf", nullptr, true);
 }

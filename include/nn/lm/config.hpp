@@ -21,10 +21,18 @@
 namespace nn::lm {
 
 /// The decoder families this kit runs. SmolLM / SmolLM2 checkpoints are Llama models
-/// (their config.json says "model_type": "llama").
-enum class Arch : std::uint8_t { llama, qwen2 };
+/// (their config.json says "model_type": "llama"). Qwen3 is Qwen2 without the q/k/v biases and
+/// with an RMSNorm on each head's query and key (q_norm, k_norm) before RoPE.
+enum class Arch : std::uint8_t { llama, qwen2, qwen3 };
 
-inline const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : "qwen2"; }
+/// The family's model_type in config.json, which is also its GGUF general.architecture.
+inline const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : a == Arch::qwen2 ? "qwen2" : "qwen3"; }
+/// The family's class in transformers (config.json's "architectures").
+inline const char* hf_architecture(Arch a) {
+  return a == Arch::llama ? "LlamaForCausalLM" : a == Arch::qwen2 ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM";
+}
+/// What the unsupported-family errors list.
+inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3";
 
 /// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
 /// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
@@ -56,6 +64,7 @@ struct ModelConfig {
   bool qkv_bias = false;   // Qwen2: always; Llama: attention_bias
   bool o_bias = false;     // Llama: attention_bias (HF puts it on o_proj too); Qwen2: never
   bool mlp_bias = false;   // Llama: mlp_bias
+  bool qk_norm = false;    // Qwen3: q_norm and k_norm, RMSNorms over head_dim
   RopeScaling rope_scaling;
   /// Per-frequency divisors (head_dim / 2 of them) from a GGUF "rope_freqs" tensor, which is how
   /// llama.cpp stores Llama 3's frequency remap; empty for none.
@@ -214,14 +223,18 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
   detail::ConfigReader r{j, label};
   ModelConfig c;
   const nlohmann::json* mt = r.find("model_type");
-  if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (\"llama\" or \"qwen2\")");
+  if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (one of ", kSupportedFamilies, ")");
   if (!mt->is_string()) r.bad("model_type", "a string", *mt);
   c.model_type = mt->get<std::string>();
   if (c.model_type == "llama" || c.model_type == "smollm") c.arch = Arch::llama;
   else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
-  else
-    nn::detail::fail("config", label, ": field \"model_type\": \"", c.model_type,
-                 "\" is not supported (supported: llama — which covers SmolLM / SmolLM2 — and qwen2)");
+  else if (c.model_type == "qwen3") c.arch = Arch::qwen3;
+  else {
+    const nlohmann::json* archs = r.find("architectures");
+    nn::detail::fail("config", label, ": model_type \"", c.model_type, "\"",
+                     archs ? " (architectures " + archs->dump() + ")" : std::string(),
+                     " is not a supported model family (supported: ", kSupportedFamilies, ")");
+  }
 
   const std::string act = r.opt_str("hidden_act", "silu");
   if (act != "silu")
@@ -236,7 +249,7 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
                  ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
   c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::qwen2 ? 32768 : 2048);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama ? 2048 : 32768);
   c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
   c.rope_theta = r.opt_num("rope_theta", 10000.0);
   c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
@@ -246,8 +259,14 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     if (r.opt_bool("use_sliding_window", false))
       nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
   } else {
+    // Llama and Qwen3: attention_bias on q/k/v and o_proj; Qwen3's MLP has no bias field
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
     c.mlp_bias = r.opt_bool("mlp_bias", false);
+  }
+  if (c.arch == Arch::qwen3) {
+    c.qk_norm = true;
+    if (r.opt_bool("use_sliding_window", false))
+      nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
   }
 
   // RoPE's scaling: "rope_scaling" (transformers 4), or "rope_parameters" (transformers 5, which

@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // Fine-tuning data as mlx-lm reads it: JSONL in three forms ({"text"}, {"prompt","completion"},
-// {"messages"} through a ChatML template), tokenized, split, shuffled with a seed, and batched
-// with padding and a loss mask.
+// {"messages"} through the model's own chat template, or ChatML), tokenized, split, shuffled
+// with a seed, and batched with padding and a loss mask.
 #pragma once
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <istream>
 #include <numeric>
 #include <optional>
@@ -19,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../tensor.hpp"
+#include "chat_template.hpp"
 #include "json.hpp"
 
 namespace nn::lm {
@@ -74,6 +76,12 @@ struct ChatML {
 /// How the three JSONL forms become examples.
 struct DataOptions {
   ChatML chat;
+  /// The model's own chat template (tokenizer.chat_template), used instead of `chat` when set:
+  /// conversations render as apply_chat_template renders them, with every field of each message
+  /// (tool_calls, reasoning_content, ...) and the record's "tools" passed through, as mlx-lm
+  /// does. `template_vars` go beside them (bos_token, eos_token, options like enable_thinking).
+  std::shared_ptr<const ChatTemplate> chat_template;
+  nlohmann::ordered_json template_vars = nlohmann::ordered_json::object();
   /// Learn only the completion / the assistant turns (mlx-lm's --mask-prompt).
   bool mask_prompt = true;
   /// With mask_prompt, a {"messages"} conversation learns every assistant turn, each from its
@@ -99,11 +107,13 @@ inline std::string field_string(const nlohmann::json& j, const char* key, const 
 
 /// One JSONL record as an example. Forms (as mlx-lm's create_dataset): {"text"}: every token
 /// counts, an EOS is appended if missing; {"prompt", "completion"}: a user/assistant exchange in
-/// the chat format, the prompt masked; {"messages": [{"role", "content"}, ...]}: the
-/// conversation, all but the last message masked. `where`/`line` name the source in errors.
+/// the chat format, the prompt masked; {"messages": [{"role", "content"}, ...], "tools": [...]}:
+/// the conversation, all but the last message masked. `where`/`line` name the source in errors.
+/// `ordered`, when given, is the same record with its keys in file order (what a chat template's
+/// tojson prints); without it they come sorted.
 template <TextEncoder Tok>
 Example make_example(const nlohmann::json& j, const Tok& tok, const DataOptions& opt, const std::string& where,
-                     std::size_t line) {
+                     std::size_t line, const nlohmann::ordered_json* ordered = nullptr) {
   if (!j.is_object()) detail::data_fail(where, line, "a record must be a JSON object");
   Example ex;
   if (j.contains("text")) {
@@ -111,39 +121,67 @@ Example make_example(const nlohmann::json& j, const Tok& tok, const DataOptions&
     if (ex.tokens.empty() || ex.tokens.back() != tok.eos_id()) ex.tokens.push_back(tok.eos_id());
     return ex;
   }
+  // The conversation as roles and a renderer of its first n messages (with or without the
+  // generation prompt): through the chat template, or ChatML.
+  std::vector<std::string> roles;
+  std::function<std::string(std::size_t, bool)> render;
   std::vector<Message> msgs;
+  nlohmann::ordered_json jmsgs = nlohmann::ordered_json::array(), tools;
   if (j.contains("prompt") || j.contains("completion")) {
     msgs = {{"user", detail::field_string(j, "prompt", where, line)},
             {"assistant", detail::field_string(j, "completion", where, line)}};
+    for (const Message& m : msgs) jmsgs.push_back({{"role", m.role}, {"content", m.content}});
   } else if (j.contains("messages")) {
     const auto& ms = j["messages"];
     if (!ms.is_array() || ms.empty()) detail::data_fail(where, line, "field \"messages\" must be a non-empty array");
+    if (!opt.chat_template && j.contains("tools"))
+      detail::data_fail(where, line, "\"tools\" needs the model's chat template (ChatML has no tool format)");
+    const nlohmann::ordered_json oj = ordered ? *ordered : nlohmann::ordered_json(j);
     for (std::size_t i = 0; i < ms.size(); ++i) {
       if (!ms[i].is_object())
         detail::data_fail(where, line, "messages[" + std::to_string(i) + "] must be an object");
-      msgs.push_back({detail::field_string(ms[i], "role", where, line), detail::field_string(ms[i], "content", where, line)});
+      const std::string role = detail::field_string(ms[i], "role", where, line);
+      // A template takes any message (a tool call's content may be null); ChatML needs text.
+      msgs.push_back({role, opt.chat_template ? std::string() : detail::field_string(ms[i], "content", where, line)});
+      jmsgs.push_back(oj["messages"][i]);
+    }
+    if (j.contains("tools")) {
+      if (!j["tools"].is_array() && !j["tools"].is_null()) detail::data_fail(where, line, "field \"tools\" must be an array");
+      tools = oj["tools"];
     }
   } else {
     detail::data_fail(where, line, "a record needs \"text\", \"prompt\"+\"completion\" or \"messages\"");
   }
-  ex.tokens = tok.encode(opt.chat.render(msgs, false), false);
+  for (const Message& m : msgs) roles.push_back(m.role);
+  if (opt.chat_template) {
+    render = [&](std::size_t n, bool open) {
+      const nlohmann::ordered_json part(jmsgs.begin(), jmsgs.begin() + static_cast<std::ptrdiff_t>(n));
+      try {
+        return opt.chat_template->apply(part, open, opt.template_vars, tools);
+      } catch (const nn::Error& e) {
+        detail::data_fail(where, line, e.what());
+      }
+    };
+  } else {
+    render = [&](std::size_t n, bool open) {
+      return opt.chat.render(std::vector<Message>(msgs.begin(), msgs.begin() + static_cast<std::ptrdiff_t>(n)), open);
+    };
+  }
+  ex.tokens = tok.encode(render(roles.size(), false), false);
   if (!opt.mask_prompt) return ex;
-  const auto count = [&](std::size_t n, bool open_turn) {  // tokens of the first n messages
-    return tok.encode(opt.chat.render(std::vector<Message>(msgs.begin(), msgs.begin() + static_cast<std::ptrdiff_t>(n)),
-                                      open_turn), false).size();
-  };
+  const auto count = [&](std::size_t n, bool open_turn) { return tok.encode(render(n, open_turn), false).size(); };
   if (opt.every_assistant_turn) {
     // each assistant turn: from after its header (the prefix rendered with a generation prompt)
     // to the end of the prefix that includes it (its content and end-of-turn marker)
-    for (std::size_t i = 0; i < msgs.size(); ++i)
-      if (msgs[i].role == "assistant")
+    for (std::size_t i = 0; i < roles.size(); ++i)
+      if (roles[i] == "assistant")
         ex.learn.emplace_back(std::min(count(i, true), ex.tokens.size()), std::min(count(i + 1, false), ex.tokens.size()));
     if (!ex.learn.empty()) {
       ex.offset = ex.learn.front().first;
       return ex;
     }
   }
-  ex.offset = count(msgs.size() - 1, msgs.back().role == "assistant");
+  ex.offset = count(roles.size() - 1, roles.back() == "assistant");
   return ex;
 }
 
@@ -158,7 +196,12 @@ std::vector<Example> read_jsonl(std::istream& in, const std::string& label, cons
     ++line;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     const nlohmann::json j = detail::parse_json_strict(text, "data", label + ":" + std::to_string(line));
-    out.push_back(make_example(j, tok, opt, label, line));
+    if (opt.chat_template) {  // keys in file order for the template (strictness checked above)
+      const nlohmann::ordered_json oj = nlohmann::ordered_json::parse(text);
+      out.push_back(make_example(j, tok, opt, label, line, &oj));
+    } else {
+      out.push_back(make_example(j, tok, opt, label, line));
+    }
   }
   if (out.empty()) nn::detail::fail("data", label, ": no records");
   return out;

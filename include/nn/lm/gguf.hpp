@@ -272,6 +272,7 @@ struct GgufTokenizerMetadata {
   std::vector<float> scores;          // tokenizer.ggml.scores (SentencePiece)
   std::optional<std::int64_t> bos_id, eos_id, eot_id, unk_id, pad_id;
   std::optional<bool> add_bos, add_eos;
+  std::optional<bool> add_space_prefix;  // tokenizer.ggml.add_space_prefix (SentencePiece; llama.cpp's default: true)
   std::string chat_template;          // tokenizer.chat_template
 };
 
@@ -918,6 +919,7 @@ class GgufFile {
     id("tokenizer.ggml.padding_token_id", m.pad_id);
     flag("tokenizer.ggml.add_bos_token", m.add_bos);
     flag("tokenizer.ggml.add_eos_token", m.add_eos);
+    flag("tokenizer.ggml.add_space_prefix", m.add_space_prefix);
     return m;
   }
 

@@ -143,16 +143,21 @@ inline std::string gguf_pre_name(const nlohmann::json& pre, const std::string& w
 }  // namespace detail
 
 /// The metadata of a GGUF written from a model loaded from the Hugging Face folder `folder` (its
-/// config `c`), as convert_hf_to_gguf.py writes it: <arch>.* hyperparameters and a "gpt2"
-/// (byte-level BPE) tokenizer -- tokens by id (padded to the model's vocabulary with [PAD<i>],
-/// type unused), token types (special added tokens control, other added tokens user-defined),
-/// merges, the pre-tokenizer's llama.cpp name, BOS / EOS / padding ids, whether BOS is added, and
-/// tokenizer_config.json's chat template.
+/// config `c`), as convert_hf_to_gguf.py writes it: <arch>.* hyperparameters and the tokenizer --
+/// tokens by id (padded to the model's vocabulary with [PAD<i>], type unused), token types
+/// (special added tokens control, other added tokens user-defined), BOS / EOS / padding ids,
+/// whether BOS is added, and tokenizer_config.json's chat template. A byte-level BPE becomes a
+/// "gpt2" tokenizer (merges, the pre-tokenizer's llama.cpp name); a SentencePiece-style one
+/// (Llama 2, Mistral, TinyLlama) a "llama" tokenizer: byte tokens typed byte, <unk> unknown,
+/// add_space_prefix, and scores that make llama.cpp's rule (join the pair whose joined text scores
+/// highest) follow the merges: a token scores minus the rank of the first merge that makes it.
+/// (llama.cpp also joins a pair whose text is a token no merge makes; a tokenizer.json converted
+/// from SentencePiece lists a merge for every such pair.)
 inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const ModelConfig& c) {
   const std::string where = (folder / "tokenizer.json").string();
   const nlohmann::json tj = detail::gguf_read_json(folder / "tokenizer.json");
   const Tokenizer tok = Tokenizer::from_file(where);
-  const std::string a = c.arch == Arch::qwen2 ? "qwen2" : "llama";
+  const std::string a = arch_name(c.arch);
   if (!c.rope_freq_factors.empty() || (c.rope_scaling.type != "default" && !c.rope_scaling.type.empty() && c.rope_scaling.type != "linear"))
     nn::detail::fail("gguf", folder.string(), ": rope_scaling '", c.rope_scaling.type, "' is not written (default, linear are)");
   GgufWriter w;
@@ -195,15 +200,44 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
   }
   for (const AddedToken& t : tok.added_tokens())
     if (t.id >= 0 && t.id < n) types[static_cast<std::size_t>(t.id)] = t.special ? 3 : 4;
-  std::vector<std::string> merges;
+  std::vector<std::pair<std::string, std::string>> merges;
   if (tj.contains("model") && tj["model"].contains("merges"))
-    for (const auto& m : tj["model"]["merges"])
-      merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
-  w.set("tokenizer.ggml.model", "gpt2");
-  w.set("tokenizer.ggml.pre", detail::gguf_pre_name(tj.value("pre_tokenizer", nlohmann::json()), where));
-  w.set_array("tokenizer.ggml.tokens", tokens);
-  w.set_array("tokenizer.ggml.token_type", types);
-  w.set_array("tokenizer.ggml.merges", merges);
+    for (const auto& m : tj["model"]["merges"]) {
+      if (!m.is_string()) {
+        merges.emplace_back(m.at(0).get<std::string>(), m.at(1).get<std::string>());
+        continue;
+      }
+      const std::string s = m.get<std::string>();
+      const auto sp = s.find(' ', 1);
+      merges.emplace_back(s.substr(0, sp), sp == std::string::npos ? std::string() : s.substr(sp + 1));
+    }
+  if (tok.sentencepiece()) {
+    std::vector<float> scores(static_cast<std::size_t>(n), -1e9f);  // made by no merge: joined last, if ever
+    std::vector<bool> scored(static_cast<std::size_t>(n), false);
+    for (std::size_t r = 0; r < merges.size(); ++r)
+      if (auto id = tok.token_to_id(merges[r].first + merges[r].second); id && *id < n && !scored[static_cast<std::size_t>(*id)]) {
+        scores[static_cast<std::size_t>(*id)] = -static_cast<float>(r + 1);
+        scored[static_cast<std::size_t>(*id)] = true;
+      }
+    for (std::int32_t i = 0; i < n; ++i)
+      if (types[static_cast<std::size_t>(i)] == 1 && detail::spm_byte_token(tokens[static_cast<std::size_t>(i)]) >= 0)
+        types[static_cast<std::size_t>(i)] = 6;
+    if (tok.unk_id() && *tok.unk_id() < n) types[static_cast<std::size_t>(*tok.unk_id())] = 2;
+    w.set("tokenizer.ggml.model", "llama");
+    w.set_array("tokenizer.ggml.tokens", tokens);
+    w.set_array("tokenizer.ggml.scores", scores);
+    w.set_array("tokenizer.ggml.token_type", types);
+    w.set("tokenizer.ggml.add_space_prefix", tok.space_prefix());
+    if (tok.unk_id()) w.set("tokenizer.ggml.unknown_token_id", static_cast<std::uint32_t>(*tok.unk_id()));
+  } else {
+    std::vector<std::string> joined;
+    for (const auto& [a, b] : merges) joined.push_back(a + " " + b);
+    w.set("tokenizer.ggml.model", "gpt2");
+    w.set("tokenizer.ggml.pre", detail::gguf_pre_name(tj.value("pre_tokenizer", nlohmann::json()), where));
+    w.set_array("tokenizer.ggml.tokens", tokens);
+    w.set_array("tokenizer.ggml.token_type", types);
+    w.set_array("tokenizer.ggml.merges", joined);
+  }
   if (tok.bos_id()) w.set("tokenizer.ggml.bos_token_id", static_cast<std::uint32_t>(*tok.bos_id()));
   if (tok.eos_id()) w.set("tokenizer.ggml.eos_token_id", static_cast<std::uint32_t>(*tok.eos_id()));
   if (tok.pad_id()) w.set("tokenizer.ggml.padding_token_id", static_cast<std::uint32_t>(*tok.pad_id()));
@@ -226,9 +260,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
 inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, GgufWriter w,
                                   const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
-  if (c.arch != Arch::llama && c.arch != Arch::qwen2)
-    nn::detail::fail("gguf", path.string(), ": cannot export architecture '", c.model_type, "' (llama, qwen2)");
-  const std::string arch = c.arch == Arch::qwen2 ? "qwen2" : "llama";
+  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the three families
   if (source)
     if (const GgufValue* a = source->find("general.architecture"); a && a->is_string() && a->as_string() != arch)
       nn::detail::fail("gguf", path.string(), ": the source ", source->path(), " is a '", a->as_string(),
@@ -313,14 +345,12 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
 }
 
 /// Writes the LoRA layers of `model` (trained with `cfg`) as a llama.cpp GGUF LoRA adapter for a
-/// base of architecture `arch` ("llama" / "qwen2"; the base's general.architecture). Factors in
+/// base of architecture `arch` ("llama" / "qwen2" / "qwen3"; the base's general.architecture). Factors in
 /// F32. Raises, leaving no file, when the model has no LoRA layers or one has no llama.cpp name.
 template <class M>
 void save_gguf_adapter(const std::filesystem::path& path, const M& model, const LoraConfig& cfg, const ModelConfig& c) {
-  if (c.arch != Arch::llama && c.arch != Arch::qwen2)
-    nn::detail::fail("gguf", path.string(), ": cannot export an adapter for architecture '", c.model_type, "' (llama, qwen2)");
   GgufWriter w;
-  w.set("general.architecture", c.arch == Arch::qwen2 ? "qwen2" : "llama");
+  w.set("general.architecture", arch_name(c.arch));
   w.set("general.type", "adapter");
   w.set("adapter.type", "lora");
   const double eff = cfg.rslora ? cfg.scale / std::sqrt(static_cast<double>(cfg.rank)) : cfg.scale;

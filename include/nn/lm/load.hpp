@@ -388,7 +388,8 @@ struct GgufNames {
       {"attn_q", "self_attn.q_proj"},   {"attn_k", "self_attn.k_proj"},
       {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
       {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
-      {"ffn_down", "mlp.down_proj"}};
+      {"ffn_down", "mlp.down_proj"},   {"attn_q_norm", "self_attn.q_norm"},
+      {"attn_k_norm", "self_attn.k_norm"}};
 
   /// Maps `name` from one side to the other (to_hf: llama.cpp -> HF). A name with no mapping
   /// comes back nullopt.
@@ -420,7 +421,7 @@ inline std::string gguf_to_hf_name(const std::string& g) { return GgufNames::map
 /// the tensor when llama.cpp has no name for it.
 inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label) {
   if (auto g = GgufNames::map(hf, false)) return *g;
-  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 decoder's tensors have)");
+  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 / Qwen3 decoder's tensors have)");
 }
 
 /// convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or bias (out),
@@ -479,7 +480,7 @@ struct GgufMeta {
 
 }  // namespace detail
 
-/// The model's hyperparameters from GGUF metadata: general.architecture ("llama" or "qwen2")
+/// The model's hyperparameters from GGUF metadata: general.architecture ("llama", "qwen2", "qwen3")
 /// and <arch>.embedding_length, .block_count, .feed_forward_length, .attention.head_count,
 /// .attention.head_count_kv, .attention.key_length, .attention.layer_norm_rms_epsilon,
 /// .rope.freq_base, .rope.scaling.*, .context_length; the vocabulary size from <arch>.vocab_size,
@@ -493,8 +494,10 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   c.model_type = m.read("general.architecture", [](const GgufValue& v) { return v.as_string(); });
   if (c.model_type == "llama") c.arch = Arch::llama;
   else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
+  else if (c.model_type == "qwen3") c.arch = Arch::qwen3;
   else
-    nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not supported (llama, qwen2)");
+    nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not a supported model family (supported: ",
+                     kSupportedFamilies, ")");
   const std::string a = c.model_type + ".";
   // Each size is checked as it is read, under its GGUF key and ModelConfig's limits, so that a
   // bad one is named before anything is derived from it or allocated.
@@ -538,6 +541,7 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   c.qkv_bias = c.arch == Arch::qwen2 || f.find_tensor("blk.0.attn_q.bias") != nullptr;
   c.o_bias = f.find_tensor("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = f.find_tensor("blk.0.ffn_gate.bias") != nullptr;
+  c.qk_norm = c.arch == Arch::qwen3;
   if (const GgufTensorInfo* t = f.find_tensor("rope_freqs.weight")) {
     Tensor ff = f.tensor(*t, DType::f64);
     c.rope_freq_factors = ff.to_doubles();

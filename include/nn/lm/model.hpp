@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// CausalLM: the Llama / Qwen2 / SmolLM decoder-only transformer as Hugging Face's LlamaForCausalLM
-// and Qwen2ForCausalLM compute it, as a module tree whose parameter paths are HF's own
+// CausalLM: the Llama / Qwen2 / Qwen3 / SmolLM decoder-only transformer as Hugging Face's
+// LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM compute it, as a module tree whose parameter paths are HF's own
 // ("model.layers.0.self_attn.q_proj.weight"), with a batched forward on the tape and a KV-cached
 // forward for generation.
 //
 // One decoder layer (HF LlamaDecoderLayer):
 //   h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = RMSNorm(x)
+//   (Qwen3: rope(q_norm(q_proj(n1))), rope(k_norm(k_proj(n1))), the norms per head)
 //   y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                         n2 = RMSNorm(h)
 // then a final RMSNorm and the LM head (the embedding table itself when tie_word_embeddings).
 // RoPE is the NEOX half-split form (HF rotate_half) with the config's inverse frequencies.
@@ -96,11 +97,23 @@ RopeVars rope_vars(GTape<B>& tp, const ModelConfig& c, std::int64_t T, std::int6
 
 }  // namespace detail
 
-/// HF's LlamaAttention / Qwen2Attention weights: q (n_heads*hd, C), k and v (n_kv*hd, C),
-/// o (C, n_heads*hd); biases on q/k/v for Qwen2 (and Llama with attention_bias).
+/// HF's LlamaAttention / Qwen2Attention / Qwen3Attention weights: q (n_heads*hd, C), k and v
+/// (n_kv*hd, C), o (C, n_heads*hd); biases on q/k/v for Qwen2 (and Llama with attention_bias);
+/// Qwen3's q_norm and k_norm (hd), RMSNorms over each head's features.
 struct Attention {
   Projection q_proj, k_proj, v_proj, o_proj;
-  NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj)
+  std::optional<RmsNorm> q_norm, k_norm;
+
+  /// Qwen3's per-head norm of the projected queries or keys, before RoPE (identity without it).
+  /// x: (B, T, heads * hd) -> (B, T, heads * hd)
+  template <class B>
+  static GVar head_norm(GTape<B>& tp, const std::optional<RmsNorm>& n, GVar x, std::int64_t hd) {
+    if (!n) return x;
+    const Shape s = tp.shape(x);
+    GVar h = reshape(tp, x, {s[0], s[1], s[2] / hd, hd});  // (B, T, heads, hd)
+    return reshape(tp, (*n)(tp, h), {s[0], s[1], s[2]});
+  }
+  NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)
 };
 
 /// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I).
@@ -156,7 +169,7 @@ struct KVCache {
   }
 };
 
-/// LlamaForCausalLM / Qwen2ForCausalLM. Parameter paths: model.embed_tokens.weight,
+/// LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM. Parameter paths: model.embed_tokens.weight,
 /// model.layers.N.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}.{weight,bias},
 /// model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight
 /// (absent when tied). Build one with nn::lm::load_hf / load_gguf, or CausalLM(config, dtype) for
@@ -236,9 +249,10 @@ struct CausalLM {
       }
       {
         auto s = tp.scope("self_attn");
-        GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, T, n_heads * hd)
-        GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, T, n_kv * hd)
-        GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+        const Attention& at = l.self_attn;
+        GVar q = Attention::head_norm(tp, at.q_norm, detail::project(tp, at.q_proj, n1), c.head_dim);  // (B, T, n_heads * hd)
+        GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), c.head_dim);  // (B, T, n_kv * hd)
+        GVar v = detail::project(tp, at.v_proj, n1);
         // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
         GVar ctx = gqa_attention(tp, q, k, v,
                                  {.T = T,
@@ -352,9 +366,10 @@ struct CausalLM {
     for (std::size_t li = 0; li < nl; ++li) {
       const DecoderLayer& l = model.layers[li];
       GVar n1 = l.input_layernorm(tp, x);
-      GVar q = detail::project(tp, l.self_attn.q_proj, n1);  // (B, Tq, n_heads * hd)
-      GVar k = detail::project(tp, l.self_attn.k_proj, n1);  // (B, Tq, n_kv * hd)
-      GVar v = detail::project(tp, l.self_attn.v_proj, n1);
+      const Attention& at = l.self_attn;
+      GVar q = Attention::head_norm(tp, at.q_norm, detail::project(tp, at.q_proj, n1), hd);  // (B, Tq, n_heads * hd)
+      GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), hd);  // (B, Tq, n_kv * hd)
+      GVar v = detail::project(tp, at.v_proj, n1);
       // The layout of gqa_attention, with Tq queries against S keys.
       GVar qh = permute(tp, nn::detail::view(tp, q, Shape{Bn, Tq, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, Tq, hd)
       GVar kh = permute(tp, nn::detail::view(tp, k, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
@@ -404,6 +419,10 @@ struct CausalLM {
       l.self_attn.k_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
       l.self_attn.v_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
       l.self_attn.o_proj = detail::make_linear(cfg.q_dim(), C, cfg.o_bias, dt, zero);
+      if (cfg.qk_norm) {
+        l.self_attn.q_norm = detail::make_norm(cfg.head_dim, cfg.rms_norm_eps, dt, zero);
+        l.self_attn.k_norm = detail::make_norm(cfg.head_dim, cfg.rms_norm_eps, dt, zero);
+      }
       l.mlp.gate_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
       l.mlp.up_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
       l.mlp.down_proj = detail::make_linear(I, C, cfg.mlp_bias, dt, zero);

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <optional>
+#include <string>
 
 #include "adapters.hpp"
 #include "data.hpp"
@@ -18,7 +21,32 @@ namespace nn::lm {
 struct Pretrained {
   CausalLM model;
   Tokenizer tokenizer;
+  /// The model's chat template (Jinja source; empty when it has none): a folder's
+  /// chat_template.jinja or tokenizer_config.json "chat_template", a GGUF's tokenizer.chat_template.
+  std::string chat_template;
 };
+
+/// The chat template of a Hugging Face folder, as transformers finds it: chat_template.jinja,
+/// else tokenizer_config.json's "chat_template" (a string, or a list of {name, template} whose
+/// "default" entry is used). Empty when there is none.
+inline std::string hf_chat_template(const std::filesystem::path& folder) {
+  if (std::filesystem::exists(folder / "chat_template.jinja")) {
+    std::ifstream f(folder / "chat_template.jinja", std::ios::binary);
+    if (!f) nn::detail::fail("load_pretrained", (folder / "chat_template.jinja").string(), ": cannot open");
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+  const auto cfg = folder / "tokenizer_config.json";
+  if (!std::filesystem::exists(cfg)) return "";
+  const nlohmann::json j = detail::read_json_file(cfg, "load_pretrained");
+  auto it = j.find("chat_template");
+  if (it == j.end() || it->is_null()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_array())
+    for (const auto& t : *it)
+      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") && t["template"].is_string())
+        return t["template"].get<std::string>();
+  nn::detail::fail("load_pretrained", cfg.string(), ": chat_template must be a string or a list with a \"default\" entry");
+}
 
 /// The tokenizer a GGUF file carries (tokenizer.ggml.*), built by Tokenizer::from_gguf.
 inline Tokenizer gguf_tokenizer(const GgufFile& f) {
@@ -59,13 +87,13 @@ inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype
   if (!std::filesystem::exists(path)) nn::detail::fail("load_pretrained", path.string(), ": no such file or folder");
   if (std::filesystem::is_directory(path)) {
     const auto tok = path / "tokenizer.json";
-    if (!std::filesystem::exists(tok)) nn::detail::fail("load_pretrained", tok.string(), ": missing (a byte-level BPE tokenizer.json)");
+    if (!std::filesystem::exists(tok)) nn::detail::fail("load_pretrained", tok.string(), ": missing (a BPE tokenizer.json)");
     CausalLM m = load_hf(path, dtype);
     if (!keep_quantized) dequantize_layers(m, dtype);
-    return {std::move(m), Tokenizer::from_file(tok.string())};
+    return {std::move(m), Tokenizer::from_file(tok.string()), hf_chat_template(path)};
   }
   GgufFile f(path);
-  return {load_gguf(f, dtype, keep_quantized), gguf_tokenizer(f)};
+  return {load_gguf(f, dtype, keep_quantized), gguf_tokenizer(f), f.tokenizer().chat_template};
 }
 
 /// Writes `model` as a Hugging Face folder: config.json and model.safetensors (its dtype), so
@@ -74,9 +102,8 @@ inline Pretrained load_pretrained(const std::filesystem::path& path, DType dtype
 inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) {
   const ModelConfig& c = model.config();
   std::filesystem::create_directories(folder);
-  const bool qwen = c.arch == Arch::qwen2;
-  nlohmann::json j = {{"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
-                      {"model_type", qwen ? "qwen2" : "llama"},
+  nlohmann::json j = {{"architectures", {hf_architecture(c.arch)}},
+                      {"model_type", arch_name(c.arch)},
                       {"hidden_size", c.hidden_size},
                       {"intermediate_size", c.intermediate_size},
                       {"num_hidden_layers", c.num_hidden_layers},
@@ -90,10 +117,8 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
                       {"tie_word_embeddings", c.tie_word_embeddings},
                       {"hidden_act", "silu"},
                       {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
-  if (!qwen) {
-    j["attention_bias"] = c.qkv_bias;
-    j["mlp_bias"] = c.mlp_bias;
-  }
+  if (c.arch != Arch::qwen2) j["attention_bias"] = c.qkv_bias;  // Qwen2's q/k/v biases are fixed
+  if (c.arch == Arch::llama) j["mlp_bias"] = c.mlp_bias;
   const RopeScaling& rs = c.rope_scaling;
   if (rs.type == "linear") j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rs.factor}};
   else if (rs.type == "llama3")

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// Byte-level BPE tokenizer (GPT-2, Qwen2, SmolLM, Llama-3 style) from a Hugging Face
-// tokenizer.json or from GGUF vocabulary metadata, giving the same ids as Hugging Face
-// `tokenizers`.
+// BPE tokenizer from a Hugging Face tokenizer.json or from GGUF vocabulary metadata, giving the
+// same ids as Hugging Face `tokenizers`: byte-level BPE (GPT-2, Qwen2, SmolLM, Llama-3 style) and
+// SentencePiece-style BPE with byte fallback (Llama 2, Mistral, TinyLlama, Gemma: GGUF's "llama"
+// tokenizer model).
 //
 // Pipeline, as in `tokenizers`: added tokens that are not normalized are split out of the raw
 // text first (leftmost-longest; special ones unless parse_special is off), the normalizer (none
@@ -11,16 +12,28 @@
 // the post-processor adds BOS/EOS when asked. Decoding maps byte-level characters back to bytes
 // and repairs broken UTF-8 as Rust's from_utf8_lossy does.
 //
+// SentencePiece-style BPE (a tokenizer.json whose BPE model has byte_fallback, or a Metaspace
+// pre-tokenizer): spaces become "▁" (normalizers Prepend/Replace, or Metaspace), each stretch
+// between added tokens is one word (or is cut before each "▁" by a splitting Metaspace), its
+// symbols are Unicode characters, and a character not in the vocabulary becomes its <0xXX> byte
+// tokens (else <unk>, fused). Decoding runs the file's decoder chain (Replace, ByteFallback, Fuse,
+// Strip, Metaspace) token by token, as `tokenizers` does. From GGUF ("llama" model) it is
+// llama.cpp's SentencePiece algorithm instead of merges: repeatedly join the adjacent pair whose
+// joined text is the best-scoring token (tokenizer.ggml.scores), leftmost on ties, after a " "
+// is put before each stretch of text (add_space_prefix) and spaces become "▁"; for a model
+// converted from SentencePiece this gives the ids of its tokenizer.json.
+//
 // Not supported, and reported as nn::Error when a file asks for it: models other than BPE,
-// BPE dropout, continuing_subword_prefix / end_of_word_suffix, normalizers other than NFC,
-// pre-tokenizers other than ByteLevel / Split / Digits / WhitespaceSplit, and files without a
-// ByteLevel pre-tokenizer (not byte-level).
+// BPE dropout, continuing_subword_prefix / end_of_word_suffix, normalizers other than NFC /
+// Prepend / Replace with a string pattern, pre-tokenizers other than ByteLevel / Split / Digits /
+// WhitespaceSplit / Metaspace, and files that are neither byte-level nor SentencePiece-style.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -69,13 +82,15 @@ struct EncodeOptions {
 
 /// The tokenizer part of GGUF metadata (tokenizer.ggml.*), as the GGUF reader hands it over.
 struct GgufTokenizerData {
-  std::string model = "gpt2";              // tokenizer.ggml.model; only "gpt2" (byte-level BPE)
+  std::string model = "gpt2";              // tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
   std::string pre;                         // tokenizer.ggml.pre: names the split regexes
   std::vector<std::string> tokens;         // tokenizer.ggml.tokens (byte-level form)
   std::vector<std::string> merges;         // tokenizer.ggml.merges ("a b")
   std::vector<std::int32_t> token_types;   // tokenizer.ggml.token_type (empty: all normal)
+  std::vector<float> scores;               // tokenizer.ggml.scores ("llama": what merges first; empty: all 0)
   std::optional<std::int32_t> bos_id, eos_id, pad_id, unk_id;
   std::optional<bool> add_bos, add_eos;    // tokenizer.ggml.add_bos_token / add_eos_token
+  std::optional<bool> add_space_prefix;    // tokenizer.ggml.add_space_prefix ("llama"; default true)
 };
 
 namespace detail {
@@ -237,6 +252,18 @@ struct StringHash {
 };
 using StringMap = std::unordered_map<std::string, std::int32_t, StringHash, std::equal_to<>>;
 
+/// SentencePiece's visible space, U+2581 "▁".
+inline constexpr const char* kSpmSpace = "\xE2\x96\x81";
+
+/// The byte a SentencePiece byte token ("<0x0A>") stands for, as tokenizers' ByteFallback
+/// decoder reads it (either case of hex digit), or -1.
+inline int spm_byte_token(std::string_view t) {
+  if (t.size() != 6 || t.substr(0, 3) != "<0x" || t[5] != '>') return -1;
+  auto hex = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; };
+  const int hi = hex(t[3]), lo = hex(t[4]);
+  return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
+}
+
 // The split regexes: GPT-2's (ByteLevel's use_regex) and those llama.cpp applies for each
 // tokenizer.ggml.pre name (src/llama-vocab.cpp), applied one after the other.
 inline constexpr const char* kGpt2Regex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -324,7 +351,7 @@ class Tokenizer {
     return t;
   }
 
-  /// From the tokenizer.ggml.* metadata of a GGUF file (llama.cpp's "gpt2" tokenizer model).
+  /// From the tokenizer.ggml.* metadata of a GGUF file (llama.cpp's "gpt2" and "llama" tokenizer models).
   static Tokenizer from_gguf(const GgufTokenizerData& d, const std::string& source = "gguf") {
     Tokenizer t;
     t.source_ = source;
@@ -343,6 +370,8 @@ class Tokenizer {
     d.tokens = m.tokens;
     d.merges = m.merges;
     d.token_types.assign(m.token_types.begin(), m.token_types.end());
+    if constexpr (requires { m.scores; }) d.scores.assign(m.scores.begin(), m.scores.end());  // SentencePiece fields: optional
+    if constexpr (requires { m.add_space_prefix; }) d.add_space_prefix = m.add_space_prefix;
     auto id = [&](const auto& v, const char* field) -> std::optional<std::int32_t> {
       if (!v) return std::nullopt;
       if (*v < 0 || *v > INT32_MAX) nn::detail::fail(source, field, ": id ", *v, " is out of range");
@@ -395,13 +424,15 @@ class Tokenizer {
       }
       std::string norm;
       std::string_view ns = seg;
-      if (nfc_) {
-        norm = nfc(seg);
+      if (!norms_.empty()) {
+        norm = normalize(seg);
         ns = norm;
       }
+      // Metaspace's prepend_scheme "first" looks at where the piece starts in the input.
+      const bool seg_first = seg.data() == text.data();
       split_added(ns, norm_added_, opt.parse_special, [&](std::string_view s2, std::int32_t id2) {
         if (id2 >= 0) out.push_back(id2);
-        else for_each_word(s2, [&](std::string_view w) { encode_word(w, out, cache); });
+        else for_each_word(s2, seg_first && s2.data() == ns.data(), [&](std::string_view w) { encode_word(w, out, cache); });
       });
     });
     if (opt.add_special_tokens) out.insert(out.end(), suffix_.begin(), suffix_.end());
@@ -411,9 +442,9 @@ class Tokenizer {
   /// The pre-tokenizer's words for `text` (normalized first; added tokens are not split out):
   /// what Hugging Face's pre_tokenizer.pre_tokenize_str gives after the normalizer.
   std::vector<std::string> pre_tokenize(std::string_view text) const {
-    std::string norm = nfc_ ? nfc(text) : std::string(text);
+    std::string norm = normalize(text);
     std::vector<std::string> words;
-    for_each_word(norm, [&](std::string_view w) { words.emplace_back(w); });
+    for_each_word(norm, true, [&](std::string_view w) { words.emplace_back(w); });
     return words;
   }
 
@@ -421,6 +452,7 @@ class Tokenizer {
 
   /// The raw bytes the ids stand for (may end inside a UTF-8 sequence: see
   /// utf8_complete_prefix for streaming). Throws nn::Error on an id outside the vocabulary.
+  /// SentencePiece-style: "▁" is a space and <0xXX> its byte; no leading space is stripped.
   std::string decode_bytes(std::span<const std::int32_t> ids, bool skip_special_tokens = false) const {
     std::string out;
     for (std::int32_t id : ids) {
@@ -433,8 +465,20 @@ class Tokenizer {
 
   /// Text for the ids; invalid UTF-8 (a sequence cut by the ids chosen) becomes U+FFFD, as in
   /// Hugging Face's decode. skip_special_tokens drops added tokens marked special.
+  /// SentencePiece-style: the decoder chain, so also the leading space Strip removes.
   std::string decode(std::span<const std::int32_t> ids, bool skip_special_tokens = false) const {
-    return utf8_lossy(decode_bytes(ids, skip_special_tokens));
+    if (!spm_) return utf8_lossy(decode_bytes(ids, skip_special_tokens));
+    std::vector<std::string> toks;
+    toks.reserve(ids.size());
+    for (std::int32_t id : ids) {
+      check_id(id, "decode");
+      if (skip_special_tokens && is_special_[static_cast<std::size_t>(id)]) continue;
+      toks.push_back(id_to_token_[static_cast<std::size_t>(id)]);
+    }
+    for (const DecStep& d : decoders_) run_decoder(d, toks);
+    std::string out;
+    for (const auto& t : toks) out += t;
+    return out;
   }
   std::string decode(const std::vector<std::int32_t>& ids, bool skip_special_tokens = false) const {
     return decode(std::span<const std::int32_t>(ids), skip_special_tokens);
@@ -469,6 +513,17 @@ class Tokenizer {
   void set_eos_id(std::optional<std::int32_t> id) { eos_id_ = id; }
   void set_pad_id(std::optional<std::int32_t> id) { pad_id_ = id; }
 
+  /// SentencePiece-style BPE (GGUF's "llama" tokenizer model): characters as symbols, "▁" for
+  /// spaces, byte fallback. False for byte-level BPE.
+  bool sentencepiece() const { return spm_; }
+  /// SentencePiece-style and puts a "▁" before the text (a Prepend normalizer or Metaspace's
+  /// prepend scheme): GGUF's add_space_prefix.
+  bool space_prefix() const {
+    if (!spm_) return false;
+    if (metaspace_) return metaspace_->scheme != Metaspace::never;
+    return std::any_of(norms_.begin(), norms_.end(), [](const NormStep& n) { return n.kind == NormStep::prepend && n.a == detail::kSpmSpace; });
+  }
+
   /// Ids the post-processor puts before / after a single sequence.
   const std::vector<std::int32_t>& prefix_ids() const { return prefix_; }
   const std::vector<std::int32_t>& suffix_ids() const { return suffix_; }
@@ -482,6 +537,26 @@ class Tokenizer {
     Behavior behavior = Behavior::isolated;
     bool invert = false;
     bool individual_digits = false;
+  };
+  // Normalizer steps, in order (tokenizers' NFC, Prepend, Replace with a String pattern).
+  struct NormStep {
+    enum Kind { nfc, prepend, replace } kind = nfc;
+    std::string a, b;  // prepend: a; replace: a -> b
+  };
+  // The Metaspace pre-tokenizer: spaces become `replacement`, which is put in front as the
+  // scheme says (not when the piece already starts with it), and words are cut before each one
+  // when `split`.
+  struct Metaspace {
+    std::string replacement = detail::kSpmSpace;
+    enum Scheme { always, first, never } scheme = always;
+    bool split = true;
+  };
+  // Decoder steps (SentencePiece-style files), run on the token strings in order.
+  struct DecStep {
+    enum Kind { replace, byte_fallback, fuse, strip, metaspace } kind = fuse;
+    std::string a, b;  // replace: a -> b; strip: a is the character; metaspace: a is the replacement
+    std::size_t start = 0, stop = 0;
+    bool prepend = true;  // metaspace: its prepend_scheme is not "never"
   };
   struct AddedSet {
     std::vector<AddedToken> toks;                         // longest first
@@ -551,8 +626,13 @@ class Tokenizer {
     const auto& alpha = detail::ByteAlphabet::get();
     byte_id_.fill(-1);
     for (int b = 0; b < 256; ++b) {
-      auto it = model_vocab_.find(alpha.utf8[static_cast<std::size_t>(b)]);
-      if (it != model_vocab_.end()) byte_id_[static_cast<std::size_t>(b)] = it->second;
+      // Byte-level: the byte's printable character; SentencePiece: its <0xXX> byte token.
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "<0x%02X>", b);
+      const std::string key = spm_ ? std::string(buf) : alpha.utf8[static_cast<std::size_t>(b)];
+      const detail::StringMap& vocab = spm_scores_ ? token_to_id_ : model_vocab_;
+      auto it = vocab.find(key);
+      if (it != vocab.end()) byte_id_[static_cast<std::size_t>(b)] = it->second;
     }
     is_special_.assign(id_to_token_.size(), false);
     for (const auto& a : added_)
@@ -560,21 +640,27 @@ class Tokenizer {
     id_bytes_.assign(id_to_token_.size(), std::string());
     for (std::size_t i = 0; i < id_to_token_.size(); ++i) {
       if (!valid_[i]) continue;
+      if (spm_) {  // "▁" is a space, a byte token its byte
+        const int b = detail::spm_byte_token(id_to_token_[i]);
+        id_bytes_[i] = b >= 0 ? std::string(1, static_cast<char>(b)) : replace_all(id_to_token_[i], detail::kSpmSpace, " ");
+        continue;
+      }
       // The ByteLevel decoder: tokens made of byte-level characters are bytes; any other token
       // (an added token with a space, say) is its own UTF-8 text.
       auto bytes = alpha.decode(id_to_token_[i]);
       id_bytes_[i] = bytes ? std::move(*bytes) : id_to_token_[i];
     }
-    if (ignore_merges_) {
+    if (ignore_merges_) {  // keyed by the word as bpe() receives it
       raw_vocab_.clear();
       for (const auto& [tok, id] : model_vocab_)
-        if (auto bytes = alpha.decode(tok)) raw_vocab_.emplace(std::move(*bytes), id);
+        if (spm_) raw_vocab_.emplace(tok, id);
+        else if (auto bytes = alpha.decode(tok)) raw_vocab_.emplace(std::move(*bytes), id);
     }
     raw_added_ = AddedSet{};
     norm_added_ = AddedSet{};
     for (const auto& a : added_) {
       if (a.content.empty()) continue;
-      (a.normalized && nfc_ ? norm_added_ : raw_added_).toks.push_back(a);
+      (a.normalized && !norms_.empty() ? norm_added_ : raw_added_).toks.push_back(a);
     }
     for (AddedSet* set : {&raw_added_, &norm_added_}) {
       // Longest first, so the first candidate that matches at a position is the longest one.
@@ -616,6 +702,7 @@ class Tokenizer {
       fail("model.dropout", "BPE dropout is not supported (the tokenizer is deterministic)");
     if (const auto* p = member(*model, "ignore_merges")) ignore_merges_ = p->is_boolean() && p->get<bool>();
     if (const auto* p = member(*model, "fuse_unk")) fuse_unk_ = p->is_boolean() && p->get<bool>();
+    if (const auto* p = member(*model, "byte_fallback")) byte_fallback_ = p->is_boolean() && p->get<bool>();
 
     token_to_id_.reserve(vocab->size() + 64);
     model_vocab_.reserve(vocab->size());
@@ -682,8 +769,16 @@ class Tokenizer {
 
     load_normalizer(member(j, "normalizer"), "normalizer");
     if (const auto* pre = member(j, "pre_tokenizer")) load_pre(*pre, "pre_tokenizer");
-    if (!byte_level_) fail("pre_tokenizer", "no ByteLevel pre-tokenizer: only byte-level BPE is supported");
-    if (const auto* dec = member(j, "decoder")) check_decoder(*dec, "decoder");
+    // SentencePiece-style: characters as symbols, spaces as "▁" (by the normalizer or Metaspace).
+    const bool spaces_replaced = std::any_of(norms_.begin(), norms_.end(), [](const NormStep& n) {
+      return n.kind == NormStep::replace && n.a == " " && n.b == detail::kSpmSpace;
+    });
+    spm_ = !byte_level_ && (byte_fallback_ || metaspace_ || spaces_replaced);
+    if (!byte_level_ && !spm_)
+      fail("pre_tokenizer", "neither byte-level BPE (a ByteLevel pre-tokenizer) nor SentencePiece-style BPE (model.byte_fallback, "
+                            "a Metaspace pre-tokenizer or a \" \" -> \"\u2581\" normalizer): not supported");
+    if (byte_level_ && byte_fallback_) fail("model.byte_fallback", "byte fallback with a ByteLevel pre-tokenizer is not supported");
+    if (const auto* dec = member(j, "decoder")) load_decoder(*dec, "decoder");
     if (const auto* post = member(j, "post_processor")) load_post(*post, "post_processor");
     if (!prefix_.empty() && !bos_id_) bos_id_ = prefix_.front();
     finish();
@@ -695,15 +790,55 @@ class Tokenizer {
     if (!type || !type->is_string()) fail(field + ".type", "missing");
     const std::string t = type->get<std::string>();
     if (t == "NFC") {
-      nfc_ = true;
+      norms_.push_back({NormStep::nfc, {}, {}});
+    } else if (t == "Prepend") {
+      const auto* a = member(*n, "prepend");
+      if (!a || !a->is_string()) fail(field + ".prepend", "expected a string");
+      norms_.push_back({NormStep::prepend, a->get<std::string>(), {}});
+    } else if (t == "Replace") {
+      norms_.push_back({NormStep::replace, string_pattern(*n, field), replacement_of(*n, field)});
     } else if (t == "Sequence") {
       const auto* list = member(*n, "normalizers");
       if (!list || !list->is_array()) fail(field + ".normalizers", "expected an array");
       for (std::size_t i = 0; i < list->size(); ++i)
         load_normalizer(&(*list)[i], field + ".normalizers[" + std::to_string(i) + "]");
     } else {
-      fail(field + ".type", "unsupported normalizer '" + t + "' (supported: NFC, Sequence)");
+      fail(field + ".type", "unsupported normalizer '" + t + "' (supported: NFC, Prepend, Replace, Sequence)");
     }
+  }
+
+  // Replace's {"String": ...} pattern (a Regex pattern is not supported) and its content.
+  std::string string_pattern(const nlohmann::json& n, const std::string& field) const {
+    const auto* pat = member(n, "pattern");
+    const auto* st = pat ? member(*pat, "String") : nullptr;
+    if (!st || !st->is_string()) fail(field + ".pattern", "expected {\"String\": ...} (a Regex pattern is not supported)");
+    if (st->get<std::string>().empty()) fail(field + ".pattern", "an empty pattern");
+    return st->get<std::string>();
+  }
+  std::string replacement_of(const nlohmann::json& n, const std::string& field) const {
+    const auto* c = member(n, "content");
+    if (!c || !c->is_string()) fail(field + ".content", "expected a string");
+    return c->get<std::string>();
+  }
+
+  // Metaspace's fields, from a pre-tokenizer or a decoder (older files: add_prefix_space).
+  Metaspace metaspace_of(const nlohmann::json& p, const std::string& field) const {
+    Metaspace m;
+    if (const auto* r = member(p, "replacement")) {
+      if (!r->is_string() || r->get<std::string>().empty()) fail(field + ".replacement", "expected a character");
+      m.replacement = r->get<std::string>();
+    }
+    if (const auto* sc = member(p, "prepend_scheme")) {
+      const std::string v = sc->is_string() ? sc->get<std::string>() : "";
+      if (v == "always") m.scheme = Metaspace::always;
+      else if (v == "first") m.scheme = Metaspace::first;
+      else if (v == "never") m.scheme = Metaspace::never;
+      else fail(field + ".prepend_scheme", "expected \"always\", \"first\" or \"never\"");
+    } else if (const auto* a = member(p, "add_prefix_space"); a && a->is_boolean()) {
+      m.scheme = a->get<bool>() ? Metaspace::always : Metaspace::never;
+    }
+    if (const auto* sp = member(p, "split"); sp && sp->is_boolean()) m.split = sp->get<bool>();
+    return m;
   }
 
   static Behavior parse_behavior(const std::string& s, bool& ok) {
@@ -739,8 +874,14 @@ class Tokenizer {
       for (std::size_t i = 0; i < list->size(); ++i) load_pre((*list)[i], field + ".pretokenizers[" + std::to_string(i) + "]");
       return;
     }
+    if (t == "Metaspace") {
+      if (!steps_.empty() || metaspace_) fail(field, "Metaspace is only supported as the first pre-tokenizer");
+      metaspace_ = metaspace_of(p, field);
+      return;
+    }
     PreStep s;
     if (t == "ByteLevel") {
+      if (metaspace_) fail(field, "ByteLevel after Metaspace is not supported");
       byte_level_ = true;
       if (const auto* a = member(p, "add_prefix_space"); a && a->is_boolean() && a->get<bool>()) {
         if (!steps_.empty()) fail(field + ".add_prefix_space", "only supported when ByteLevel is the first pre-tokenizer");
@@ -778,18 +919,131 @@ class Tokenizer {
     steps_.push_back(std::move(s));
   }
 
-  void check_decoder(const nlohmann::json& d, const std::string& field) {
+  // Byte-level files decode with ByteLevel only (the byte table); SentencePiece-style files with
+  // a chain of Replace / ByteFallback / Fuse / Strip / Metaspace, kept in decoders_.
+  void load_decoder(const nlohmann::json& d, const std::string& field) {
     const auto* type = member(d, "type");
     if (!type || !type->is_string()) fail(field + ".type", "missing");
     const std::string t = type->get<std::string>();
-    if (t == "ByteLevel") return;
     if (t == "Sequence") {
       const auto* list = member(d, "decoders");
       if (!list || !list->is_array()) fail(field + ".decoders", "expected an array");
-      for (std::size_t i = 0; i < list->size(); ++i) check_decoder((*list)[i], field + ".decoders[" + std::to_string(i) + "]");
+      for (std::size_t i = 0; i < list->size(); ++i) load_decoder((*list)[i], field + ".decoders[" + std::to_string(i) + "]");
       return;
     }
-    fail(field + ".type", "unsupported decoder '" + t + "' (byte-level BPE decodes with ByteLevel)");
+    if (byte_level_) {
+      if (t == "ByteLevel") return;
+      fail(field + ".type", "unsupported decoder '" + t + "' (byte-level BPE decodes with ByteLevel)");
+    }
+    DecStep s;
+    if (t == "Replace") {
+      s = {DecStep::replace, string_pattern(d, field), replacement_of(d, field)};
+    } else if (t == "ByteFallback") {
+      s.kind = DecStep::byte_fallback;
+    } else if (t == "Fuse") {
+      s.kind = DecStep::fuse;
+    } else if (t == "Strip") {
+      s.kind = DecStep::strip;
+      const auto* c = member(d, "content");
+      if (!c || !c->is_string()) fail(field + ".content", "expected a character");
+      s.a = c->get<std::string>();
+      std::size_t at = 0;
+      if (s.a.empty() || (utf8_next(s.a, at), at != s.a.size())) fail(field + ".content", "expected one character");
+      for (auto [key, dst] : {std::pair{"start", &s.start}, std::pair{"stop", &s.stop}}) {
+        const auto* v = member(d, key);
+        if (v && (!v->is_number_unsigned() && !(v->is_number_integer() && v->get<std::int64_t>() >= 0)))
+          fail(field + "." + key, "expected a count");
+        if (v) *dst = v->get<std::size_t>();
+      }
+    } else if (t == "Metaspace") {
+      const Metaspace m = metaspace_of(d, field);
+      s.kind = DecStep::metaspace;
+      s.a = m.replacement;
+      s.prepend = m.scheme != Metaspace::never;
+    } else {
+      fail(field + ".type", "unsupported decoder '" + t + "' (SentencePiece-style BPE: Replace, ByteFallback, Fuse, Strip, Metaspace)");
+    }
+    decoders_.push_back(std::move(s));
+  }
+
+  /// One decoder over the token strings, as `tokenizers`' decode_chain does it.
+  void run_decoder(const DecStep& d, std::vector<std::string>& toks) const {
+    switch (d.kind) {
+      case DecStep::replace:
+        for (auto& t : toks) t = replace_all(t, d.a, d.b);
+        break;
+      case DecStep::byte_fallback: {
+        // A run of byte tokens becomes its bytes if they are valid UTF-8, else one U+FFFD per byte.
+        std::vector<std::string> out;
+        std::string run;
+        std::size_t run_n = 0;
+        auto flush = [&] {
+          if (run_n == 0) return;
+          if (utf8_lossy(run) == run) out.push_back(run);
+          else for (std::size_t k = 0; k < run_n; ++k) out.emplace_back("\xEF\xBF\xBD");
+          run.clear();
+          run_n = 0;
+        };
+        for (auto& t : toks) {
+          const int b = detail::spm_byte_token(t);
+          if (b >= 0) {
+            run += static_cast<char>(b);
+            ++run_n;
+          } else {
+            flush();
+            out.push_back(std::move(t));
+          }
+        }
+        flush();
+        toks = std::move(out);
+        break;
+      }
+      case DecStep::fuse: {
+        std::string all;
+        for (const auto& t : toks) all += t;
+        toks.assign(1, std::move(all));
+        break;
+      }
+      case DecStep::strip:
+        for (auto& t : toks) {
+          std::size_t b = 0, e = t.size();
+          for (std::size_t k = 0; k < d.start && t.compare(b, d.a.size(), d.a) == 0 && b < e; ++k) b += d.a.size();
+          for (std::size_t k = 0; k < d.stop && e >= b + d.a.size() && t.compare(e - d.a.size(), d.a.size(), d.a) == 0; ++k)
+            e -= d.a.size();
+          t = t.substr(b, e - b);
+        }
+        break;
+      case DecStep::metaspace:
+        // The replacement is a space, except in the first token, where it is dropped (the
+        // prefix the pre-tokenizer put there) unless the scheme is "never".
+        for (std::size_t i = 0; i < toks.size(); ++i) toks[i] = replace_all(toks[i], d.a, i == 0 && d.prepend ? "" : " ");
+        break;
+    }
+  }
+
+  static std::string replace_all(std::string_view s, std::string_view from, std::string_view to) {
+    std::string out;
+    out.reserve(s.size());
+    for (std::size_t i = 0;;) {
+      const std::size_t k = s.find(from, i);
+      if (k == std::string_view::npos) {
+        out.append(s.substr(i));
+        return out;
+      }
+      out.append(s.substr(i, k - i));
+      out.append(to);
+      i = k + from.size();
+    }
+  }
+
+  std::string normalize(std::string_view seg) const {
+    std::string s(seg);
+    for (const NormStep& n : norms_) {
+      if (n.kind == NormStep::nfc) s = nn::lm::nfc(s);
+      else if (n.kind == NormStep::prepend) s = s.empty() ? s : n.a + s;  // tokenizers' Prepend skips empty text
+      else s = replace_all(s, n.a, n.b);
+    }
+    return s;
   }
 
   std::int32_t special_id(const nlohmann::json& v, const std::string& field) {
@@ -866,11 +1120,16 @@ class Tokenizer {
   }
 
   void load_gguf(const GgufTokenizerData& d) {
-    if (d.model != "gpt2")
-      nn::detail::fail(source_, "tokenizer.ggml.model: unsupported tokenizer model '", d.model, "' (only \"gpt2\", byte-level BPE)");
+    if (d.model != "gpt2" && d.model != "llama")
+      nn::detail::fail(source_, "tokenizer.ggml.model: unsupported tokenizer model '", d.model,
+                       "' (supported: \"gpt2\", byte-level BPE; \"llama\", SentencePiece BPE)");
+    const bool llama = d.model == "llama";
     if (!d.token_types.empty() && d.token_types.size() != d.tokens.size())
       nn::detail::fail(source_, "tokenizer.ggml.token_type: ", d.token_types.size(), " entries for ", d.tokens.size(), " tokens");
-    const detail::GgufPre pre = detail::gguf_pre(d.pre, source_);
+    if (llama && !d.scores.empty() && d.scores.size() != d.tokens.size())
+      nn::detail::fail(source_, "tokenizer.ggml.scores: ", d.scores.size(), " entries for ", d.tokens.size(), " tokens");
+    // llama.cpp ignores tokenizer.ggml.pre (and any merges) for SentencePiece models.
+    const detail::GgufPre pre = llama ? detail::GgufPre{} : detail::gguf_pre(d.pre, source_);
     token_to_id_.reserve(d.tokens.size());
     model_vocab_.reserve(d.tokens.size());
     id_to_token_.reserve(d.tokens.size());
@@ -894,20 +1153,32 @@ class Tokenizer {
              std::to_string(raw_type) + " is not a token type (0 undefined .. 6 byte)");
       const auto type = static_cast<TokenType>(raw_type);
       set_token(id, tok);
-      if (type == TokenType::control || type == TokenType::user_defined) {
-        // llama.cpp splits both out of the raw text; user-defined ones even without
+      if (type == TokenType::control || type == TokenType::user_defined || type == TokenType::unknown) {
+        // llama.cpp splits all three out of the raw text; user-defined ones even without
         // parse_special, which is what special=false gives here.
         AddedToken a;
         a.content = d.tokens[i];
         a.id = id;
-        a.special = type == TokenType::control;
+        a.special = type != TokenType::user_defined;
         added_.push_back(std::move(a));
       } else {
         model_vocab_[d.tokens[i]] = id;
       }
     }
-    merges_.reserve(d.merges.size());
-    for (std::size_t r = 0; r < d.merges.size(); ++r) {
+    if (llama) {
+      spm_ = spm_scores_ = true;
+      scores_ = d.scores;
+      scores_.resize(d.tokens.size(), 0.0f);
+      // llama.cpp puts a " " before each stretch of text, then spaces become "▁": tokenizers'
+      // Prepend + Replace normalizers give the same; decoding undoes both.
+      const bool space_prefix = d.add_space_prefix.value_or(true);
+      if (space_prefix) norms_.push_back({NormStep::prepend, detail::kSpmSpace, {}});
+      norms_.push_back({NormStep::replace, " ", detail::kSpmSpace});
+      decoders_ = {{DecStep::replace, detail::kSpmSpace, " "}, {DecStep::byte_fallback, {}, {}}, {DecStep::fuse, {}, {}}};
+      if (space_prefix) decoders_.push_back({DecStep::strip, " ", {}, 1, 0});
+    }
+    merges_.reserve(llama ? 0 : d.merges.size());
+    for (std::size_t r = 0; r < (llama ? 0 : d.merges.size()); ++r) {
       const std::string& s = d.merges[r];
       const std::string field = "tokenizer.ggml.merges[" + std::to_string(r) + "]";
       // The separator is the first space after the first character (a token never starts
@@ -921,7 +1192,7 @@ class Tokenizer {
       s.re = std::make_shared<detail::Regex>(re, source_ + ": tokenizer.ggml.pre");
       steps_.push_back(std::move(s));
     }
-    byte_level_ = true;
+    byte_level_ = !llama;
     ignore_merges_ = pre.ignore_merges;
     auto check = [&](const std::optional<std::int32_t>& id, const char* field) {
       if (id && (*id < 0 || static_cast<std::size_t>(*id) >= d.tokens.size()))
@@ -935,7 +1206,7 @@ class Tokenizer {
     eos_id_ = d.eos_id;
     pad_id_ = d.pad_id;
     unk_token_id_ = d.unk_id;
-    if (d.add_bos.value_or(pre.add_bos)) {
+    if (d.add_bos.value_or(llama || pre.add_bos)) {  // llama.cpp: SentencePiece models add BOS by default
       if (!d.bos_id) nn::detail::fail(source_, "tokenizer.ggml.add_bos_token: set but there is no bos_token_id");
       prefix_.push_back(*d.bos_id);
     }
@@ -1098,9 +1369,30 @@ class Tokenizer {
     }
   }
 
-  /// Calls f(word bytes) for each pre-tokenized word of an already normalized segment.
+  /// Calls f(word bytes) for each pre-tokenized word of an already normalized segment; `first`:
+  /// the segment starts the input (Metaspace's prepend_scheme "first").
   template <class F>
-  void for_each_word(std::string_view seg, F&& f) const {
+  void for_each_word(std::string_view seg, bool first, F&& f) const {
+    if (!metaspace_) return split_words(seg, f);
+    const Metaspace& m = *metaspace_;
+    if (seg.empty()) return;
+    std::string ms = replace_all(seg, " ", m.replacement);
+    const bool starts = ms.compare(0, m.replacement.size(), m.replacement) == 0;
+    if (!starts && (m.scheme == Metaspace::always || (m.scheme == Metaspace::first && first))) ms.insert(0, m.replacement);
+    if (!m.split) return split_words(ms, f);
+    // Cut before each replacement character (tokenizers' MergedWithNext).
+    std::string_view v = ms;
+    std::size_t b = 0;
+    for (std::size_t k = v.find(m.replacement, 1); k != std::string_view::npos; k = v.find(m.replacement, k + 1)) {
+      if (k > b) split_words(v.substr(b, k - b), f);
+      b = k;
+    }
+    split_words(v.substr(b), f);
+  }
+
+  /// The pre-tokenizer steps after Metaspace (all of them when there is none).
+  template <class F>
+  void split_words(std::string_view seg, F&& f) const {
     std::string prefixed;
     if (add_prefix_space_ && !seg.empty() && seg.front() != ' ') {
       prefixed.reserve(seg.size() + 1);
@@ -1146,6 +1438,7 @@ class Tokenizer {
     // ignore_merges (Llama-3): a word that is a token is that token, whatever the merges say.
     auto it = ignore_merges_ ? raw_vocab_.find(w) : raw_vocab_.end();
     if (it != raw_vocab_.end()) out.push_back(it->second);
+    else if (spm_scores_) spm_merge(w, out);
     else bpe(w, out);
     if (cacheable) cache->insert(w, h, out.data() + at, out.size() - at);
   }
@@ -1159,17 +1452,40 @@ class Tokenizer {
     };
     thread_local std::vector<Sym> syms;
     syms.clear();
-    for (unsigned char c : w) {
-      std::int32_t id = byte_id_[c];
-      if (id < 0) {
-        // A byte with no token: <unk> if the model has one (fused with a preceding <unk> when
-        // fuse_unk), else dropped, as `tokenizers` does.
-        if (!unk_token_id_) continue;
-        if (fuse_unk_ && !syms.empty() && syms.back().id == *unk_token_id_) continue;
-        id = *unk_token_id_;
-      }
+    auto add = [&](std::int32_t id) {
       const auto n = static_cast<std::int32_t>(syms.size());
       syms.push_back({id, n - 1, n + 1, true});
+    };
+    // A symbol with no token: <unk> if the model has one (fused with a preceding <unk> when
+    // fuse_unk), else dropped, as `tokenizers` does.
+    auto add_unk = [&] {
+      if (!unk_token_id_) return;
+      if (fuse_unk_ && !syms.empty() && syms.back().id == *unk_token_id_) return;
+      add(*unk_token_id_);
+    };
+    if (spm_) {
+      // SentencePiece-style: one symbol per character; a character not in the vocabulary is
+      // its byte tokens when byte_fallback has them all, else <unk>.
+      for (std::size_t i = 0; i < w.size();) {
+        const std::size_t b = i;
+        utf8_next(w, i);  // an invalid byte is a character of its own
+        if (auto it = model_vocab_.find(w.substr(b, i - b)); it != model_vocab_.end()) {
+          add(it->second);
+          continue;
+        }
+        bool bytes = byte_fallback_;
+        for (std::size_t k = b; bytes && k < i; ++k) bytes = byte_id_[static_cast<unsigned char>(w[k])] >= 0;
+        if (!bytes) {
+          add_unk();
+          continue;
+        }
+        for (std::size_t k = b; k < i; ++k) add(byte_id_[static_cast<unsigned char>(w[k])]);
+      }
+    } else {
+      for (unsigned char c : w) {
+        if (byte_id_[c] < 0) add_unk();
+        else add(byte_id_[c]);
+      }
     }
     if (syms.empty()) return;
     syms.back().next = -1;
@@ -1211,6 +1527,80 @@ class Tokenizer {
     for (std::int32_t i = 0; i >= 0; i = syms[static_cast<std::size_t>(i)].next) out.push_back(syms[static_cast<std::size_t>(i)].id);
   }
 
+  /// llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm): symbols are UTF-8 characters (by
+  /// their lead byte); repeatedly join the adjacent pair whose joined text is the token with the
+  /// highest score, leftmost on ties; a final symbol that is no token becomes its byte tokens.
+  /// (llama.cpp also re-splits a joined symbol that is no token along the joins that made it,
+  /// but a join only happens when the joined text is a token, so that never applies.)
+  void spm_merge(std::string_view w, std::vector<std::int32_t>& out) const {
+    struct Sym {
+      std::uint32_t start, n;
+      std::int32_t prev, next;
+    };
+    struct Bigram {
+      float score;
+      std::int32_t left, right;
+      std::uint32_t size;
+    };
+    // Heap order: highest score on top, then the leftmost.
+    auto lower = [](const Bigram& x, const Bigram& y) { return x.score < y.score || (x.score == y.score && x.left > y.left); };
+    thread_local std::vector<Sym> syms;
+    thread_local std::vector<Bigram> heap;
+    syms.clear();
+    heap.clear();
+    static constexpr std::uint8_t kLen[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+    for (std::size_t i = 0; i < w.size();) {
+      const std::size_t len = std::min<std::size_t>(w.size() - i, kLen[static_cast<unsigned char>(w[i]) >> 4]);
+      const auto n = static_cast<std::int32_t>(syms.size());
+      syms.push_back({static_cast<std::uint32_t>(i), static_cast<std::uint32_t>(len), n - 1, n + 1});
+      i += len;
+    }
+    if (syms.empty()) return;
+    syms.back().next = -1;
+    auto try_add = [&](std::int32_t l, std::int32_t r) {
+      if (l < 0 || r < 0) return;
+      const Sym& a = syms[static_cast<std::size_t>(l)];
+      const std::uint32_t size = a.n + syms[static_cast<std::size_t>(r)].n;
+      auto it = token_to_id_.find(w.substr(a.start, size));
+      if (it == token_to_id_.end() || static_cast<std::size_t>(it->second) >= scores_.size()) return;
+      heap.push_back({scores_[static_cast<std::size_t>(it->second)], l, r, size});
+      std::push_heap(heap.begin(), heap.end(), lower);
+    };
+    for (std::int32_t i = 0; i + 1 < static_cast<std::int32_t>(syms.size()); ++i) try_add(i, i + 1);
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), lower);
+      const Bigram bg = heap.back();
+      heap.pop_back();
+      Sym& l = syms[static_cast<std::size_t>(bg.left)];
+      Sym& r = syms[static_cast<std::size_t>(bg.right)];
+      if (l.n == 0 || r.n == 0 || l.n + r.n != bg.size) continue;  // stale: a side changed since
+      l.n += r.n;
+      r.n = 0;
+      l.next = r.next;
+      if (r.next >= 0) syms[static_cast<std::size_t>(r.next)].prev = bg.left;
+      try_add(l.prev, bg.left);
+      try_add(bg.left, l.next);
+    }
+    for (std::int32_t i = 0; i >= 0; i = syms[static_cast<std::size_t>(i)].next) {
+      const Sym& a = syms[static_cast<std::size_t>(i)];
+      const std::string_view text = w.substr(a.start, a.n);
+      if (auto it = token_to_id_.find(text); it != token_to_id_.end()) {
+        out.push_back(it->second);
+        continue;
+      }
+      for (char c : text) {
+        std::int32_t id = byte_id_[static_cast<unsigned char>(c)];
+        if (id < 0)
+          if (auto it = token_to_id_.find(std::string_view(&c, 1)); it != token_to_id_.end()) id = it->second;
+        if (id < 0)
+          nn::detail::fail(source_, ": encode: byte 0x", "0123456789ABCDEF"[(c >> 4) & 15], "0123456789ABCDEF"[c & 15],
+                           " has no token (no <0x", "0123456789ABCDEF"[(c >> 4) & 15], "0123456789ABCDEF"[c & 15],
+                           "> byte token in the vocabulary)");
+        out.push_back(id);
+      }
+    }
+  }
+
   std::string source_;
   std::vector<std::string> id_to_token_;
   std::vector<bool> valid_;
@@ -1230,7 +1620,14 @@ class Tokenizer {
   std::vector<PreStep> steps_;
   std::vector<std::int32_t> prefix_, suffix_;
   std::optional<std::int32_t> bos_id_, eos_id_, pad_id_, unk_token_id_;
-  bool nfc_ = false, byte_level_ = false, add_prefix_space_ = false, ignore_merges_ = false, fuse_unk_ = false;
+  std::vector<NormStep> norms_;
+  std::optional<Metaspace> metaspace_;
+  std::vector<DecStep> decoders_;  // SentencePiece-style only (byte-level decodes by the byte table)
+  std::vector<float> scores_;      // GGUF "llama": token scores for spm_merge
+  bool byte_level_ = false, add_prefix_space_ = false, ignore_merges_ = false, fuse_unk_ = false;
+  bool spm_ = false;          // SentencePiece-style: character symbols, "▁" spaces, byte fallback
+  bool spm_scores_ = false;   // ... merged by token score (GGUF) rather than by merges
+  bool byte_fallback_ = false;
   CacheHolder cache_;
 };
 
