@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// The LLM kit's umbrella: nn's core plus nn::lm (Llama / Qwen2 / Qwen3 / SmolLM decoders, Hugging
+// The LLM kit's umbrella: nn's core plus nn::lm (Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoders, Hugging
 // Face and GGUF loading, BPE tokenizers (byte-level and SentencePiece-style), chat templates,
 // JSONL data, LoRA / DoRA by path and adapter files).
 // Kept out of <nn/nn.hpp> so a program that only trains its own model does not compile it.

@@ -6,28 +6,30 @@
 // Needs Eigen 3.3+ and nlohmann_json 3.2+ on the include path (and cblas.h with -DNN_USE_BLAS).
 //
 // Inlined, in order: nn/lm.hpp, nn/lm/config.hpp, nn/lm/json.hpp, nn/lm/model.hpp, nn/lm/gguf.hpp,
-// nn/lm/load.hpp, nn/lm/tokenizer.hpp, nn/lm/regex.hpp, nn/lm/unicode.hpp, nn/lm/unicode_data.hpp,
-// nn/lm/chat_template.hpp, nn/lm/data.hpp, nn/lm/adapters.hpp, nn/lm/pretrained.hpp,
+// nn/lm/load.hpp, nn/lm/adapters.hpp, nn/lm/tokenizer.hpp, nn/lm/regex.hpp, nn/lm/unicode.hpp,
+// nn/lm/unicode_data.hpp, nn/lm/chat_template.hpp, nn/lm/data.hpp, nn/lm/pretrained.hpp,
 // nn/lm/gguf_write.hpp, nn/lm/gguf_quantize.hpp, nn/lm/gguf_export.hpp
 #pragma once
 
 #include "nn.hpp"
 
 // ---- begin nn/lm.hpp ----
-// The LLM kit's umbrella: nn's core plus nn::lm (Llama / Qwen2 / Qwen3 / SmolLM decoders, Hugging
+// The LLM kit's umbrella: nn's core plus nn::lm (Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoders, Hugging
 // Face and GGUF loading, BPE tokenizers (byte-level and SentencePiece-style), chat templates,
 // JSONL data, LoRA / DoRA by path and adapter files).
 // Kept out of <nn/nn.hpp> so a program that only trains its own model does not compile it.
 
 // ---- begin nn/lm/config.hpp ----
-// ModelConfig: the hyperparameters of a Llama / Qwen2 / SmolLM decoder, parsed from a Hugging Face
-// config.json (transformers' LlamaConfig / Qwen2Config) with errors that name the file and field.
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder,
+// parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config, Qwen3Config,
+// Phi3Config, Gemma2Config) with errors that name the file and field.
 
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string_view>
 #include <sstream>
 #include <string>
@@ -85,17 +87,46 @@ namespace nn::lm {
 
 /// The decoder families this kit runs. SmolLM / SmolLM2 checkpoints are Llama models
 /// (their config.json says "model_type": "llama"). Qwen3 is Qwen2 without the q/k/v biases and
-/// with an RMSNorm on each head's query and key (q_norm, k_norm) before RoPE.
-enum class Arch : std::uint8_t { llama, qwen2, qwen3 };
+/// with an RMSNorm on each head's query and key (q_norm, k_norm) before RoPE. Phi-3 is Llama
+/// with q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (its checkpoints only: nn
+/// splits them on load and joins them on save, see detail::fused_projections) and a sliding
+/// window on attention. Gemma 2 scales the embeddings by sqrt(hidden), normalises with (1 + w),
+/// wraps attention and MLP in norms before and after ("sandwich"), runs a GeGLU MLP (tanh GELU),
+/// caps attention scores and logits softly (cap * tanh(x / cap)) and slides a window over every
+/// other layer's attention (the even ones).
+enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2 };
 
 /// The family's model_type in config.json, which is also its GGUF general.architecture.
-inline const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : a == Arch::qwen2 ? "qwen2" : "qwen3"; }
+inline const char* arch_name(Arch a) {
+  switch (a) {
+    case Arch::llama: return "llama";
+    case Arch::qwen2: return "qwen2";
+    case Arch::qwen3: return "qwen3";
+    case Arch::phi3: return "phi3";
+    case Arch::gemma2: return "gemma2";
+  }
+  return "?";
+}
 /// The family's class in transformers (config.json's "architectures").
 inline const char* hf_architecture(Arch a) {
-  return a == Arch::llama ? "LlamaForCausalLM" : a == Arch::qwen2 ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM";
+  switch (a) {
+    case Arch::llama: return "LlamaForCausalLM";
+    case Arch::qwen2: return "Qwen2ForCausalLM";
+    case Arch::qwen3: return "Qwen3ForCausalLM";
+    case Arch::phi3: return "Phi3ForCausalLM";
+    case Arch::gemma2: return "Gemma2ForCausalLM";
+  }
+  return "?";
+}
+/// model_type / general.architecture -> family; nullopt for one nn does not run.
+inline std::optional<Arch> arch_from_name(std::string_view name) {
+  if (name == "llama" || name == "smollm") return Arch::llama;
+  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2})
+    if (name == arch_name(a)) return a;
+  return std::nullopt;
 }
 /// What the unsupported-family errors list.
-inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3";
+inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2";
 
 /// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
 /// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
@@ -128,6 +159,27 @@ struct ModelConfig {
   bool o_bias = false;     // Llama: attention_bias (HF puts it on o_proj too); Qwen2: never
   bool mlp_bias = false;   // Llama: mlp_bias
   bool qk_norm = false;    // Qwen3: q_norm and k_norm, RMSNorms over head_dim
+  /// sliding_window: on the layers window_on() names, a query sees only the keys less than this
+  /// many positions back (Phi-3: every layer; Gemma 2: the even layers); 0 for none.
+  std::int64_t sliding_window = 0;
+  // Gemma 2 (all off / zero for the other families):
+  bool norm_unit_offset = false;      // every RMSNorm scales by (1 + weight); weights stored as w
+  bool sandwich_norms = false;        // post_attention_layernorm on the attention's output,
+                                      // pre_/post_feedforward_layernorm around the MLP
+  bool gelu_mlp = false;              // down(gelu_tanh(gate) * up) in place of SwiGLU
+  double embed_scale = 0;             // embeddings times this (sqrt(hidden_size)); 0: none
+  double query_pre_attn_scalar = 0;   // attention scale 1 / sqrt(this); 0: head_dim
+  double attn_logit_softcapping = 0;  // scores -> cap * tanh(scores / cap) before the mask; 0: none
+  double final_logit_softcapping = 0; // logits -> cap * tanh(logits / cap); 0: none
+
+  /// Whether layer `layer`'s attention slides a window (see sliding_window).
+  bool window_on(std::int64_t layer) const {
+    return sliding_window > 0 && (arch != Arch::gemma2 || layer % 2 == 0);
+  }
+  /// The factor on q k^T: 1 / sqrt(query_pre_attn_scalar or head_dim).
+  double attention_scale() const {
+    return 1.0 / std::sqrt(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim));
+  }
   RopeScaling rope_scaling;
   /// Per-frequency divisors (head_dim / 2 of them) from a GGUF "rope_freqs" tensor, which is how
   /// llama.cpp stores Llama 3's frequency remap; empty for none.
@@ -280,6 +332,26 @@ struct ConfigReader {
 
 }  // namespace detail
 
+namespace detail {
+
+/// A projection a family's checkpoints store as one matrix: the rows of `parts`, in order,
+/// stacked. Phi-3 stores q/k/v as self_attn.qkv_proj and gate/up as mlp.gate_up_proj (its MLP
+/// takes the first half as the gate, as SwiGLU's gate). nn's model holds the parts, so LoRA,
+/// quantization and the kernels see the same projections in every family; the loaders split
+/// (detail::split_fused) and the writers join (detail::join_fused) by this one table.
+struct FusedProjection {
+  std::string fused;                // path inside a decoder layer, "self_attn.qkv_proj"
+  std::vector<std::string> parts;   // "self_attn.q_proj", ...
+  std::vector<std::int64_t> rows;   // each part's output features
+};
+inline std::vector<FusedProjection> fused_projections(const ModelConfig& c) {
+  if (c.arch != Arch::phi3) return {};
+  return {{"self_attn.qkv_proj", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {c.q_dim(), c.kv_dim(), c.kv_dim()}},
+          {"mlp.gate_up_proj", {"mlp.gate_proj", "mlp.up_proj"}, {c.intermediate_size, c.intermediate_size}}};
+}
+
+}  // namespace detail
+
 /// Parses a config.json document (already read); `label` (the file name) leads every error.
 inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& label = "config.json") {
   if (!j.is_object()) nn::detail::fail("config", label, ": expected a JSON object at the top level");
@@ -289,9 +361,7 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
   if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (one of ", kSupportedFamilies, ")");
   if (!mt->is_string()) r.bad("model_type", "a string", *mt);
   c.model_type = mt->get<std::string>();
-  if (c.model_type == "llama" || c.model_type == "smollm") c.arch = Arch::llama;
-  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
-  else if (c.model_type == "qwen3") c.arch = Arch::qwen3;
+  if (const std::optional<Arch> a = arch_from_name(c.model_type)) c.arch = *a;
   else {
     const nlohmann::json* archs = r.find("architectures");
     nn::detail::fail("config", label, ": model_type \"", c.model_type, "\"",
@@ -299,9 +369,16 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
                      " is not a supported model family (supported: ", kSupportedFamilies, ")");
   }
 
-  const std::string act = r.opt_str("hidden_act", "silu");
-  if (act != "silu")
-    nn::detail::fail("config", label, ": field \"hidden_act\": \"", act, "\" is not supported (the SwiGLU MLP uses silu)");
+  if (c.arch == Arch::gemma2) {  // Gemma2Config names the MLP's activation hidden_activation
+    const char* field = r.find("hidden_activation") ? "hidden_activation" : "hidden_act";
+    const std::string act = r.opt_str(field, "gelu_pytorch_tanh");
+    if (act != "gelu_pytorch_tanh")
+      nn::detail::fail("config", label, ": field \"", field, "\": \"", act, "\" is not supported (Gemma 2's GeGLU uses gelu_pytorch_tanh)");
+  } else {
+    const std::string act = r.opt_str("hidden_act", "silu");
+    if (act != "silu")
+      nn::detail::fail("config", label, ": field \"hidden_act\": \"", act, "\" is not supported (the SwiGLU MLP uses silu)");
+  }
   c.hidden_size = r.req_int("hidden_size");
   c.intermediate_size = r.req_int("intermediate_size");
   c.num_hidden_layers = r.req_int("num_hidden_layers");
@@ -312,15 +389,53 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
                  ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
   c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama ? 2048 : 32768);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama    ? 2048
+                                                                  : c.arch == Arch::phi3   ? 4096
+                                                                  : c.arch == Arch::gemma2 ? 8192
+                                                                                           : 32768);
   c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
   c.rope_theta = r.opt_num("rope_theta", 10000.0);
-  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
+  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", c.arch == Arch::gemma2);
   if (c.arch == Arch::qwen2) {
     // Qwen2Attention hard-codes bias=True on q/k/v and bias=False on o_proj; the MLP has none.
     c.qkv_bias = true;
     if (r.opt_bool("use_sliding_window", false))
       nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
+  } else if (c.arch == Arch::gemma2) {
+    // Gemma2Config's defaults where a field is absent; attention_bias on q/k/v/o, no MLP bias.
+    c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
+    c.norm_unit_offset = c.sandwich_norms = c.gelu_mlp = true;
+    c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
+    c.query_pre_attn_scalar = r.opt_num("query_pre_attn_scalar", 224);
+    c.attn_logit_softcapping = r.opt_num("attn_logit_softcapping", 0);
+    c.final_logit_softcapping = r.opt_num("final_logit_softcapping", 0);
+    c.sliding_window = r.opt_int("sliding_window", 4096);
+    if (!(c.query_pre_attn_scalar > 0) || !(c.attn_logit_softcapping >= 0) || !(c.final_logit_softcapping >= 0) ||
+        c.sliding_window < 0)
+      nn::detail::fail("config", label, ": query_pre_attn_scalar must be positive, the soft caps and sliding_window "
+                       "not negative");
+    // transformers 5 lists each layer's kind; nn runs Gemma 2's alternation (even layers slide)
+    if (const nlohmann::json* lt = r.find("layer_types")) {
+      if (!lt->is_array()) r.bad("layer_types", "a list", *lt);
+      for (std::size_t i = 0; i < lt->size(); ++i) {
+        const bool sliding = (*lt)[i] == "sliding_attention";
+        if (sliding != (i % 2 == 0) || !((*lt)[i] == "sliding_attention" || (*lt)[i] == "full_attention"))
+          nn::detail::fail("config", label, ": field \"layer_types\"[", i, "]: ", (*lt)[i].dump(),
+                           " (nn runs Gemma 2's pattern: sliding_attention on even layers, full_attention on odd)");
+      }
+    }
+  } else if (c.arch == Arch::phi3) {
+    // Phi3Attention / Phi3MLP: no biases anywhere. Only partial_rotary_factor 1 (Phi-3 itself;
+    // Phi-4-mini's 0.75 rotates part of each head).
+    c.sliding_window = r.opt_int("sliding_window", 0);
+    if (c.sliding_window < 0) nn::detail::fail("config", label, ": field \"sliding_window\" must not be negative, got ", c.sliding_window);
+    const nlohmann::json* rp = r.find("rope_parameters");
+    const double prf = rp && rp->is_object() && rp->contains("partial_rotary_factor")
+                           ? detail::ConfigReader{*rp, label}.opt_num("partial_rotary_factor", 1.0)
+                           : r.opt_num("partial_rotary_factor", 1.0);
+    if (prf != 1.0)
+      nn::detail::fail("config", label, ": field \"partial_rotary_factor\": ", prf,
+                       " is not supported (RoPE over whole heads, 1.0, only)");
   } else {
     // Llama and Qwen3: attention_bias on q/k/v and o_proj; Qwen3's MLP has no bias field
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
@@ -388,16 +503,22 @@ inline ModelConfig load_config(const std::filesystem::path& path) {
 }  // namespace nn::lm
 // ---- end nn/lm/config.hpp ----
 // ---- begin nn/lm/model.hpp ----
-// CausalLM: the Llama / Qwen2 / Qwen3 / SmolLM decoder-only transformer as Hugging Face's
-// LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM compute it, as a module tree whose parameter paths are HF's own
-// ("model.layers.0.self_attn.q_proj.weight"), with a batched forward on the tape and a KV-cached
-// forward for generation.
+// CausalLM: the Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder-only transformer as
+// Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM and
+// Gemma2ForCausalLM compute it, as a module tree whose parameter paths are HF's own
+// ("model.layers.0.self_attn.q_proj.weight"; Phi-3's fused qkv_proj / gate_up_proj held split),
+// with a batched forward on the tape and a KV-cached forward for generation.
 //
 // One decoder layer (HF LlamaDecoderLayer):
 //   h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = RMSNorm(x)
 //   (Qwen3: rope(q_norm(q_proj(n1))), rope(k_norm(k_proj(n1))), the norms per head)
 //   y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                         n2 = RMSNorm(h)
 // then a final RMSNorm and the LM head (the embedding table itself when tie_word_embeddings).
+// Gemma 2 (Gemma2DecoderLayer): x starts as embed * sqrt(C), every RMSNorm scales by (1 + w),
+//   h = x + RMSNorm(o_proj(attention(...)))     scores cap*tanh(s/cap), scale 1/sqrt(qpas)
+//   y = h + RMSNorm(down_proj(gelu_tanh(gate_proj(n2)) * up_proj(n2)))   n2 = RMSNorm(h)
+// and the logits cap*tanh(logits/cap). Sliding-window layers (Phi-3: all; Gemma 2: even) see
+// the keys less than sliding_window positions back.
 // RoPE is the NEOX half-split form (HF rotate_half) with the config's inverse frequencies.
 
 #include <cmath>
@@ -446,11 +567,58 @@ inline Linear make_linear(std::int64_t in, std::int64_t out, bool bias, DType dt
   return l;
 }
 
-inline RmsNorm make_norm(std::int64_t dims, double eps, DType dt, bool zero) {
+/// An RMSNorm of the config's kind: Gemma's scales by (1 + weight), so its identity weight is 0.
+inline RmsNorm make_norm(std::int64_t dims, const ModelConfig& c, DType dt, bool zero) {
   RmsNorm n;
-  n.weight = Param(zero ? Tensor::ones(Shape{dims}, dt) : Tensor::empty(Shape{dims}, dt));
-  n.eps(eps);
+  n.weight = Param(!zero ? Tensor::empty(Shape{dims}, dt) : c.norm_unit_offset ? Tensor::zeros(Shape{dims}, dt) : Tensor::ones(Shape{dims}, dt));
+  n.eps(c.rms_norm_eps).unit_offset(c.norm_unit_offset);
   return n;
+}
+
+/// cap * tanh(x / cap), Gemma 2's soft cap on attention scores and logits.
+template <class B>
+GVar softcap(GTape<B>& tp, GVar x, double cap) {
+  return nn::scale(tp, nn::tanh(tp, nn::scale(tp, x, 1.0 / cap)), cap);
+}
+
+/// The additive mask (1, 1, 1, Tq, S) of queries at positions S0 .. S0+Tq-1 (S = S0 + Tq) over
+/// keys 0 .. S-1: key j is seen when j <= i and, with a window W > 0, i - j < W (transformers'
+/// sliding-window causal mask).
+inline Tensor causal_window_mask(std::int64_t Tq, std::int64_t S0, std::int64_t window, DType dt) {
+  const std::int64_t S = S0 + Tq;
+  std::vector<double> m(static_cast<std::size_t>(Tq * S));
+  for (std::int64_t i = 0; i < Tq; ++i)
+    for (std::int64_t j = 0; j < S; ++j)
+      m[static_cast<std::size_t>(i * S + j)] = j <= S0 + i && (window == 0 || S0 + i - j < window) ? 0.0 : kMaskedValue;
+  return Tensor::from_doubles(Shape{1, 1, 1, Tq, S}, m, dt);
+}
+
+/// Attention written out, for what the fused kernel does not do (soft-capped scores, a sliding
+/// window) and for decode's cached keys:
+///   qh (B, nkv, g, Tq, hd) after RoPE; kh, vh (B, nkv, S, hd); mask additive, broadcasting
+///   against (B, nkv, g, Tq, S) -> (B, Tq, nkv * g * hd)
+/// softmax(cap(scale q k^T) + mask) v, with cap the soft cap when `cap` > 0.
+template <class B>
+GVar composite_attention(GTape<B>& tp, GVar qh, GVar kh, GVar vh, GVar mask, double scale, double cap) {
+  const Shape qs = tp.shape(qh);
+  const std::int64_t Bn = qs[0], nkv = qs[1], g = qs[2], Tq = qs[3], hd = qs[4], S = tp.shape(kh)[2];
+  qh = nn::scale(tp, qh, scale);
+  GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
+  scores = nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S});
+  if (cap > 0) scores = softcap(tp, scores, cap);
+  GVar p = softmax(tp, add(tp, scores, mask));                                    // (B, nkv, g, Tq, S)
+  GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
+  ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
+  return nn::detail::view(tp, ctx, Shape{Bn, Tq, nkv * g * hd});
+}
+
+/// q (B, T, nkv * g * hd) or k / v (B, T, nkv * hd) in composite_attention's layout:
+/// (B, nkv, g, T, hd) for queries (g > 0), (B, nkv, T, hd) for keys and values (g == 0).
+template <class B>
+GVar heads_first(GTape<B>& tp, GVar x, std::int64_t nkv, std::int64_t g, std::int64_t hd) {
+  const Shape s = tp.shape(x);
+  if (g > 0) return permute(tp, nn::detail::view(tp, x, Shape{s[0], s[1], nkv, g, hd}), {0, 2, 3, 1, 4});
+  return permute(tp, nn::detail::view(tp, x, Shape{s[0], s[1], nkv, hd}), {0, 2, 1, 3});
 }
 
 /// cos and sin (T, head_dim/2) for positions offset .. offset+T-1, angles t * inv_freq[i] in
@@ -496,24 +664,45 @@ struct Attention {
   NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)
 };
 
-/// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I).
+/// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I). Gemma 2's GeGLU
+/// (gelu): down(gelu_tanh(gate(x)) * up(x)).
 struct Mlp {
   Projection gate_proj, up_proj, down_proj;
+  bool gelu = false;
 
   // x: (..., C) -> (..., C)
   template <class B>
   GVar operator()(GTape<B>& tp, GVar x) const {
-    return detail::project(tp, down_proj, swiglu(tp, detail::project(tp, gate_proj, x), detail::project(tp, up_proj, x)));
+    GVar g = detail::project(tp, gate_proj, x), u = detail::project(tp, up_proj, x);
+    return detail::project(tp, down_proj, gelu ? mul(tp, gelu_approx(tp, g), u) : swiglu(tp, g, u));
   }
-  NN_MODULE(Mlp, gate_proj, up_proj, down_proj)
+  NN_MODULE(Mlp, gate_proj, up_proj, down_proj, NN_STATIC(gelu))
 };
 
-/// One pre-norm decoder layer, fields in HF's order.
+/// One pre-norm decoder layer, fields in HF's order. Gemma 2 ("sandwich"):
+/// post_attention_layernorm normalises the attention's output before the residual add, and
+/// pre_ / post_feedforward_layernorm wrap the MLP; elsewhere post_attention_layernorm is the
+/// MLP's input norm and the other two are absent.
 struct DecoderLayer {
   Attention self_attn;
   Mlp mlp;
   RmsNorm input_layernorm, post_attention_layernorm;
-  NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm)
+  std::optional<RmsNorm> pre_feedforward_layernorm, post_feedforward_layernorm;
+  NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+            post_feedforward_layernorm)
+
+  /// h + attention's output ctx (B, T, heads * hd) through o_proj (and Gemma's norm).
+  template <class B>
+  GVar attention_residual(GTape<B>& tp, GVar h, GVar ctx) const {
+    GVar a = detail::project(tp, self_attn.o_proj, ctx);
+    return add(tp, h, pre_feedforward_layernorm ? post_attention_layernorm(tp, a) : a);
+  }
+  /// h + the MLP's output on the normalised h.
+  template <class B>
+  GVar mlp_residual(GTape<B>& tp, GVar h) const {
+    if (!pre_feedforward_layernorm) return add(tp, h, mlp(tp, post_attention_layernorm(tp, h)));
+    return add(tp, h, (*post_feedforward_layernorm)(tp, mlp(tp, (*pre_feedforward_layernorm)(tp, h))));
+  }
 };
 
 /// HF's LlamaModel / Qwen2Model (the "model." prefix of every path): embedding, layers, norm.
@@ -611,7 +800,33 @@ struct CausalLM {
       rp.cos = reshape(tp, gather_rows(tp, rp.cos, pk.positions), {n, half});
       rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
     }
-    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    const double scale = c.attention_scale();
+    // Layers the fused kernel cannot run (soft-capped scores; a window shorter than the rows)
+    // run attention written out, under the causal + window mask (1, 1, 1, T, T) and the padding
+    // mask; packed rows need the fused kernel.
+    auto composite = [&](std::size_t li) {
+      return c.attn_logit_softcapping > 0 || (c.window_on(static_cast<std::int64_t>(li)) && T > c.sliding_window);
+    };
+    GVar window_mask[2];  // [windowed]
+    for (std::size_t li = 0; li < model.layers.size(); ++li)
+      if (composite(li)) {
+        if (pk.valid())
+          nn::detail::fail(L, "packed rows need the fused attention kernel, which ", c.model_type,
+                           "'s soft-capped or sliding-window layers cannot use");
+        const bool w = c.window_on(static_cast<std::int64_t>(li));
+        if (!window_mask[w].valid()) {
+          GVar m = tp.constant(nn::detail::on_backend<B>(detail::causal_window_mask(T, 0, w ? c.sliding_window : 0, dt)));
+          if (mask.valid()) {  // (b, 1, T, T) or fewer leading axes -> (b, 1, 1, T, T)
+            const Shape ms = tp.shape(mask);
+            const std::int64_t b = ms.rank() == 4 ? ms[0] : 1;
+            if (ms.rank() < 2 || ms.rank() > 4 || (ms.rank() >= 3 && ms[ms.rank() - 3] != 1) || ms[ms.rank() - 1] != T ||
+                ms[ms.rank() - 2] != T)
+              nn::detail::fail(L, "mask ", ms.str(), ": ", c.model_type, "'s attention takes one (B, 1, T, T) mask for all heads");
+            m = add(tp, m, nn::detail::view(tp, mask, Shape{b, 1, 1, T, T}));
+          }
+          window_mask[w] = m;
+        }
+      }
 
     // Each block is recorded inside a tape scope named by its parameter path, so anomaly mode
     // names the layer ("model.layers.3.self_attn") where a NaN first appears.
@@ -619,9 +834,10 @@ struct CausalLM {
     {
       auto s = tp.scope("model.embed_tokens");
       x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
+      if (c.embed_scale > 0) x = nn::scale(tp, x, c.embed_scale);  // Gemma: times sqrt(hidden)
     }
     // One decoder layer: h (B, T, C) -> (B, T, C).
-    auto layer = [&](const DecoderLayer& l, GVar h) {
+    auto layer = [&](const DecoderLayer& l, GVar h, std::size_t li) {
       GVar n1;
       {
         auto s = tp.scope("input_layernorm");
@@ -633,6 +849,15 @@ struct CausalLM {
         GVar q = Attention::head_norm(tp, at.q_norm, detail::project(tp, at.q_proj, n1), c.head_dim);  // (B, T, n_heads * hd)
         GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), c.head_dim);  // (B, T, n_kv * hd)
         GVar v = detail::project(tp, at.v_proj, n1);
+        if (composite(li)) {
+          const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
+          GVar qh = rope(tp, detail::heads_first(tp, q, nkv, g, hd), rp.cos, rp.sin);  // (B, nkv, g, T, hd)
+          GVar kh = rope(tp, detail::heads_first(tp, k, nkv, 0, hd), rp.cos, rp.sin);  // (B, nkv, T, hd)
+          GVar ctx = detail::composite_attention(tp, qh, kh, detail::heads_first(tp, v, nkv, 0, hd),
+                                                 window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
+                                                 c.attn_logit_softcapping);
+          h = l.attention_residual(tp, h, ctx);
+        } else {
         // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
         GVar ctx = gqa_attention(tp, q, k, v,
                                  {.T = T,
@@ -645,20 +870,16 @@ struct CausalLM {
                                   .mask = mask,
                                   .causal = !mask.valid(),
                                   .doc_starts = pk.starts});  // (B, T, n_heads * hd)
-        h = add(tp, h, detail::project(tp, l.self_attn.o_proj, ctx));
-      }
-      GVar n2;
-      {
-        auto s = tp.scope("post_attention_layernorm");
-        n2 = l.post_attention_layernorm(tp, h);
+        h = l.attention_residual(tp, h, ctx);
+        }
       }
       auto s = tp.scope("mlp");
-      return add(tp, h, l.mlp(tp, n2));
+      return l.mlp_residual(tp, h);
     };
     for (std::size_t li = 0; li < model.layers.size(); ++li) {
       auto in_layer = tp.scope("model.layers." + std::to_string(li));
       const DecoderLayer& l = model.layers[li];
-      x = grad_checkpoint_ ? nn::checkpoint(tp, layer, l, x) : layer(l, x);
+      x = grad_checkpoint_ ? nn::checkpoint(tp, layer, l, x, li) : layer(l, x, li);
     }
     auto s = tp.scope("model.norm");
     return model.norm(tp, x);
@@ -668,7 +889,8 @@ struct CausalLM {
   template <class B>
   GVar head(GTape<B>& tp, GVar h) const {
     auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
-    return lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
+    GVar out = lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
+    return config_.final_logit_softcapping > 0 ? detail::softcap(tp, out, config_.final_logit_softcapping) : out;
   }
 
   /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.
@@ -719,7 +941,8 @@ struct CausalLM {
       nn::detail::fail(L, "keep ", keep.shape().str(), " must have the shape of ids ", ids.shape().str());
 
     // keep for every position so far (B, S), and the additive mask (B, 1, Tq, S): query i (at
-    // position S0 + i) sees key j when j <= S0 + i and key j is a real token.
+    // position S0 + i) sees key j when j <= S0 + i, key j is a real token and (Phi-3's
+    // sliding_window W) S0 + i - j < W, as transformers' sliding-window causal mask.
     std::vector<double> kp(static_cast<std::size_t>(Bn * S), 1.0);
     for (std::int64_t b = 0; b < Bn; ++b)
       for (std::int64_t j = 0; j < S; ++j) {
@@ -728,21 +951,24 @@ struct CausalLM {
         if (j >= S0 && keep.defined()) v = keep.item(b * Tq + (j - S0)) != 0 ? 1.0 : 0.0;
         kp[static_cast<std::size_t>(b * S + j)] = v;
       }
-    std::vector<double> m(static_cast<std::size_t>(Bn * Tq * S));
-    for (std::int64_t b = 0; b < Bn; ++b)
-      for (std::int64_t i = 0; i < Tq; ++i)
-        for (std::int64_t j = 0; j < S; ++j)
-          m[static_cast<std::size_t>((b * Tq + i) * S + j)] =
-              (j <= S0 + i && kp[static_cast<std::size_t>(b * S + j)] != 0) ? 0.0 : kMaskedValue;
+    std::vector<double> pad(static_cast<std::size_t>(Bn * S));  // the keys' padding, additive
+    for (std::size_t i = 0; i < pad.size(); ++i) pad[i] = kp[i] != 0 ? 0.0 : kMaskedValue;
 
     GTape<B> tp;
-    GVar mask = tp.constant(nn::detail::on_backend<B>(Tensor::from_doubles(Shape{Bn, 1, 1, Tq, S}, m, dt)));
+    GVar key_pad = tp.constant(nn::detail::on_backend<B>(Tensor::from_doubles(Shape{Bn, 1, 1, 1, S}, pad, dt)));
+    GVar masks[2];  // [windowed]: causal (+ window) + padding, (B, 1, 1, Tq, S)
+    for (std::size_t li = 0; li < nl; ++li) {
+      const bool w = c.window_on(static_cast<std::int64_t>(li));
+      if (!masks[w].valid())
+        masks[w] = add(tp, tp.constant(nn::detail::on_backend<B>(detail::causal_window_mask(Tq, S0, w ? c.sliding_window : 0, dt))),
+                       key_pad);
+    }
     RopeVars rp = detail::rope_vars(tp, c, Tq, S0, dt);
     const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
 
     std::vector<Tensor> new_k(nl), new_v(nl);
     GVar x = detail::embed(tp, model.embed_tokens, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
+    if (c.embed_scale > 0) x = nn::scale(tp, x, c.embed_scale);
     for (std::size_t li = 0; li < nl; ++li) {
       const DecoderLayer& l = model.layers[li];
       GVar n1 = l.input_layernorm(tp, x);
@@ -751,9 +977,9 @@ struct CausalLM {
       GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), hd);  // (B, Tq, n_kv * hd)
       GVar v = detail::project(tp, at.v_proj, n1);
       // The layout of gqa_attention, with Tq queries against S keys.
-      GVar qh = permute(tp, nn::detail::view(tp, q, Shape{Bn, Tq, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, Tq, hd)
-      GVar kh = permute(tp, nn::detail::view(tp, k, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
-      GVar vh = permute(tp, nn::detail::view(tp, v, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
+      GVar qh = detail::heads_first(tp, q, nkv, g, hd);  // (B, nkv, g, Tq, hd)
+      GVar kh = detail::heads_first(tp, k, nkv, 0, hd);  // (B, nkv, Tq, hd)
+      GVar vh = detail::heads_first(tp, v, nkv, 0, hd);  // (B, nkv, Tq, hd)
       qh = rope(tp, qh, rp.cos, rp.sin);
       kh = rope(tp, kh, rp.cos, rp.sin);
       if (S0 > 0) {
@@ -762,15 +988,9 @@ struct CausalLM {
       }
       new_k[li] = tp.value(kh);
       new_v[li] = tp.value(vh);
-      qh = nn::scale(tp, qh, scale);
-      GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
-      scores = add(tp, nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S}), mask);               // (B, nkv, g, Tq, S)
-      GVar p = softmax(tp, scores);
-      GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
-      ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
-      ctx = nn::detail::view(tp, ctx, Shape{Bn, Tq, nkv * g * hd});
-      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
-      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+      GVar ctx = detail::composite_attention(tp, qh, kh, vh, masks[c.window_on(static_cast<std::int64_t>(li))],
+                                             c.attention_scale(), c.attn_logit_softcapping);  // (B, Tq, n_heads * hd)
+      x = l.mlp_residual(tp, l.attention_residual(tp, x, ctx));
     }
     Tensor out = tp.value(head(tp, model.norm(tp, x)));
     // Commit only once the whole step has run, so a failed call leaves the cache as it was.
@@ -800,16 +1020,21 @@ struct CausalLM {
       l.self_attn.v_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
       l.self_attn.o_proj = detail::make_linear(cfg.q_dim(), C, cfg.o_bias, dt, zero);
       if (cfg.qk_norm) {
-        l.self_attn.q_norm = detail::make_norm(cfg.head_dim, cfg.rms_norm_eps, dt, zero);
-        l.self_attn.k_norm = detail::make_norm(cfg.head_dim, cfg.rms_norm_eps, dt, zero);
+        l.self_attn.q_norm = detail::make_norm(cfg.head_dim, cfg, dt, zero);
+        l.self_attn.k_norm = detail::make_norm(cfg.head_dim, cfg, dt, zero);
       }
       l.mlp.gate_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
       l.mlp.up_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
       l.mlp.down_proj = detail::make_linear(I, C, cfg.mlp_bias, dt, zero);
-      l.input_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
-      l.post_attention_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+      l.mlp.gelu = cfg.gelu_mlp;
+      l.input_layernorm = detail::make_norm(C, cfg, dt, zero);
+      l.post_attention_layernorm = detail::make_norm(C, cfg, dt, zero);
+      if (cfg.sandwich_norms) {
+        l.pre_feedforward_layernorm = detail::make_norm(C, cfg, dt, zero);
+        l.post_feedforward_layernorm = detail::make_norm(C, cfg, dt, zero);
+      }
     }
-    model.norm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+    model.norm = detail::make_norm(C, cfg, dt, zero);
     if (!cfg.tie_word_embeddings) lm_head = Projection(detail::make_linear(C, cfg.vocab_size, false, dt, zero));
   }
 
@@ -1751,6 +1976,8 @@ class GgufFile {
 // model.safetensors.index.json) and from a GGUF file (llama.cpp's names, dequantised, Q/K rows
 // un-permuted), strictly: every missing, unknown and mismatched name is reported at once.
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -1766,6 +1993,341 @@ class GgufFile {
 
 #include <nlohmann/json.hpp>
 
+// ---- begin nn/lm/adapters.hpp ----
+// LoRA and DoRA adapters for decoder models named as Hugging Face names them
+// (model.layers.N.<key>): applying them by path, and reading/writing mlx-lm and PEFT adapter
+// directories.
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+
+namespace nn::lm {
+
+/// The LoRA (or DoRA) of a fine-tune, as mlx-lm's adapter_config.json holds it.
+struct LoraConfig {
+  bool dora = false;      // DoraLinear instead of LoraLinear (mlx-lm fine_tune_type "dora", PEFT use_dora)
+  std::int64_t rank = 8;
+  double scale = 20.0;    // mlx-lm's multiplier (PEFT's lora_alpha / r)
+  double dropout = 0.0;
+  bool rslora = false;    // the multiplier is scale / sqrt(rank) (PEFT's use_rslora)
+  int num_layers = -1;    // the last N decoder layers (-1: all), as mlx-lm
+  std::vector<std::string> keys{"self_attn.q_proj", "self_attn.v_proj"};  // paths inside a layer
+
+  double effective_scale() const { return rslora ? scale / std::sqrt(static_cast<double>(rank)) : scale; }
+};
+
+/// A LoRA key as the command line names it ("q_proj", "down_proj") to its path inside a
+/// decoder layer ("self_attn.q_proj", "mlp.down_proj"); a key with a dot is already a path.
+inline std::string lora_key_path(const std::string& key) {
+  if (key.find('.') != std::string::npos) return key;
+  const bool mlp = key == "gate_proj" || key == "up_proj" || key == "down_proj";
+  return (mlp ? "mlp." : "self_attn.") + key;
+}
+
+namespace detail {
+
+/// "model.layers.12.self_attn.q_proj" -> {12, "self_attn.q_proj"}; nullopt for other paths.
+inline std::optional<std::pair<int, std::string>> layer_path(const std::string& path) {
+  const std::string pre = "model.layers.";
+  if (path.rfind(pre, 0) != 0) return std::nullopt;
+  const std::size_t dot = path.find('.', pre.size());
+  if (dot == std::string::npos) return std::nullopt;
+  try {
+    return std::pair{std::stoi(path.substr(pre.size(), dot - pre.size())), path.substr(dot + 1)};
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+/// Whether a parameter path names an adapter's trained tensor: lora_a, lora_b, or DoRA's m.
+inline bool is_adapter_param(const std::string& p) {
+  return p.ends_with(".lora_a") || p.ends_with(".lora_b") || p.ends_with(".m");
+}
+
+template <class M>
+int count_layers(const M& model) {
+  int n = 0;
+  nn::detail::for_each(model, [&](const std::string& p, auto&) {
+    if (auto lp = layer_path(p)) n = std::max(n, lp->first + 1);
+  });
+  return n;
+}
+
+inline void write_text(const std::filesystem::path& path, const std::string& text) {
+  // temporary file + rename, as every nn writer: a crash never leaves half a config behind
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream f(tmp);
+    if (!(f << text)) nn::detail::fail("adapters", path.string(), ": cannot write");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) { return read_json_file(path, "adapters"); }
+
+}  // namespace detail
+
+/// Replaces every Linear at "model.layers.N.<key>" (key in cfg.keys, N among the last
+/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers), and every
+/// QuantizedLinear there by a LoraLinear over it (QLoRA); a DoraLinear instead with cfg.dora.
+/// The fields must be std::variant<Linear, LoraLinear, DoraLinear, ...>. Returns how many layers were converted; raises when a key
+/// matches nothing (a typo would otherwise train nothing).
+template <class M>
+int apply_lora(M& model, const LoraConfig& cfg) {
+  const int n = detail::count_layers(model);
+  const int first = cfg.num_layers < 0 ? 0 : std::max(0, n - cfg.num_layers);
+  std::set<std::string> seen;
+  auto pick = [&](const std::string& path) {
+    auto lp = detail::layer_path(path);
+    if (!lp || lp->first < first) return false;
+    for (const auto& k : cfg.keys)
+      if (lp->second == k) {
+        seen.insert(k);
+        return true;
+      }
+    return false;
+  };
+  auto adapt = [&]<class Layer>(const auto& base) {
+    return Layer::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
+  };
+  auto lora = [&](const std::string&, const auto& base) { return adapt.template operator()<LoraLinear>(base); };
+  auto dora = [&](const std::string&, const auto& base) { return adapt.template operator()<DoraLinear>(base); };
+  // full-precision bases (LoRA), then quantized ones (QLoRA)
+  int converted = cfg.dora ? model.template map_modules<Linear>(pick, dora) : model.template map_modules<Linear>(pick, lora);
+  converted += cfg.dora ? model.template map_modules<QuantizedLinear>(pick, dora)
+                        : model.template map_modules<QuantizedLinear>(pick, lora);
+  for (const auto& k : cfg.keys)
+    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear or QuantizedLinear in model.layers.N");
+  return converted;
+}
+
+// ---- mlx-lm --------------------------------------------------------------------------------
+
+/// Writes an mlx-lm adapter directory: adapters.safetensors (model.layers.N.<key>.lora_a (in, r),
+/// .lora_b (r, out), and DoRA's .m (out)) and adapter_config.json (fine_tune_type "lora" or
+/// "dora", num_layers, lora_parameters; an rsLoRA config is written with its effective scale).
+/// mlx_lm.load(model, adapter_path=dir) applies it.
+template <class M>
+void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg) {
+  std::filesystem::create_directories(dir);
+  NamedTensors t;
+  for (auto& [p, v] : model.trainable_parameters())
+    if (detail::is_adapter_param(p)) t.emplace_back(p, v);
+  if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
+  save_safetensors(dir / "adapters.safetensors", t, {{"format", "mlx"}});
+  // mlx-lm multiplies by lora_parameters.scale and has no rsLoRA flag: rsLoRA is written as its
+  // effective scale (scale / sqrt(rank)), which computes the same layer (and reads back so).
+  nlohmann::json j = {{"fine_tune_type", cfg.dora ? "dora" : "lora"},
+                      {"num_layers", cfg.num_layers},
+                      {"lora_parameters",
+                       {{"rank", cfg.rank}, {"scale", cfg.effective_scale()}, {"dropout", cfg.dropout}, {"keys", cfg.keys}}}};
+  detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
+}
+
+namespace detail {
+
+/// The numbers a LoRA needs, checked once for both formats: "[adapters] <label>: ..." otherwise.
+inline void check_lora_config(const LoraConfig& c, const std::string& label) {
+  if (c.rank < 1) nn::detail::fail("adapters", label, ": the rank must be a positive integer, got ", c.rank);
+  if (!std::isfinite(c.scale)) nn::detail::fail("adapters", label, ": the scale must be a finite number, got ", c.scale);
+  if (!(c.dropout >= 0 && c.dropout < 1))
+    nn::detail::fail("adapters", label, ": the dropout must lie in [0, 1), got ", c.dropout);
+}
+
+}  // namespace detail
+
+/// An mlx-lm adapter_config.json, parsed (fine_tune_type "lora", lora_parameters {rank, scale,
+/// dropout, keys}, num_layers); `label` (the file) leads every error.
+inline LoraConfig mlx_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
+  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
+  LoraConfig c;
+  try {
+    const std::string type = j.value("fine_tune_type", std::string("lora"));
+    if (type != "lora" && type != "dora")
+      nn::detail::fail("adapters", label, ": fine_tune_type '", type, "' is not an adapter (lora or dora)");
+    c.dora = type == "dora";
+    auto lp = j.find("lora_parameters");
+    if (lp == j.end() || !lp->is_object()) nn::detail::fail("adapters", label, ": missing object field 'lora_parameters'");
+    c.rank = lp->at("rank").get<std::int64_t>();
+    c.scale = lp->at("scale").get<double>();
+    c.dropout = lp->value("dropout", 0.0);
+    if (lp->contains("keys")) c.keys = lp->at("keys").get<std::vector<std::string>>();
+    const std::int64_t layers = j.value("num_layers", std::int64_t{-1});
+    if (layers < -1 || layers > std::numeric_limits<int>::max())
+      nn::detail::fail("adapters", label, ": num_layers must be -1 (all) or a layer count, got ", layers);
+    c.num_layers = static_cast<int>(layers);
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
+  }
+  detail::check_lora_config(c, label);
+  return c;
+}
+
+/// Reads an mlx-lm adapter directory's config.
+inline LoraConfig read_mlx_adapter_config(const std::filesystem::path& dir) {
+  const auto path = dir / "adapter_config.json";
+  return mlx_adapter_config_from_json(detail::read_json(path), path.string());
+}
+
+/// Applies the directory's LoRA to `model` and loads its adapter weights (strict: every adapter
+/// tensor must match a LoRA parameter by name and shape, and every LoRA parameter must be given;
+/// on error the model's weights are unchanged — the layers are converted first).
+template <class M>
+LoraConfig load_mlx_adapters(const std::filesystem::path& dir, M& model) {
+  LoraConfig cfg = read_mlx_adapter_config(dir);
+  NamedTensors w = load_safetensors(dir / "adapters.safetensors");
+  apply_lora(model, cfg);
+  NamedTensors all;
+  for (auto& [p, v] : model.parameters())
+    if (!detail::is_adapter_param(p)) all.emplace_back(p, v);  // the base is given as it is
+  for (auto& e : w) all.push_back(e);
+  nn::detail::load_weights_impl(model, all, true, (dir / "adapters.safetensors").string());
+  return cfg;
+}
+
+// ---- PEFT ----------------------------------------------------------------------------------
+
+/// Writes a PEFT LoRA directory: adapter_model.safetensors with
+/// base_model.model.<path>.lora_A.weight (r, in) and .lora_B.weight (out, r) — the transposes of
+/// mlx-lm's factors — (and DoRA's .lora_magnitude_vector (out), m as it is) and
+/// adapter_config.json with r, lora_alpha (scale * r, or scale with rslora, so PEFT's scaling
+/// equals ours), target_modules, use_rslora, use_dora, layers_to_transform.
+template <class M>
+void save_peft_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg,
+                        const std::string& base_model = "") {
+  std::filesystem::create_directories(dir);
+  NamedTensors t;
+  GTape<cpu> tp;
+  for (auto& [p, v] : model.trainable_parameters()) {
+    if (!detail::is_adapter_param(p)) continue;
+    if (p.ends_with(".m")) {
+      t.emplace_back("base_model.model." + p.substr(0, p.size() - 2) + ".lora_magnitude_vector", v);
+      continue;
+    }
+    const bool a = p.ends_with(".lora_a");
+    const std::string mod = p.substr(0, p.size() - 7);
+    Tensor tr = tp.value(transpose(tp, tp.constant(v))).clone();  // (in, r) -> (r, in); (r, out) -> (out, r)
+    t.emplace_back("base_model.model." + mod + (a ? ".lora_A.weight" : ".lora_B.weight"), tr);
+  }
+  if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
+  save_safetensors(dir / "adapter_model.safetensors", t, {{"format", "pt"}});
+  std::vector<std::string> targets;
+  for (const auto& k : cfg.keys) targets.push_back(k.substr(k.rfind('.') + 1));
+  nlohmann::json j = {{"peft_type", "LORA"},
+                      {"task_type", "CAUSAL_LM"},
+                      {"base_model_name_or_path", base_model},
+                      {"r", cfg.rank},
+                      {"lora_alpha", cfg.rslora ? cfg.scale : cfg.scale * static_cast<double>(cfg.rank)},
+                      {"lora_dropout", cfg.dropout},
+                      {"use_rslora", cfg.rslora},
+                      {"use_dora", cfg.dora},
+                      {"target_modules", targets},
+                      {"bias", "none"},
+                      {"fan_in_fan_out", false},
+                      {"inference_mode", true}};
+  if (cfg.num_layers >= 0) {
+    const int n = detail::count_layers(model);
+    std::vector<int> layers;
+    for (int i = std::max(0, n - cfg.num_layers); i < n; ++i) layers.push_back(i);
+    j["layers_to_transform"] = layers;
+  }
+  detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
+}
+
+/// A PEFT adapter_config.json, parsed: rank (r), scale (lora_alpha / r, or / sqrt(r) with
+/// use_rslora: the LoraConfig's scale is alpha then) and dropout; the targets and layers come
+/// from the tensor names. `label` (the file) leads every error.
+inline LoraConfig peft_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
+  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
+  LoraConfig cfg;
+  try {
+    const std::string type = j.value("peft_type", std::string("LORA"));
+    if (type != "LORA") nn::detail::fail("adapters", label, ": peft_type '", type, "' is not LORA");
+    cfg.rank = j.at("r").get<std::int64_t>();
+    if (cfg.rank < 1) nn::detail::fail("adapters", label, ": r must be a positive integer, got ", cfg.rank);
+    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
+    cfg.rslora = j.value("use_rslora", false);
+    cfg.dora = j.value("use_dora", false);
+    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
+    cfg.dropout = j.value("lora_dropout", 0.0);
+    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", label, ": fan_in_fan_out is not supported");
+    // what would change the layer beyond one rank and one scale: refused, never ignored
+    for (const char* k : {"rank_pattern", "alpha_pattern"})
+      if (j.contains(k) && !j[k].is_null() && !j[k].empty())
+        nn::detail::fail("adapters", label, ": ", k, " (per-module ranks or alphas) is not supported");
+    if (j.contains("modules_to_save") && !j["modules_to_save"].is_null() && !j["modules_to_save"].empty())
+      nn::detail::fail("adapters", label, ": modules_to_save is not supported (adapters only)");
+    if (const std::string bias = j.value("bias", std::string("none")); bias != "none")
+      nn::detail::fail("adapters", label, ": bias '", bias, "' is not supported (\"none\" only)");
+  } catch (const nlohmann::json::exception& e) {
+    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
+  }
+  detail::check_lora_config(cfg, label);
+  return cfg;
+}
+
+/// Reads a PEFT LoRA directory into `model`: the config gives rank, scale (lora_alpha / r, or
+/// / sqrt(r) with use_rslora) and targets; the factors are transposed into mlx-lm's
+/// orientation. Orientation is checked by name and by shape (a square factor in the wrong
+/// orientation would load silently otherwise).
+template <class M>
+LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
+  const auto cpath = dir / "adapter_config.json";
+  LoraConfig cfg = peft_adapter_config_from_json(detail::read_json(cpath), cpath.string());
+  NamedTensors w = load_safetensors(dir / "adapter_model.safetensors");
+  // targets from the tensor names: "...model.layers.N.<key>.lora_A.weight"
+  std::set<std::string> keys;
+  std::set<int> layers;
+  NamedTensors mine;
+  GTape<cpu> tp;
+  for (auto& [name, t] : w) {
+    std::string n = name;
+    const std::string pre = "base_model.model.";
+    if (n.rfind(pre, 0) == 0) n = n.substr(pre.size());
+    if (n.ends_with(".lora_magnitude_vector")) {  // DoRA's m, (out), as it is
+      if (!cfg.dora)
+        nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name,
+                         "' is a DoRA magnitude but adapter_config.json has no use_dora: true");
+      mine.emplace_back(n.substr(0, n.size() - 22) + ".m", t);
+      continue;
+    }
+    const bool a = n.ends_with(".lora_A.weight"), b = n.ends_with(".lora_B.weight");
+    if (!a && !b) nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name, "' is not a LoRA factor");
+    const std::string mod = n.substr(0, n.size() - 14);
+    auto lp = detail::layer_path(mod);
+    if (!lp) nn::detail::fail("adapters", "tensor '", name, "' is not under model.layers.N");
+    keys.insert(lp->second);
+    layers.insert(lp->first);
+    if (t.rank() != 2 || (a ? t.dim(0) : t.dim(1)) != cfg.rank)
+      nn::detail::fail("adapters", "tensor '", name, "' has shape ", t.shape().str(), "; PEFT's ", a ? "lora_A is (r, in)" : "lora_B is (out, r)",
+                       " with r = ", cfg.rank);
+    mine.emplace_back(mod + (a ? ".lora_a" : ".lora_b"), tp.value(transpose(tp, tp.constant(t))).clone());
+  }
+  cfg.keys.assign(keys.begin(), keys.end());
+  const int n = detail::count_layers(model);
+  cfg.num_layers = static_cast<int>(layers.size()) == n ? -1 : static_cast<int>(layers.size());
+  if (cfg.num_layers >= 0 && *layers.begin() != n - cfg.num_layers)
+    nn::detail::fail("adapters", cpath.string(), ": adapted layers are not the last ", cfg.num_layers, " (unsupported)");
+  apply_lora(model, cfg);
+  NamedTensors all;
+  for (auto& [p, v] : model.parameters())
+    if (!detail::is_adapter_param(p)) all.emplace_back(p, v);
+  for (auto& e : mine) all.push_back(e);
+  nn::detail::load_weights_impl(model, all, true, (dir / "adapter_model.safetensors").string());
+  return cfg;
+}
+
+}  // namespace nn::lm
+// ---- end nn/lm/adapters.hpp ----
 
 namespace nn::lm {
 
@@ -1778,6 +2340,114 @@ namespace detail {
 inline void load_named(CausalLM& m, const nn::detail::NamedTensorList& named, const std::string& source) {
   auto plan = nn::detail::plan_load(m, named, true, source);
   for (auto& [target, t] : plan) *target = *t;
+}
+
+/// t's rows (dim 0) in consecutive blocks of `rows` each, copied; `name` and `source` lead the
+/// error when they do not add up to t's rows.
+inline std::vector<Tensor> split_rows(const Tensor& t, const std::vector<std::int64_t>& rows, const std::string& name,
+                                      const std::string& source) {
+  std::int64_t total = 0;
+  for (std::int64_t r : rows) total += r;
+  if (t.rank() < 1 || t.dim(0) != total)
+    nn::detail::fail("load", source, ": \"", name, "\" is ", t.shape().str(), " but its parts need ", total, " rows");
+  const std::size_t row_bytes = total ? t.nbytes() / static_cast<std::size_t>(total) : 0;
+  std::vector<Tensor> out;
+  std::size_t at = 0;
+  for (std::int64_t r : rows) {
+    std::vector<std::int64_t> d = t.shape().vec();
+    d[0] = r;
+    Tensor p = Tensor::empty(Shape(d), t.dtype());
+    std::memcpy(p.raw(), static_cast<const std::byte*>(t.raw()) + at, p.nbytes());
+    at += static_cast<std::size_t>(r) * row_bytes;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+/// The parts' rows stacked (the inverse of split_rows); the parts agree in dtype and trailing shape.
+inline Tensor join_rows(const std::vector<Tensor>& parts, const std::string& name) {
+  std::vector<std::int64_t> d = parts.at(0).shape().vec();
+  d[0] = 0;
+  for (const Tensor& p : parts) {
+    std::vector<std::int64_t> e = p.shape().vec();
+    e[0] = 0;
+    if (e != std::vector<std::int64_t>(d.begin(), d.end()) || p.dtype() != parts[0].dtype())
+      nn::detail::fail("save", "cannot join the parts of \"", name, "\": ", parts[0].shape().str(), " ",
+                       dtype_name(parts[0].dtype()), " beside ", p.shape().str(), " ", dtype_name(p.dtype()));
+  }
+  for (const Tensor& p : parts) d[0] += p.dim(0);
+  Tensor out = Tensor::empty(Shape(d), parts[0].dtype());
+  std::size_t at = 0;
+  for (const Tensor& p : parts) {
+    const Tensor h = p.device() == Device::cpu ? p : p.to(Device::cpu);
+    std::memcpy(static_cast<std::byte*>(out.raw()) + at, h.raw(), h.nbytes());
+    at += h.nbytes();
+  }
+  return out;
+}
+
+/// "model.layers.N.<fused>.<leaf>" -> {"model.layers.N.", fused entry}; nullopt for other names.
+inline std::optional<std::pair<std::string, const FusedProjection*>> fused_name(const std::vector<FusedProjection>& table,
+                                                                                 const std::string& name, bool of_part) {
+  const auto lp = layer_path(name.substr(0, name.rfind('.')));
+  if (!lp) return std::nullopt;
+  for (const FusedProjection& f : table)
+    if (of_part ? lp->second == f.parts[0] : lp->second == f.fused)
+      return std::make_pair("model.layers." + std::to_string(lp->first) + ".", &f);
+  return std::nullopt;
+}
+
+/// A checkpoint's tensor list in the model's names: each fused projection's leaves (weight,
+/// bias; a quantized layer's scales and biases, whose rows are the matrix's) split into its parts.
+inline void split_fused(const ModelConfig& c, nn::detail::NamedTensorList& named, const std::string& source) {
+  const std::vector<FusedProjection> table = fused_projections(c);
+  if (table.empty()) return;
+  nn::detail::NamedTensorList out;
+  out.reserve(named.size() + named.size() / 2);
+  for (auto& [name, t] : named) {
+    const auto f = fused_name(table, name, false);
+    if (!f) {
+      out.emplace_back(std::move(name), std::move(t));
+      continue;
+    }
+    const std::string leaf = name.substr(name.rfind('.'));
+    std::vector<Tensor> parts = split_rows(t, f->second->rows, name, source);
+    for (std::size_t i = 0; i < parts.size(); ++i) out.emplace_back(f->first + f->second->parts[i] + leaf, std::move(parts[i]));
+  }
+  named = std::move(out);
+}
+
+/// The model's tensors in its checkpoint's names: the parts of each fused projection joined,
+/// in the place of the first part (the inverse of split_fused). Other families: unchanged.
+inline nn::detail::NamedTensorList join_fused(const ModelConfig& c, const nn::detail::NamedTensorList& params) {
+  const std::vector<FusedProjection> table = fused_projections(c);
+  if (table.empty()) return params;
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [n, t] : params) by_name.emplace(n, &t);
+  nn::detail::NamedTensorList out;
+  for (const auto& [name, t] : params) {
+    if (const auto lp = layer_path(name.substr(0, name.rfind('.'))))
+      if (std::any_of(table.begin(), table.end(), [&](const FusedProjection& f) {
+            return std::find(f.parts.begin() + 1, f.parts.end(), lp->second) != f.parts.end();
+          }))
+        continue;  // joined at its first part
+    const auto f = fused_name(table, name, true);
+    if (!f) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const std::string leaf = name.substr(name.rfind('.'));
+    std::vector<Tensor> parts;
+    for (const std::string& p : f->second->parts) {
+      auto it = by_name.find(f->first + p + leaf);
+      if (it == by_name.end())
+        nn::detail::fail("save", "\"", f->first + p + leaf, "\" is missing: ", c.model_type, " stores ", f->second->fused,
+                         " as one matrix, so its parts must have the same layout");
+      parts.push_back(*it->second);
+    }
+    out.emplace_back(f->first + f->second->fused + leaf, join_rows(parts, f->first + f->second->fused + leaf));
+  }
+  return out;
 }
 
 /// One safetensors tensor as a host tensor of the model's dtype. bf16 and f16 widen exactly;
@@ -2053,6 +2723,10 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
                          shard, "\", which does not hold it");
     }
   }
+  for (const auto& [p, leaves] : parts)
+    if (detail::fused_name(detail::fused_projections(cfg), p + ".weight", false))
+      nn::detail::fail("load_hf", folder.string(), ": \"", p, "\" is quantized; a quantized ", cfg.model_type,
+                       " projection stored fused is not supported (load the float checkpoint)");
   for (const auto& [p, q] : mq.layers)
     if (q && !parts.count(p) && (p.starts_with("model.") || p == "lm_head"))
       nn::detail::fail("load_hf", config_file.string(), ": quantization[\"", p, "\"] quantizes a layer whose ", p,
@@ -2101,6 +2775,7 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
                        "in float32, or dequantize_layers");
     return QuantizedEmbedding::from_quantized(std::move(qm));
   });
+  detail::split_fused(cfg, named, folder.string());
   // Parts of a path the model has no Linear / Embedding at reach the strict load as they are,
   // which names them as unknown.
   std::set<std::string> listed;
@@ -2131,11 +2806,12 @@ struct GgufNames {
       {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
       {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"},   {"attn_q_norm", "self_attn.q_norm"},
-      {"attn_k_norm", "self_attn.k_norm"}};
+      {"attn_k_norm", "self_attn.k_norm"}, {"attn_qkv", "self_attn.qkv_proj"}};
 
   /// Maps `name` from one side to the other (to_hf: llama.cpp -> HF). A name with no mapping
-  /// comes back nullopt.
-  static std::optional<std::string> map(const std::string& name, bool to_hf) {
+  /// comes back nullopt. Phi-3's ffn_up is its gate_up_proj (gate and up stacked, as llama.cpp's
+  /// phi3 graph splits it), every other family's up_proj.
+  static std::optional<std::string> map(const std::string& name, bool to_hf, Arch arch = Arch::llama) {
     for (const auto& [g, h] : whole)
       if (name == (to_hf ? g : h)) return std::string(to_hf ? h : g);
     const std::string_view prefix = to_hf ? "blk." : "model.layers.";
@@ -2148,22 +2824,26 @@ struct GgufNames {
     if (dot2 <= dot1) return std::nullopt;
     const std::string part = name.substr(dot1 + 1, dot2 - dot1 - 1), leaf = name.substr(dot2 + 1);
     if (leaf != "weight" && leaf != "bias") return std::nullopt;
-    for (const auto& [g, h] : parts)
+    for (auto [g, h] : parts) {
+      if (arch == Arch::phi3 && g == "ffn_up") h = "mlp.gate_up_proj";
       if (part == (to_hf ? g : h))
         return (to_hf ? "model.layers." : "blk.") + layer + "." + std::string(to_hf ? h : g) + "." + leaf;
+    }
     return std::nullopt;
   }
 };
 
 /// llama.cpp's tensor name -> Hugging Face's. A name with no mapping is returned unchanged, so the
 /// strict load reports it as unknown.
-inline std::string gguf_to_hf_name(const std::string& g) { return GgufNames::map(g, true).value_or(g); }
+inline std::string gguf_to_hf_name(const std::string& g, Arch arch = Arch::llama) {
+  return GgufNames::map(g, true, arch).value_or(g);
+}
 
 /// Hugging Face's tensor name -> llama.cpp's; raises naming the file being written (`label`) and
 /// the tensor when llama.cpp has no name for it.
-inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label) {
-  if (auto g = GgufNames::map(hf, false)) return *g;
-  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 / Qwen3 decoder's tensors have)");
+inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label, Arch arch = Arch::llama) {
+  if (auto g = GgufNames::map(hf, false, arch)) return *g;
+  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 / Qwen3 / Phi-3 decoder's tensors have)");
 }
 
 /// convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or bias (out),
@@ -2234,9 +2914,10 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   const std::string label = f.path();
   ModelConfig c;
   c.model_type = m.read("general.architecture", [](const GgufValue& v) { return v.as_string(); });
-  if (c.model_type == "llama") c.arch = Arch::llama;
-  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
-  else if (c.model_type == "qwen3") c.arch = Arch::qwen3;
+  if (c.model_type == "gemma2")  // llama.cpp stores Gemma's norms as 1 + w, and names them its own way
+    nn::detail::fail("gguf", label, ": general.architecture \"gemma2\": nn reads Gemma 2 from Hugging Face folders only, "
+                     "not from GGUF (supported here: llama, qwen2, qwen3, phi3)");
+  if (const std::optional<Arch> arch = arch_from_name(c.model_type); arch && c.model_type != "smollm") c.arch = *arch;
   else
     nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not a supported model family (supported: ",
                      kSupportedFamilies, ")");
@@ -2284,6 +2965,11 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   c.o_bias = f.find_tensor("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = f.find_tensor("blk.0.ffn_gate.bias") != nullptr;
   c.qk_norm = c.arch == Arch::qwen3;
+  if (c.arch == Arch::phi3) {  // llama.cpp's phi3: no biases; the window as convert_hf_to_gguf writes it
+    c.qkv_bias = c.o_bias = c.mlp_bias = false;
+    c.sliding_window = m.opt_int(a + "attention.sliding_window", 0);
+    if (c.sliding_window < 0) nn::detail::fail("gguf", label, ": ", a, "attention.sliding_window must not be negative");
+  }
   if (const GgufTensorInfo* t = f.find_tensor("rope_freqs.weight")) {
     Tensor ff = f.tensor(*t, DType::f64);
     c.rope_freq_factors = ff.to_doubles();
@@ -2328,7 +3014,7 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
   };
   for (const GgufTensorInfo& t : f.tensors()) {
     if (t.name == "rope_freqs.weight") continue;  // read into the config
-    std::string hf = detail::gguf_to_hf_name(t.name);
+    std::string hf = detail::gguf_to_hf_name(t.name, cfg.arch);
     const bool matrix = hf.ends_with("_proj.weight") || hf == "model.embed_tokens.weight" || hf == "lm_head.weight";
     if (keep_quantized && matrix && GgufFile::keeps_quantized(t.type) && t.ne.size() == 2) {
       QuantizedMatrix q = f.quantized(t);
@@ -2348,6 +3034,21 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
     }
     named.emplace_back(hf, unpermute(hf, f.tensor(t, dtype), t.name));
   }
+  // Phi-3's fused projections, split into the model's parts (a quantized matrix by whole rows:
+  // each row's codes, scales and biases move together).
+  detail::split_fused(cfg, named, f.path());
+  for (const detail::FusedProjection& fp : detail::fused_projections(cfg))
+    for (std::int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
+      const std::string pre = "model.layers." + std::to_string(li) + ".";
+      auto it = quantized.find(pre + fp.fused);
+      if (it == quantized.end()) continue;
+      const QuantizedMatrix q = std::move(it->second);
+      quantized.erase(it);
+      const std::vector<Tensor> w = detail::split_rows(q.weight, fp.rows, pre + fp.fused + ".weight", f.path()),
+                                s = detail::split_rows(q.scales, fp.rows, pre + fp.fused + ".scales", f.path()),
+                                b = detail::split_rows(q.biases, fp.rows, pre + fp.fused + ".biases", f.path());
+      for (std::size_t i = 0; i < fp.parts.size(); ++i) quantized.emplace(pre + fp.parts[i], QuantizedMatrix{w[i], s[i], b[i], q.q});
+    }
   // Quantized matrices replace their layers before the strict load, which then checks every name
   // (a bias of a quantized projection lands in its QuantizedLinear) and hands over the storage.
   auto has = [&](const std::string& p) { return quantized.count(p) > 0; };
@@ -8656,341 +9357,6 @@ class BatchOrder {
 
 }  // namespace nn::lm
 // ---- end nn/lm/data.hpp ----
-// ---- begin nn/lm/adapters.hpp ----
-// LoRA and DoRA adapters for decoder models named as Hugging Face names them
-// (model.layers.N.<key>): applying them by path, and reading/writing mlx-lm and PEFT adapter
-// directories.
-
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <limits>
-#include <set>
-#include <string>
-#include <vector>
-
-#include <nlohmann/json.hpp>
-
-
-namespace nn::lm {
-
-/// The LoRA (or DoRA) of a fine-tune, as mlx-lm's adapter_config.json holds it.
-struct LoraConfig {
-  bool dora = false;      // DoraLinear instead of LoraLinear (mlx-lm fine_tune_type "dora", PEFT use_dora)
-  std::int64_t rank = 8;
-  double scale = 20.0;    // mlx-lm's multiplier (PEFT's lora_alpha / r)
-  double dropout = 0.0;
-  bool rslora = false;    // the multiplier is scale / sqrt(rank) (PEFT's use_rslora)
-  int num_layers = -1;    // the last N decoder layers (-1: all), as mlx-lm
-  std::vector<std::string> keys{"self_attn.q_proj", "self_attn.v_proj"};  // paths inside a layer
-
-  double effective_scale() const { return rslora ? scale / std::sqrt(static_cast<double>(rank)) : scale; }
-};
-
-/// A LoRA key as the command line names it ("q_proj", "down_proj") to its path inside a
-/// decoder layer ("self_attn.q_proj", "mlp.down_proj"); a key with a dot is already a path.
-inline std::string lora_key_path(const std::string& key) {
-  if (key.find('.') != std::string::npos) return key;
-  const bool mlp = key == "gate_proj" || key == "up_proj" || key == "down_proj";
-  return (mlp ? "mlp." : "self_attn.") + key;
-}
-
-namespace detail {
-
-/// "model.layers.12.self_attn.q_proj" -> {12, "self_attn.q_proj"}; nullopt for other paths.
-inline std::optional<std::pair<int, std::string>> layer_path(const std::string& path) {
-  const std::string pre = "model.layers.";
-  if (path.rfind(pre, 0) != 0) return std::nullopt;
-  const std::size_t dot = path.find('.', pre.size());
-  if (dot == std::string::npos) return std::nullopt;
-  try {
-    return std::pair{std::stoi(path.substr(pre.size(), dot - pre.size())), path.substr(dot + 1)};
-  } catch (...) {
-    return std::nullopt;
-  }
-}
-
-/// Whether a parameter path names an adapter's trained tensor: lora_a, lora_b, or DoRA's m.
-inline bool is_adapter_param(const std::string& p) {
-  return p.ends_with(".lora_a") || p.ends_with(".lora_b") || p.ends_with(".m");
-}
-
-template <class M>
-int count_layers(const M& model) {
-  int n = 0;
-  nn::detail::for_each(model, [&](const std::string& p, auto&) {
-    if (auto lp = layer_path(p)) n = std::max(n, lp->first + 1);
-  });
-  return n;
-}
-
-inline void write_text(const std::filesystem::path& path, const std::string& text) {
-  // temporary file + rename, as every nn writer: a crash never leaves half a config behind
-  auto tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream f(tmp);
-    if (!(f << text)) nn::detail::fail("adapters", path.string(), ": cannot write");
-  }
-  std::filesystem::rename(tmp, path);
-}
-
-inline nlohmann::json read_json(const std::filesystem::path& path) { return read_json_file(path, "adapters"); }
-
-}  // namespace detail
-
-/// Replaces every Linear at "model.layers.N.<key>" (key in cfg.keys, N among the last
-/// cfg.num_layers layers) by a LoraLinear (mlx-lm's linear_to_lora_layers), and every
-/// QuantizedLinear there by a LoraLinear over it (QLoRA); a DoraLinear instead with cfg.dora.
-/// The fields must be std::variant<Linear, LoraLinear, DoraLinear, ...>. Returns how many layers were converted; raises when a key
-/// matches nothing (a typo would otherwise train nothing).
-template <class M>
-int apply_lora(M& model, const LoraConfig& cfg) {
-  const int n = detail::count_layers(model);
-  const int first = cfg.num_layers < 0 ? 0 : std::max(0, n - cfg.num_layers);
-  std::set<std::string> seen;
-  auto pick = [&](const std::string& path) {
-    auto lp = detail::layer_path(path);
-    if (!lp || lp->first < first) return false;
-    for (const auto& k : cfg.keys)
-      if (lp->second == k) {
-        seen.insert(k);
-        return true;
-      }
-    return false;
-  };
-  auto adapt = [&]<class Layer>(const auto& base) {
-    return Layer::from_base(base, cfg.rank).scale(cfg.scale).dropout(cfg.dropout).rslora(cfg.rslora);
-  };
-  auto lora = [&](const std::string&, const auto& base) { return adapt.template operator()<LoraLinear>(base); };
-  auto dora = [&](const std::string&, const auto& base) { return adapt.template operator()<DoraLinear>(base); };
-  // full-precision bases (LoRA), then quantized ones (QLoRA)
-  int converted = cfg.dora ? model.template map_modules<Linear>(pick, dora) : model.template map_modules<Linear>(pick, lora);
-  converted += cfg.dora ? model.template map_modules<QuantizedLinear>(pick, dora)
-                        : model.template map_modules<QuantizedLinear>(pick, lora);
-  for (const auto& k : cfg.keys)
-    if (!seen.count(k)) nn::detail::fail("apply_lora", "key '", k, "' matches no Linear or QuantizedLinear in model.layers.N");
-  return converted;
-}
-
-// ---- mlx-lm --------------------------------------------------------------------------------
-
-/// Writes an mlx-lm adapter directory: adapters.safetensors (model.layers.N.<key>.lora_a (in, r),
-/// .lora_b (r, out), and DoRA's .m (out)) and adapter_config.json (fine_tune_type "lora" or
-/// "dora", num_layers, lora_parameters; an rsLoRA config is written with its effective scale).
-/// mlx_lm.load(model, adapter_path=dir) applies it.
-template <class M>
-void save_mlx_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg) {
-  std::filesystem::create_directories(dir);
-  NamedTensors t;
-  for (auto& [p, v] : model.trainable_parameters())
-    if (detail::is_adapter_param(p)) t.emplace_back(p, v);
-  if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
-  save_safetensors(dir / "adapters.safetensors", t, {{"format", "mlx"}});
-  // mlx-lm multiplies by lora_parameters.scale and has no rsLoRA flag: rsLoRA is written as its
-  // effective scale (scale / sqrt(rank)), which computes the same layer (and reads back so).
-  nlohmann::json j = {{"fine_tune_type", cfg.dora ? "dora" : "lora"},
-                      {"num_layers", cfg.num_layers},
-                      {"lora_parameters",
-                       {{"rank", cfg.rank}, {"scale", cfg.effective_scale()}, {"dropout", cfg.dropout}, {"keys", cfg.keys}}}};
-  detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
-}
-
-namespace detail {
-
-/// The numbers a LoRA needs, checked once for both formats: "[adapters] <label>: ..." otherwise.
-inline void check_lora_config(const LoraConfig& c, const std::string& label) {
-  if (c.rank < 1) nn::detail::fail("adapters", label, ": the rank must be a positive integer, got ", c.rank);
-  if (!std::isfinite(c.scale)) nn::detail::fail("adapters", label, ": the scale must be a finite number, got ", c.scale);
-  if (!(c.dropout >= 0 && c.dropout < 1))
-    nn::detail::fail("adapters", label, ": the dropout must lie in [0, 1), got ", c.dropout);
-}
-
-}  // namespace detail
-
-/// An mlx-lm adapter_config.json, parsed (fine_tune_type "lora", lora_parameters {rank, scale,
-/// dropout, keys}, num_layers); `label` (the file) leads every error.
-inline LoraConfig mlx_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
-  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
-  LoraConfig c;
-  try {
-    const std::string type = j.value("fine_tune_type", std::string("lora"));
-    if (type != "lora" && type != "dora")
-      nn::detail::fail("adapters", label, ": fine_tune_type '", type, "' is not an adapter (lora or dora)");
-    c.dora = type == "dora";
-    auto lp = j.find("lora_parameters");
-    if (lp == j.end() || !lp->is_object()) nn::detail::fail("adapters", label, ": missing object field 'lora_parameters'");
-    c.rank = lp->at("rank").get<std::int64_t>();
-    c.scale = lp->at("scale").get<double>();
-    c.dropout = lp->value("dropout", 0.0);
-    if (lp->contains("keys")) c.keys = lp->at("keys").get<std::vector<std::string>>();
-    const std::int64_t layers = j.value("num_layers", std::int64_t{-1});
-    if (layers < -1 || layers > std::numeric_limits<int>::max())
-      nn::detail::fail("adapters", label, ": num_layers must be -1 (all) or a layer count, got ", layers);
-    c.num_layers = static_cast<int>(layers);
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
-  }
-  detail::check_lora_config(c, label);
-  return c;
-}
-
-/// Reads an mlx-lm adapter directory's config.
-inline LoraConfig read_mlx_adapter_config(const std::filesystem::path& dir) {
-  const auto path = dir / "adapter_config.json";
-  return mlx_adapter_config_from_json(detail::read_json(path), path.string());
-}
-
-/// Applies the directory's LoRA to `model` and loads its adapter weights (strict: every adapter
-/// tensor must match a LoRA parameter by name and shape, and every LoRA parameter must be given;
-/// on error the model's weights are unchanged — the layers are converted first).
-template <class M>
-LoraConfig load_mlx_adapters(const std::filesystem::path& dir, M& model) {
-  LoraConfig cfg = read_mlx_adapter_config(dir);
-  NamedTensors w = load_safetensors(dir / "adapters.safetensors");
-  apply_lora(model, cfg);
-  NamedTensors all;
-  for (auto& [p, v] : model.parameters())
-    if (!detail::is_adapter_param(p)) all.emplace_back(p, v);  // the base is given as it is
-  for (auto& e : w) all.push_back(e);
-  nn::detail::load_weights_impl(model, all, true, (dir / "adapters.safetensors").string());
-  return cfg;
-}
-
-// ---- PEFT ----------------------------------------------------------------------------------
-
-/// Writes a PEFT LoRA directory: adapter_model.safetensors with
-/// base_model.model.<path>.lora_A.weight (r, in) and .lora_B.weight (out, r) — the transposes of
-/// mlx-lm's factors — (and DoRA's .lora_magnitude_vector (out), m as it is) and
-/// adapter_config.json with r, lora_alpha (scale * r, or scale with rslora, so PEFT's scaling
-/// equals ours), target_modules, use_rslora, use_dora, layers_to_transform.
-template <class M>
-void save_peft_adapters(const std::filesystem::path& dir, const M& model, const LoraConfig& cfg,
-                        const std::string& base_model = "") {
-  std::filesystem::create_directories(dir);
-  NamedTensors t;
-  GTape<cpu> tp;
-  for (auto& [p, v] : model.trainable_parameters()) {
-    if (!detail::is_adapter_param(p)) continue;
-    if (p.ends_with(".m")) {
-      t.emplace_back("base_model.model." + p.substr(0, p.size() - 2) + ".lora_magnitude_vector", v);
-      continue;
-    }
-    const bool a = p.ends_with(".lora_a");
-    const std::string mod = p.substr(0, p.size() - 7);
-    Tensor tr = tp.value(transpose(tp, tp.constant(v))).clone();  // (in, r) -> (r, in); (r, out) -> (out, r)
-    t.emplace_back("base_model.model." + mod + (a ? ".lora_A.weight" : ".lora_B.weight"), tr);
-  }
-  if (t.empty()) nn::detail::fail("adapters", "the model has no trainable LoRA parameters to save");
-  save_safetensors(dir / "adapter_model.safetensors", t, {{"format", "pt"}});
-  std::vector<std::string> targets;
-  for (const auto& k : cfg.keys) targets.push_back(k.substr(k.rfind('.') + 1));
-  nlohmann::json j = {{"peft_type", "LORA"},
-                      {"task_type", "CAUSAL_LM"},
-                      {"base_model_name_or_path", base_model},
-                      {"r", cfg.rank},
-                      {"lora_alpha", cfg.rslora ? cfg.scale : cfg.scale * static_cast<double>(cfg.rank)},
-                      {"lora_dropout", cfg.dropout},
-                      {"use_rslora", cfg.rslora},
-                      {"use_dora", cfg.dora},
-                      {"target_modules", targets},
-                      {"bias", "none"},
-                      {"fan_in_fan_out", false},
-                      {"inference_mode", true}};
-  if (cfg.num_layers >= 0) {
-    const int n = detail::count_layers(model);
-    std::vector<int> layers;
-    for (int i = std::max(0, n - cfg.num_layers); i < n; ++i) layers.push_back(i);
-    j["layers_to_transform"] = layers;
-  }
-  detail::write_text(dir / "adapter_config.json", j.dump(2) + "\n");
-}
-
-/// A PEFT adapter_config.json, parsed: rank (r), scale (lora_alpha / r, or / sqrt(r) with
-/// use_rslora: the LoraConfig's scale is alpha then) and dropout; the targets and layers come
-/// from the tensor names. `label` (the file) leads every error.
-inline LoraConfig peft_adapter_config_from_json(const nlohmann::json& j, const std::string& label) {
-  if (!j.is_object()) nn::detail::fail("adapters", label, ": expected a JSON object at the top level");
-  LoraConfig cfg;
-  try {
-    const std::string type = j.value("peft_type", std::string("LORA"));
-    if (type != "LORA") nn::detail::fail("adapters", label, ": peft_type '", type, "' is not LORA");
-    cfg.rank = j.at("r").get<std::int64_t>();
-    if (cfg.rank < 1) nn::detail::fail("adapters", label, ": r must be a positive integer, got ", cfg.rank);
-    const double alpha = j.value("lora_alpha", static_cast<double>(cfg.rank));
-    cfg.rslora = j.value("use_rslora", false);
-    cfg.dora = j.value("use_dora", false);
-    cfg.scale = cfg.rslora ? alpha : alpha / static_cast<double>(cfg.rank);
-    cfg.dropout = j.value("lora_dropout", 0.0);
-    if (j.value("fan_in_fan_out", false)) nn::detail::fail("adapters", label, ": fan_in_fan_out is not supported");
-    // what would change the layer beyond one rank and one scale: refused, never ignored
-    for (const char* k : {"rank_pattern", "alpha_pattern"})
-      if (j.contains(k) && !j[k].is_null() && !j[k].empty())
-        nn::detail::fail("adapters", label, ": ", k, " (per-module ranks or alphas) is not supported");
-    if (j.contains("modules_to_save") && !j["modules_to_save"].is_null() && !j["modules_to_save"].empty())
-      nn::detail::fail("adapters", label, ": modules_to_save is not supported (adapters only)");
-    if (const std::string bias = j.value("bias", std::string("none")); bias != "none")
-      nn::detail::fail("adapters", label, ": bias '", bias, "' is not supported (\"none\" only)");
-  } catch (const nlohmann::json::exception& e) {
-    nn::detail::fail("adapters", label, ": bad field (", e.what(), ")");
-  }
-  detail::check_lora_config(cfg, label);
-  return cfg;
-}
-
-/// Reads a PEFT LoRA directory into `model`: the config gives rank, scale (lora_alpha / r, or
-/// / sqrt(r) with use_rslora) and targets; the factors are transposed into mlx-lm's
-/// orientation. Orientation is checked by name and by shape (a square factor in the wrong
-/// orientation would load silently otherwise).
-template <class M>
-LoraConfig load_peft_adapters(const std::filesystem::path& dir, M& model) {
-  const auto cpath = dir / "adapter_config.json";
-  LoraConfig cfg = peft_adapter_config_from_json(detail::read_json(cpath), cpath.string());
-  NamedTensors w = load_safetensors(dir / "adapter_model.safetensors");
-  // targets from the tensor names: "...model.layers.N.<key>.lora_A.weight"
-  std::set<std::string> keys;
-  std::set<int> layers;
-  NamedTensors mine;
-  GTape<cpu> tp;
-  for (auto& [name, t] : w) {
-    std::string n = name;
-    const std::string pre = "base_model.model.";
-    if (n.rfind(pre, 0) == 0) n = n.substr(pre.size());
-    if (n.ends_with(".lora_magnitude_vector")) {  // DoRA's m, (out), as it is
-      if (!cfg.dora)
-        nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name,
-                         "' is a DoRA magnitude but adapter_config.json has no use_dora: true");
-      mine.emplace_back(n.substr(0, n.size() - 22) + ".m", t);
-      continue;
-    }
-    const bool a = n.ends_with(".lora_A.weight"), b = n.ends_with(".lora_B.weight");
-    if (!a && !b) nn::detail::fail("adapters", (dir / "adapter_model.safetensors").string(), ": tensor '", name, "' is not a LoRA factor");
-    const std::string mod = n.substr(0, n.size() - 14);
-    auto lp = detail::layer_path(mod);
-    if (!lp) nn::detail::fail("adapters", "tensor '", name, "' is not under model.layers.N");
-    keys.insert(lp->second);
-    layers.insert(lp->first);
-    if (t.rank() != 2 || (a ? t.dim(0) : t.dim(1)) != cfg.rank)
-      nn::detail::fail("adapters", "tensor '", name, "' has shape ", t.shape().str(), "; PEFT's ", a ? "lora_A is (r, in)" : "lora_B is (out, r)",
-                       " with r = ", cfg.rank);
-    mine.emplace_back(mod + (a ? ".lora_a" : ".lora_b"), tp.value(transpose(tp, tp.constant(t))).clone());
-  }
-  cfg.keys.assign(keys.begin(), keys.end());
-  const int n = detail::count_layers(model);
-  cfg.num_layers = static_cast<int>(layers.size()) == n ? -1 : static_cast<int>(layers.size());
-  if (cfg.num_layers >= 0 && *layers.begin() != n - cfg.num_layers)
-    nn::detail::fail("adapters", cpath.string(), ": adapted layers are not the last ", cfg.num_layers, " (unsupported)");
-  apply_lora(model, cfg);
-  NamedTensors all;
-  for (auto& [p, v] : model.parameters())
-    if (!detail::is_adapter_param(p)) all.emplace_back(p, v);
-  for (auto& e : mine) all.push_back(e);
-  nn::detail::load_weights_impl(model, all, true, (dir / "adapter_model.safetensors").string());
-  return cfg;
-}
-
-}  // namespace nn::lm
-// ---- end nn/lm/adapters.hpp ----
 // ---- begin nn/lm/pretrained.hpp ----
 // A pretrained model and its tokenizer from a Hugging Face folder (config.json, safetensors,
 // tokenizer.json) or a GGUF file (weights, hyperparameters and tokenizer in its metadata).
@@ -9101,9 +9467,18 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
                       {"rms_norm_eps", c.rms_norm_eps},
                       {"rope_theta", c.rope_theta},
                       {"tie_word_embeddings", c.tie_word_embeddings},
-                      {"hidden_act", "silu"},
+                      {c.gelu_mlp ? "hidden_activation" : "hidden_act", c.gelu_mlp ? "gelu_pytorch_tanh" : "silu"},
                       {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
-  if (c.arch != Arch::qwen2) j["attention_bias"] = c.qkv_bias;  // Qwen2's q/k/v biases are fixed
+  if (c.arch == Arch::llama || c.arch == Arch::qwen3) j["attention_bias"] = c.qkv_bias;  // Qwen2, Phi-3: fixed
+  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2)
+    j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json();
+  if (c.arch == Arch::gemma2) {
+    j["attention_bias"] = c.qkv_bias;
+    j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
+    auto cap = [](double v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(); };
+    j["attn_logit_softcapping"] = cap(c.attn_logit_softcapping);
+    j["final_logit_softcapping"] = cap(c.final_logit_softcapping);
+  }
   if (c.arch == Arch::llama) j["mlp_bias"] = c.mlp_bias;
   const RopeScaling& rs = c.rope_scaling;
   if (rs.type == "linear") j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rs.factor}};
@@ -9118,7 +9493,7 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
   for (const auto& [path, t] : model.parameters())
     if (path.ends_with(".lora_a") || path.ends_with(".lora_b"))
       nn::detail::fail("save_hf", "the model still has LoRA layers (", path, "): fuse them first");
-  NamedTensors w = model.parameters();
+  NamedTensors w = detail::join_fused(c, model.parameters());  // Phi-3: qkv_proj, gate_up_proj
   save_safetensors(folder / "model.safetensors", w, {{"format", "pt"}});
   detail::write_text(folder / "config.json", j.dump(2) + "\n");
 }
@@ -9981,6 +10356,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
     w.set(a + ".attention.key_length", static_cast<std::uint32_t>(c.head_dim));
     w.set(a + ".attention.value_length", static_cast<std::uint32_t>(c.head_dim));
   }
+  if (c.sliding_window > 0) w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
   if (c.rope_scaling.type == "linear") {
     w.set(a + ".rope.scaling.type", "linear");
     w.set(a + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
@@ -10063,7 +10439,10 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
 inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, GgufWriter w,
                                   const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
-  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the three families
+  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the families
+  if (c.arch == Arch::gemma2)
+    nn::detail::fail("gguf", path.string(), ": writing Gemma 2 as GGUF is not supported (save_hf writes the folder, "
+                     "which llama.cpp's convert_hf_to_gguf.py converts)");
   if (source)
     if (const GgufValue* a = source->find("general.architecture"); a && a->is_string() && a->as_string() != arch)
       nn::detail::fail("gguf", path.string(), ": the source ", source->path(), " is a '", a->as_string(),
@@ -10076,14 +10455,15 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
   GgufExportReport report;
   const int n_layers = static_cast<int>(c.num_hidden_layers);
   bool quantized = false;
-  const NamedTensors params = model.parameters();
-  for (const auto& [hf, t0] : params)
+  for (const auto& [hf, t0] : model.parameters()) {
     if (hf.ends_with(".lora_a") || hf.ends_with(".lora_b"))
       nn::detail::fail("gguf", path.string(), ": the model still has LoRA layers (", hf, "): fuse them first");
-  for (const auto& [hf, t0] : params) {
     if (hf.ends_with(".scales") || hf.ends_with(".biases") || !is_floating(t0.dtype()))
       nn::detail::fail("gguf", path.string(), ": tensor \"", hf, "\" belongs to a quantized layer: dequantize the model first");
-    const std::string g = detail::hf_to_gguf_name(hf, path.string());
+  }
+  const NamedTensors params = detail::join_fused(c, model.parameters());  // Phi-3: attn_qkv, ffn_up
+  for (const auto& [hf, t0] : params) {
+    const std::string g = detail::hf_to_gguf_name(hf, path.string(), c.arch);
     Tensor t = t0.to(DType::f32);
     if (c.arch == Arch::llama) {  // llama.cpp runs Llama with interleaved RoPE pairs
       if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
@@ -10148,10 +10528,17 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
 }
 
 /// Writes the LoRA layers of `model` (trained with `cfg`) as a llama.cpp GGUF LoRA adapter for a
-/// base of architecture `arch` ("llama" / "qwen2" / "qwen3"; the base's general.architecture). Factors in
+/// base of architecture `arch` ("llama" / "qwen2" / "qwen3"; the base's general.architecture; not phi3). Factors in
 /// F32. Raises, leaving no file, when the model has no LoRA layers or one has no llama.cpp name.
 template <class M>
 void save_gguf_adapter(const std::filesystem::path& path, const M& model, const LoraConfig& cfg, const ModelConfig& c) {
+  if (c.arch == Arch::gemma2)
+    nn::detail::fail("gguf", path.string(), ": llama.cpp adapters for Gemma 2 are not written (use the mlx-lm or PEFT "
+                     "adapter, or fuse)");
+  if (!detail::fused_projections(c).empty())
+    nn::detail::fail("gguf", path.string(), ": llama.cpp's ", arch_name(c.arch), " graph has one attn_qkv and one ffn_up "
+                     "matrix, and nn trains their parts as separate LoRA layers, which a llama.cpp adapter cannot name: "
+                     "export the fused model instead (--fuse OUT.gguf)");
   GgufWriter w;
   w.set("general.architecture", arch_name(c.arch));
   w.set("general.type", "adapter");

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT OR Apache-2.0
-"""Makes the tiny random Llama (untied head, F32) and Qwen2 (tied head, F16) GGUF fixtures into
+"""Makes the tiny random Llama (untied head, F32), Qwen2 (tied head, F16) and Phi-3 (fused qkv and
+gate_up, F32) GGUF fixtures into
 models llama.cpp and nn's finetune can both run end to end, for tests/interop/check_gguf_tiny.sh:
 their 64-token vocabularies become a working byte-level BPE (the letters, the space, and merges
 learnt from a small lowercase corpus), and that corpus is written as JSONL data.
 
     python3 tests/interop/make_tiny_gguf.py OUT_DIR
-writes OUT_DIR/llama.gguf, OUT_DIR/qwen2.gguf, OUT_DIR/data/{train,valid}.jsonl, and the same
-two models as Hugging Face folders OUT_DIR/hf-llama, OUT_DIR/hf-qwen2 (the fixtures' config.json and
+writes OUT_DIR/{llama,qwen2,phi3}.gguf, OUT_DIR/data/{train,valid}.jsonl, and the same
+models as Hugging Face folders OUT_DIR/hf-llama, hf-qwen2, hf-phi3 (the fixtures' config.json and
 safetensors, with the same vocabulary as a tokenizer.json), for exports from a Hugging Face source.
 """
 import json
@@ -125,9 +126,11 @@ def main():
                 f.write(json.dumps({"text": t}) + "\n")
     rewrite(os.path.join(FIX, "llama-F32.gguf"), os.path.join(out, "llama.gguf"), tokens, merges)
     rewrite(os.path.join(FIX, "qwen2-F16.gguf"), os.path.join(out, "qwen2.gguf"), tokens, merges)
-    write_hf("llama", os.path.join(out, "hf-llama"), tokens, merges)
-    write_hf("qwen2", os.path.join(out, "hf-qwen2"), tokens, merges)
-    print(f"{out}: hf-llama/, hf-qwen2/, llama.gguf, qwen2.gguf ({len(merges)} merges), data/ ({len(train)} + {len(valid)} lines)")
+    rewrite(os.path.join(FIX, "phi3-F32.gguf"), os.path.join(out, "phi3.gguf"), tokens, merges)
+    for name in ("llama", "qwen2", "phi3"):
+        write_hf(name, os.path.join(out, f"hf-{name}"), tokens, merges)
+    print(f"{out}: hf-llama/, hf-qwen2/, hf-phi3/, llama.gguf, qwen2.gguf, phi3.gguf ({len(merges)} merges), "
+          f"data/ ({len(train)} + {len(valid)} lines)")
 
 
 if __name__ == "__main__":

@@ -322,7 +322,7 @@ TEST_CASE("logits: shape and dtype errors") {
 // ---- KV cache ----------------------------------------------------------------------------------
 
 TEST_CASE("decode: a prompt prefill then one token at a time gives the full forward's logits") {
-  for (const char* name : {"llama", "qwen2", "smollm_bf16", "qwen3"}) {  // qwen3: q_norm / k_norm before the cache
+  for (const char* name : {"llama", "qwen2", "smollm_bf16", "qwen3", "phi3", "gemma2"}) {  // qwen3: q_norm / k_norm before the cache; phi3: split qkv; gemma2: caps, window
     lm::CausalLM m = lm::load_hf(kModels + "/" + name, DType::f64);
     const Tensor ids = fixture_ids(), keep = fixture_keep();
     const Tensor full = run_logits(m);
@@ -348,7 +348,7 @@ TEST_CASE("decode: a prompt prefill then one token at a time gives the full forw
       outs.push_back(m.decode(s_ids, cache, s_keep));
       CHECK(cache.length() == t + 1);
     }
-    CHECK(cache.k.size() == 2);
+    CHECK(cache.k.size() == m.model.layers.size());
     CHECK(cache.k[0].shape() == Shape{2, m.config().num_key_value_heads, 7, m.config().head_dim});
     // Reassemble (B, T, V) from the steps and compare.
     std::vector<double> all(2 * 7 * 64);

@@ -16,17 +16,9 @@ namespace {
 
 const std::string kModels = std::string(NN_FIXTURES_DIR) + "/lm/models";
 
-const SafetensorsFile& inputs() {
-  static const SafetensorsFile f(kModels + "/expected.safetensors");
-  return f;
-}
 Tensor want() { return SafetensorsFile(kModels + "/qwen3_expected.safetensors").tensor("qwen3.logits"); }
 
-/// Logits on the fixture batch (right-padded), as a host f64 tensor.
-Tensor run_logits(const lm::CausalLM& m) {
-  GTape<cpu> tp;
-  return tp.value(m.logits(tp, tp.input(inputs().tensor("ids").to(DType::i64)), inputs().tensor("keep"))).to(DType::f64);
-}
+Tensor run_logits(const lm::CausalLM& m) { return test::lm_fixture_logits(m); }
 
 }  // namespace
 
@@ -66,20 +58,7 @@ TEST_CASE("Qwen3: the GGUF (llama.cpp's qwen3 names, attn_q_norm / attn_k_norm) 
 TEST_CASE("Qwen3: a LoRA and a DoRA step, compiled, equal the eager steps bit for bit") {
   for (bool dora : {false, true}) {
     CAPTURE(dora);
-    auto make = [&] {
-      lm::CausalLM m = lm::load_hf(kModels + "/qwen3", DType::f32);
-      random::seed(1);
-      if (dora) test::make_lora<Linear, DoraLinear>(m);
-      else test::make_lora<Linear>(m);
-      return m;
-    };
-    lm::CausalLM eager = make(), compiled = make();
-    AdamW opt_e(1e-2), opt_c(1e-2);
-    auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
-      return test::lm_loss(tp, m, ids, mask, tg);
-    });
-    test::step_alongside_eager(eager, opt_e, step, 3);
-    CHECK(test::flat_values(eager) == test::flat_values(compiled));
+    test::check_adapter_step_compiled_equals_eager(kModels + "/qwen3", dora);
   }
 }
 

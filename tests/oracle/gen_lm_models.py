@@ -191,6 +191,58 @@ def randomise(model):
                 p.copy_(torch.tensor(rng.uniform(-bound, bound, p.shape)))
 
 
+def randomise_f32(model, gen, norm_center=1.0):
+    """randomise's draws (no biases) from the generator `gen`, rounded to float32 (the folders store
+    F32) and used in float64; norms norm_center + 0.1 N(0, 1) (0 for Gemma, whose norms scale by
+    1 + w)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                a = norm_center + 0.1 * gen.standard_normal(p.shape)
+            elif "embed_tokens" in name:
+                a = gen.standard_normal(p.shape)
+            else:
+                b = 1 / math.sqrt(p.shape[1])
+                a = gen.uniform(-b, b, p.shape)
+            p.copy_(torch.tensor(a.astype(np.float32).astype(np.float64)))
+
+
+def save_f32_folder(model, folder):
+    """save_pretrained in float32, keeping config.json and model.safetensors; the model stays float64."""
+    shutil.rmtree(folder, ignore_errors=True)
+    model.to(torch.float32).save_pretrained(folder, safe_serialization=True)
+    for f in os.listdir(folder):
+        if f not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(folder, f))
+    model.to(torch.float64)
+
+
+def set_inv_freq64(model, theta, hd):
+    """Every rotary module's inverse frequencies in float64 (checked against transformers' own)."""
+    inv = torch.tensor(1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)))
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            assert torch.allclose(mod.inv_freq.to(torch.float64), inv, rtol=1e-6, atol=0)
+            mod.inv_freq = inv.clone()
+
+
+def family_logits64(model, ids, keep, module, prefix, rms_forward=None, **kwargs):
+    """The patched float64 forward of a family with its own RMSNorm and rotary classes (transformers
+    4.44: `module`.<prefix>RMSNorm / <prefix>RotaryEmbedding, whose forward takes seq_len too):
+    lm_head on model.model's hidden states."""
+    rms_cls, rope_cls = getattr(module, prefix + "RMSNorm"), getattr(module, prefix + "RotaryEmbedding")
+    stock = (rms_cls.forward, rope_cls.forward)
+    with torch.no_grad():
+        set_patches(True)
+        rms_cls.forward = rms_forward or rms_forward64
+        rope_cls.forward = lambda self, x, position_ids, seq_len=None: llama_rope_forward64(self, x, position_ids)
+        try:
+            return model.lm_head(model.model(input_ids=ids, attention_mask=keep, **kwargs).last_hidden_state)
+        finally:
+            set_patches(False)
+            rms_cls.forward, rope_cls.forward = stock
+
+
 def make_inputs():
     ids = rng.integers(3, V, size=(B, T))
     keep = np.zeros((B, T), dtype=np.int64)

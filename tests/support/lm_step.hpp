@@ -63,4 +63,36 @@ void step_alongside_eager(lm::CausalLM& eager, Opt& opt_e, Step& step, int steps
   }
 }
 
+// A LoRA and (dora) a DoRA step on the float32 model of a fixture folder: 3 AdamW steps of a
+// compiled step beside the eager ones, losses and final weights equal bit for bit.
+inline void check_adapter_step_compiled_equals_eager(const std::string& folder, bool dora) {
+  auto make = [&] {
+    lm::CausalLM m = lm::load_hf(folder, DType::f32);
+    random::seed(1);
+    if (dora) make_lora<Linear, DoraLinear>(m);
+    else make_lora<Linear>(m);
+    return m;
+  };
+  lm::CausalLM eager = make(), compiled = make();
+  AdamW opt_e(1e-2), opt_c(1e-2);
+  auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
+    return lm_loss(tp, m, ids, mask, tg);
+  });
+  step_alongside_eager(eager, opt_e, step, 3);
+  CHECK(flat_values(eager) == flat_values(compiled));
+}
+
+// The right-padded fixture batch of tests/fixtures/lm/models/expected.safetensors ("ids",
+// "keep", (2, 7)), whose logits the oracle scripts record per model.
+inline const SafetensorsFile& lm_fixture_inputs() {
+  static const SafetensorsFile f(std::string(NN_FIXTURES_DIR) + "/lm/models/expected.safetensors");
+  return f;
+}
+// `m`'s logits on that batch (B, T, vocab), as a host f64 tensor.
+inline Tensor lm_fixture_logits(const lm::CausalLM& m) {
+  GTape<cpu> tp;
+  return tp.value(m.logits(tp, tp.input(lm_fixture_inputs().tensor("ids").to(DType::i64)), lm_fixture_inputs().tensor("keep")))
+      .to(DType::f64);
+}
+
 }  // namespace nn::test

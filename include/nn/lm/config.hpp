@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// ModelConfig: the hyperparameters of a Llama / Qwen2 / SmolLM decoder, parsed from a Hugging Face
-// config.json (transformers' LlamaConfig / Qwen2Config) with errors that name the file and field.
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder,
+// parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config, Qwen3Config,
+// Phi3Config, Gemma2Config) with errors that name the file and field.
 #pragma once
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string_view>
 #include <sstream>
 #include <string>
@@ -22,17 +24,46 @@ namespace nn::lm {
 
 /// The decoder families this kit runs. SmolLM / SmolLM2 checkpoints are Llama models
 /// (their config.json says "model_type": "llama"). Qwen3 is Qwen2 without the q/k/v biases and
-/// with an RMSNorm on each head's query and key (q_norm, k_norm) before RoPE.
-enum class Arch : std::uint8_t { llama, qwen2, qwen3 };
+/// with an RMSNorm on each head's query and key (q_norm, k_norm) before RoPE. Phi-3 is Llama
+/// with q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (its checkpoints only: nn
+/// splits them on load and joins them on save, see detail::fused_projections) and a sliding
+/// window on attention. Gemma 2 scales the embeddings by sqrt(hidden), normalises with (1 + w),
+/// wraps attention and MLP in norms before and after ("sandwich"), runs a GeGLU MLP (tanh GELU),
+/// caps attention scores and logits softly (cap * tanh(x / cap)) and slides a window over every
+/// other layer's attention (the even ones).
+enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2 };
 
 /// The family's model_type in config.json, which is also its GGUF general.architecture.
-inline const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : a == Arch::qwen2 ? "qwen2" : "qwen3"; }
+inline const char* arch_name(Arch a) {
+  switch (a) {
+    case Arch::llama: return "llama";
+    case Arch::qwen2: return "qwen2";
+    case Arch::qwen3: return "qwen3";
+    case Arch::phi3: return "phi3";
+    case Arch::gemma2: return "gemma2";
+  }
+  return "?";
+}
 /// The family's class in transformers (config.json's "architectures").
 inline const char* hf_architecture(Arch a) {
-  return a == Arch::llama ? "LlamaForCausalLM" : a == Arch::qwen2 ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM";
+  switch (a) {
+    case Arch::llama: return "LlamaForCausalLM";
+    case Arch::qwen2: return "Qwen2ForCausalLM";
+    case Arch::qwen3: return "Qwen3ForCausalLM";
+    case Arch::phi3: return "Phi3ForCausalLM";
+    case Arch::gemma2: return "Gemma2ForCausalLM";
+  }
+  return "?";
+}
+/// model_type / general.architecture -> family; nullopt for one nn does not run.
+inline std::optional<Arch> arch_from_name(std::string_view name) {
+  if (name == "llama" || name == "smollm") return Arch::llama;
+  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2})
+    if (name == arch_name(a)) return a;
+  return std::nullopt;
 }
 /// What the unsupported-family errors list.
-inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3";
+inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2";
 
 /// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
 /// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
@@ -65,6 +96,27 @@ struct ModelConfig {
   bool o_bias = false;     // Llama: attention_bias (HF puts it on o_proj too); Qwen2: never
   bool mlp_bias = false;   // Llama: mlp_bias
   bool qk_norm = false;    // Qwen3: q_norm and k_norm, RMSNorms over head_dim
+  /// sliding_window: on the layers window_on() names, a query sees only the keys less than this
+  /// many positions back (Phi-3: every layer; Gemma 2: the even layers); 0 for none.
+  std::int64_t sliding_window = 0;
+  // Gemma 2 (all off / zero for the other families):
+  bool norm_unit_offset = false;      // every RMSNorm scales by (1 + weight); weights stored as w
+  bool sandwich_norms = false;        // post_attention_layernorm on the attention's output,
+                                      // pre_/post_feedforward_layernorm around the MLP
+  bool gelu_mlp = false;              // down(gelu_tanh(gate) * up) in place of SwiGLU
+  double embed_scale = 0;             // embeddings times this (sqrt(hidden_size)); 0: none
+  double query_pre_attn_scalar = 0;   // attention scale 1 / sqrt(this); 0: head_dim
+  double attn_logit_softcapping = 0;  // scores -> cap * tanh(scores / cap) before the mask; 0: none
+  double final_logit_softcapping = 0; // logits -> cap * tanh(logits / cap); 0: none
+
+  /// Whether layer `layer`'s attention slides a window (see sliding_window).
+  bool window_on(std::int64_t layer) const {
+    return sliding_window > 0 && (arch != Arch::gemma2 || layer % 2 == 0);
+  }
+  /// The factor on q k^T: 1 / sqrt(query_pre_attn_scalar or head_dim).
+  double attention_scale() const {
+    return 1.0 / std::sqrt(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim));
+  }
   RopeScaling rope_scaling;
   /// Per-frequency divisors (head_dim / 2 of them) from a GGUF "rope_freqs" tensor, which is how
   /// llama.cpp stores Llama 3's frequency remap; empty for none.
@@ -217,6 +269,26 @@ struct ConfigReader {
 
 }  // namespace detail
 
+namespace detail {
+
+/// A projection a family's checkpoints store as one matrix: the rows of `parts`, in order,
+/// stacked. Phi-3 stores q/k/v as self_attn.qkv_proj and gate/up as mlp.gate_up_proj (its MLP
+/// takes the first half as the gate, as SwiGLU's gate). nn's model holds the parts, so LoRA,
+/// quantization and the kernels see the same projections in every family; the loaders split
+/// (detail::split_fused) and the writers join (detail::join_fused) by this one table.
+struct FusedProjection {
+  std::string fused;                // path inside a decoder layer, "self_attn.qkv_proj"
+  std::vector<std::string> parts;   // "self_attn.q_proj", ...
+  std::vector<std::int64_t> rows;   // each part's output features
+};
+inline std::vector<FusedProjection> fused_projections(const ModelConfig& c) {
+  if (c.arch != Arch::phi3) return {};
+  return {{"self_attn.qkv_proj", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {c.q_dim(), c.kv_dim(), c.kv_dim()}},
+          {"mlp.gate_up_proj", {"mlp.gate_proj", "mlp.up_proj"}, {c.intermediate_size, c.intermediate_size}}};
+}
+
+}  // namespace detail
+
 /// Parses a config.json document (already read); `label` (the file name) leads every error.
 inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& label = "config.json") {
   if (!j.is_object()) nn::detail::fail("config", label, ": expected a JSON object at the top level");
@@ -226,9 +298,7 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
   if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (one of ", kSupportedFamilies, ")");
   if (!mt->is_string()) r.bad("model_type", "a string", *mt);
   c.model_type = mt->get<std::string>();
-  if (c.model_type == "llama" || c.model_type == "smollm") c.arch = Arch::llama;
-  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
-  else if (c.model_type == "qwen3") c.arch = Arch::qwen3;
+  if (const std::optional<Arch> a = arch_from_name(c.model_type)) c.arch = *a;
   else {
     const nlohmann::json* archs = r.find("architectures");
     nn::detail::fail("config", label, ": model_type \"", c.model_type, "\"",
@@ -236,9 +306,16 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
                      " is not a supported model family (supported: ", kSupportedFamilies, ")");
   }
 
-  const std::string act = r.opt_str("hidden_act", "silu");
-  if (act != "silu")
-    nn::detail::fail("config", label, ": field \"hidden_act\": \"", act, "\" is not supported (the SwiGLU MLP uses silu)");
+  if (c.arch == Arch::gemma2) {  // Gemma2Config names the MLP's activation hidden_activation
+    const char* field = r.find("hidden_activation") ? "hidden_activation" : "hidden_act";
+    const std::string act = r.opt_str(field, "gelu_pytorch_tanh");
+    if (act != "gelu_pytorch_tanh")
+      nn::detail::fail("config", label, ": field \"", field, "\": \"", act, "\" is not supported (Gemma 2's GeGLU uses gelu_pytorch_tanh)");
+  } else {
+    const std::string act = r.opt_str("hidden_act", "silu");
+    if (act != "silu")
+      nn::detail::fail("config", label, ": field \"hidden_act\": \"", act, "\" is not supported (the SwiGLU MLP uses silu)");
+  }
   c.hidden_size = r.req_int("hidden_size");
   c.intermediate_size = r.req_int("intermediate_size");
   c.num_hidden_layers = r.req_int("num_hidden_layers");
@@ -249,15 +326,53 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
                  ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
   c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama ? 2048 : 32768);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama    ? 2048
+                                                                  : c.arch == Arch::phi3   ? 4096
+                                                                  : c.arch == Arch::gemma2 ? 8192
+                                                                                           : 32768);
   c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
   c.rope_theta = r.opt_num("rope_theta", 10000.0);
-  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
+  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", c.arch == Arch::gemma2);
   if (c.arch == Arch::qwen2) {
     // Qwen2Attention hard-codes bias=True on q/k/v and bias=False on o_proj; the MLP has none.
     c.qkv_bias = true;
     if (r.opt_bool("use_sliding_window", false))
       nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
+  } else if (c.arch == Arch::gemma2) {
+    // Gemma2Config's defaults where a field is absent; attention_bias on q/k/v/o, no MLP bias.
+    c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
+    c.norm_unit_offset = c.sandwich_norms = c.gelu_mlp = true;
+    c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
+    c.query_pre_attn_scalar = r.opt_num("query_pre_attn_scalar", 224);
+    c.attn_logit_softcapping = r.opt_num("attn_logit_softcapping", 0);
+    c.final_logit_softcapping = r.opt_num("final_logit_softcapping", 0);
+    c.sliding_window = r.opt_int("sliding_window", 4096);
+    if (!(c.query_pre_attn_scalar > 0) || !(c.attn_logit_softcapping >= 0) || !(c.final_logit_softcapping >= 0) ||
+        c.sliding_window < 0)
+      nn::detail::fail("config", label, ": query_pre_attn_scalar must be positive, the soft caps and sliding_window "
+                       "not negative");
+    // transformers 5 lists each layer's kind; nn runs Gemma 2's alternation (even layers slide)
+    if (const nlohmann::json* lt = r.find("layer_types")) {
+      if (!lt->is_array()) r.bad("layer_types", "a list", *lt);
+      for (std::size_t i = 0; i < lt->size(); ++i) {
+        const bool sliding = (*lt)[i] == "sliding_attention";
+        if (sliding != (i % 2 == 0) || !((*lt)[i] == "sliding_attention" || (*lt)[i] == "full_attention"))
+          nn::detail::fail("config", label, ": field \"layer_types\"[", i, "]: ", (*lt)[i].dump(),
+                           " (nn runs Gemma 2's pattern: sliding_attention on even layers, full_attention on odd)");
+      }
+    }
+  } else if (c.arch == Arch::phi3) {
+    // Phi3Attention / Phi3MLP: no biases anywhere. Only partial_rotary_factor 1 (Phi-3 itself;
+    // Phi-4-mini's 0.75 rotates part of each head).
+    c.sliding_window = r.opt_int("sliding_window", 0);
+    if (c.sliding_window < 0) nn::detail::fail("config", label, ": field \"sliding_window\" must not be negative, got ", c.sliding_window);
+    const nlohmann::json* rp = r.find("rope_parameters");
+    const double prf = rp && rp->is_object() && rp->contains("partial_rotary_factor")
+                           ? detail::ConfigReader{*rp, label}.opt_num("partial_rotary_factor", 1.0)
+                           : r.opt_num("partial_rotary_factor", 1.0);
+    if (prf != 1.0)
+      nn::detail::fail("config", label, ": field \"partial_rotary_factor\": ", prf,
+                       " is not supported (RoPE over whole heads, 1.0, only)");
   } else {
     // Llama and Qwen3: attention_bias on q/k/v and o_proj; Qwen3's MLP has no bias field
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);

@@ -178,6 +178,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
     w.set(a + ".attention.key_length", static_cast<std::uint32_t>(c.head_dim));
     w.set(a + ".attention.value_length", static_cast<std::uint32_t>(c.head_dim));
   }
+  if (c.sliding_window > 0) w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
   if (c.rope_scaling.type == "linear") {
     w.set(a + ".rope.scaling.type", "linear");
     w.set(a + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
@@ -260,7 +261,10 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
 inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, GgufWriter w,
                                   const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
-  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the three families
+  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the families
+  if (c.arch == Arch::gemma2)
+    nn::detail::fail("gguf", path.string(), ": writing Gemma 2 as GGUF is not supported (save_hf writes the folder, "
+                     "which llama.cpp's convert_hf_to_gguf.py converts)");
   if (source)
     if (const GgufValue* a = source->find("general.architecture"); a && a->is_string() && a->as_string() != arch)
       nn::detail::fail("gguf", path.string(), ": the source ", source->path(), " is a '", a->as_string(),
@@ -273,14 +277,15 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
   GgufExportReport report;
   const int n_layers = static_cast<int>(c.num_hidden_layers);
   bool quantized = false;
-  const NamedTensors params = model.parameters();
-  for (const auto& [hf, t0] : params)
+  for (const auto& [hf, t0] : model.parameters()) {
     if (hf.ends_with(".lora_a") || hf.ends_with(".lora_b"))
       nn::detail::fail("gguf", path.string(), ": the model still has LoRA layers (", hf, "): fuse them first");
-  for (const auto& [hf, t0] : params) {
     if (hf.ends_with(".scales") || hf.ends_with(".biases") || !is_floating(t0.dtype()))
       nn::detail::fail("gguf", path.string(), ": tensor \"", hf, "\" belongs to a quantized layer: dequantize the model first");
-    const std::string g = detail::hf_to_gguf_name(hf, path.string());
+  }
+  const NamedTensors params = detail::join_fused(c, model.parameters());  // Phi-3: attn_qkv, ffn_up
+  for (const auto& [hf, t0] : params) {
+    const std::string g = detail::hf_to_gguf_name(hf, path.string(), c.arch);
     Tensor t = t0.to(DType::f32);
     if (c.arch == Arch::llama) {  // llama.cpp runs Llama with interleaved RoPE pairs
       if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
@@ -345,10 +350,17 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
 }
 
 /// Writes the LoRA layers of `model` (trained with `cfg`) as a llama.cpp GGUF LoRA adapter for a
-/// base of architecture `arch` ("llama" / "qwen2" / "qwen3"; the base's general.architecture). Factors in
+/// base of architecture `arch` ("llama" / "qwen2" / "qwen3"; the base's general.architecture; not phi3). Factors in
 /// F32. Raises, leaving no file, when the model has no LoRA layers or one has no llama.cpp name.
 template <class M>
 void save_gguf_adapter(const std::filesystem::path& path, const M& model, const LoraConfig& cfg, const ModelConfig& c) {
+  if (c.arch == Arch::gemma2)
+    nn::detail::fail("gguf", path.string(), ": llama.cpp adapters for Gemma 2 are not written (use the mlx-lm or PEFT "
+                     "adapter, or fuse)");
+  if (!detail::fused_projections(c).empty())
+    nn::detail::fail("gguf", path.string(), ": llama.cpp's ", arch_name(c.arch), " graph has one attn_qkv and one ffn_up "
+                     "matrix, and nn trains their parts as separate LoRA layers, which a llama.cpp adapter cannot name: "
+                     "export the fused model instead (--fuse OUT.gguf)");
   GgufWriter w;
   w.set("general.architecture", arch_name(c.arch));
   w.set("general.type", "adapter");

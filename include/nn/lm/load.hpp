@@ -4,6 +4,8 @@
 // un-permuted), strictly: every missing, unknown and mismatched name is reported at once.
 #pragma once
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -21,6 +23,7 @@
 
 #include "../io/safetensors.hpp"
 #include "../io/weights.hpp"
+#include "adapters.hpp"
 #include "config.hpp"
 #include "gguf.hpp"
 #include "model.hpp"
@@ -36,6 +39,114 @@ namespace detail {
 inline void load_named(CausalLM& m, const nn::detail::NamedTensorList& named, const std::string& source) {
   auto plan = nn::detail::plan_load(m, named, true, source);
   for (auto& [target, t] : plan) *target = *t;
+}
+
+/// t's rows (dim 0) in consecutive blocks of `rows` each, copied; `name` and `source` lead the
+/// error when they do not add up to t's rows.
+inline std::vector<Tensor> split_rows(const Tensor& t, const std::vector<std::int64_t>& rows, const std::string& name,
+                                      const std::string& source) {
+  std::int64_t total = 0;
+  for (std::int64_t r : rows) total += r;
+  if (t.rank() < 1 || t.dim(0) != total)
+    nn::detail::fail("load", source, ": \"", name, "\" is ", t.shape().str(), " but its parts need ", total, " rows");
+  const std::size_t row_bytes = total ? t.nbytes() / static_cast<std::size_t>(total) : 0;
+  std::vector<Tensor> out;
+  std::size_t at = 0;
+  for (std::int64_t r : rows) {
+    std::vector<std::int64_t> d = t.shape().vec();
+    d[0] = r;
+    Tensor p = Tensor::empty(Shape(d), t.dtype());
+    std::memcpy(p.raw(), static_cast<const std::byte*>(t.raw()) + at, p.nbytes());
+    at += static_cast<std::size_t>(r) * row_bytes;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+/// The parts' rows stacked (the inverse of split_rows); the parts agree in dtype and trailing shape.
+inline Tensor join_rows(const std::vector<Tensor>& parts, const std::string& name) {
+  std::vector<std::int64_t> d = parts.at(0).shape().vec();
+  d[0] = 0;
+  for (const Tensor& p : parts) {
+    std::vector<std::int64_t> e = p.shape().vec();
+    e[0] = 0;
+    if (e != std::vector<std::int64_t>(d.begin(), d.end()) || p.dtype() != parts[0].dtype())
+      nn::detail::fail("save", "cannot join the parts of \"", name, "\": ", parts[0].shape().str(), " ",
+                       dtype_name(parts[0].dtype()), " beside ", p.shape().str(), " ", dtype_name(p.dtype()));
+  }
+  for (const Tensor& p : parts) d[0] += p.dim(0);
+  Tensor out = Tensor::empty(Shape(d), parts[0].dtype());
+  std::size_t at = 0;
+  for (const Tensor& p : parts) {
+    const Tensor h = p.device() == Device::cpu ? p : p.to(Device::cpu);
+    std::memcpy(static_cast<std::byte*>(out.raw()) + at, h.raw(), h.nbytes());
+    at += h.nbytes();
+  }
+  return out;
+}
+
+/// "model.layers.N.<fused>.<leaf>" -> {"model.layers.N.", fused entry}; nullopt for other names.
+inline std::optional<std::pair<std::string, const FusedProjection*>> fused_name(const std::vector<FusedProjection>& table,
+                                                                                 const std::string& name, bool of_part) {
+  const auto lp = layer_path(name.substr(0, name.rfind('.')));
+  if (!lp) return std::nullopt;
+  for (const FusedProjection& f : table)
+    if (of_part ? lp->second == f.parts[0] : lp->second == f.fused)
+      return std::make_pair("model.layers." + std::to_string(lp->first) + ".", &f);
+  return std::nullopt;
+}
+
+/// A checkpoint's tensor list in the model's names: each fused projection's leaves (weight,
+/// bias; a quantized layer's scales and biases, whose rows are the matrix's) split into its parts.
+inline void split_fused(const ModelConfig& c, nn::detail::NamedTensorList& named, const std::string& source) {
+  const std::vector<FusedProjection> table = fused_projections(c);
+  if (table.empty()) return;
+  nn::detail::NamedTensorList out;
+  out.reserve(named.size() + named.size() / 2);
+  for (auto& [name, t] : named) {
+    const auto f = fused_name(table, name, false);
+    if (!f) {
+      out.emplace_back(std::move(name), std::move(t));
+      continue;
+    }
+    const std::string leaf = name.substr(name.rfind('.'));
+    std::vector<Tensor> parts = split_rows(t, f->second->rows, name, source);
+    for (std::size_t i = 0; i < parts.size(); ++i) out.emplace_back(f->first + f->second->parts[i] + leaf, std::move(parts[i]));
+  }
+  named = std::move(out);
+}
+
+/// The model's tensors in its checkpoint's names: the parts of each fused projection joined,
+/// in the place of the first part (the inverse of split_fused). Other families: unchanged.
+inline nn::detail::NamedTensorList join_fused(const ModelConfig& c, const nn::detail::NamedTensorList& params) {
+  const std::vector<FusedProjection> table = fused_projections(c);
+  if (table.empty()) return params;
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [n, t] : params) by_name.emplace(n, &t);
+  nn::detail::NamedTensorList out;
+  for (const auto& [name, t] : params) {
+    if (const auto lp = layer_path(name.substr(0, name.rfind('.'))))
+      if (std::any_of(table.begin(), table.end(), [&](const FusedProjection& f) {
+            return std::find(f.parts.begin() + 1, f.parts.end(), lp->second) != f.parts.end();
+          }))
+        continue;  // joined at its first part
+    const auto f = fused_name(table, name, true);
+    if (!f) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const std::string leaf = name.substr(name.rfind('.'));
+    std::vector<Tensor> parts;
+    for (const std::string& p : f->second->parts) {
+      auto it = by_name.find(f->first + p + leaf);
+      if (it == by_name.end())
+        nn::detail::fail("save", "\"", f->first + p + leaf, "\" is missing: ", c.model_type, " stores ", f->second->fused,
+                         " as one matrix, so its parts must have the same layout");
+      parts.push_back(*it->second);
+    }
+    out.emplace_back(f->first + f->second->fused + leaf, join_rows(parts, f->first + f->second->fused + leaf));
+  }
+  return out;
 }
 
 /// One safetensors tensor as a host tensor of the model's dtype. bf16 and f16 widen exactly;
@@ -311,6 +422,10 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
                          shard, "\", which does not hold it");
     }
   }
+  for (const auto& [p, leaves] : parts)
+    if (detail::fused_name(detail::fused_projections(cfg), p + ".weight", false))
+      nn::detail::fail("load_hf", folder.string(), ": \"", p, "\" is quantized; a quantized ", cfg.model_type,
+                       " projection stored fused is not supported (load the float checkpoint)");
   for (const auto& [p, q] : mq.layers)
     if (q && !parts.count(p) && (p.starts_with("model.") || p == "lm_head"))
       nn::detail::fail("load_hf", config_file.string(), ": quantization[\"", p, "\"] quantizes a layer whose ", p,
@@ -359,6 +474,7 @@ inline CausalLM load_hf(const std::filesystem::path& folder, DType dtype = DType
                        "in float32, or dequantize_layers");
     return QuantizedEmbedding::from_quantized(std::move(qm));
   });
+  detail::split_fused(cfg, named, folder.string());
   // Parts of a path the model has no Linear / Embedding at reach the strict load as they are,
   // which names them as unknown.
   std::set<std::string> listed;
@@ -389,11 +505,12 @@ struct GgufNames {
       {"attn_v", "self_attn.v_proj"},   {"attn_output", "self_attn.o_proj"},
       {"ffn_gate", "mlp.gate_proj"},    {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"},   {"attn_q_norm", "self_attn.q_norm"},
-      {"attn_k_norm", "self_attn.k_norm"}};
+      {"attn_k_norm", "self_attn.k_norm"}, {"attn_qkv", "self_attn.qkv_proj"}};
 
   /// Maps `name` from one side to the other (to_hf: llama.cpp -> HF). A name with no mapping
-  /// comes back nullopt.
-  static std::optional<std::string> map(const std::string& name, bool to_hf) {
+  /// comes back nullopt. Phi-3's ffn_up is its gate_up_proj (gate and up stacked, as llama.cpp's
+  /// phi3 graph splits it), every other family's up_proj.
+  static std::optional<std::string> map(const std::string& name, bool to_hf, Arch arch = Arch::llama) {
     for (const auto& [g, h] : whole)
       if (name == (to_hf ? g : h)) return std::string(to_hf ? h : g);
     const std::string_view prefix = to_hf ? "blk." : "model.layers.";
@@ -406,22 +523,26 @@ struct GgufNames {
     if (dot2 <= dot1) return std::nullopt;
     const std::string part = name.substr(dot1 + 1, dot2 - dot1 - 1), leaf = name.substr(dot2 + 1);
     if (leaf != "weight" && leaf != "bias") return std::nullopt;
-    for (const auto& [g, h] : parts)
+    for (auto [g, h] : parts) {
+      if (arch == Arch::phi3 && g == "ffn_up") h = "mlp.gate_up_proj";
       if (part == (to_hf ? g : h))
         return (to_hf ? "model.layers." : "blk.") + layer + "." + std::string(to_hf ? h : g) + "." + leaf;
+    }
     return std::nullopt;
   }
 };
 
 /// llama.cpp's tensor name -> Hugging Face's. A name with no mapping is returned unchanged, so the
 /// strict load reports it as unknown.
-inline std::string gguf_to_hf_name(const std::string& g) { return GgufNames::map(g, true).value_or(g); }
+inline std::string gguf_to_hf_name(const std::string& g, Arch arch = Arch::llama) {
+  return GgufNames::map(g, true, arch).value_or(g);
+}
 
 /// Hugging Face's tensor name -> llama.cpp's; raises naming the file being written (`label`) and
 /// the tensor when llama.cpp has no name for it.
-inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label) {
-  if (auto g = GgufNames::map(hf, false)) return *g;
-  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 / Qwen3 decoder's tensors have)");
+inline std::string hf_to_gguf_name(const std::string& hf, const std::string& label, Arch arch = Arch::llama) {
+  if (auto g = GgufNames::map(hf, false, arch)) return *g;
+  nn::detail::fail("gguf", label, ": tensor \"", hf, "\" has no llama.cpp name (the Llama / Qwen2 / Qwen3 / Phi-3 decoder's tensors have)");
 }
 
 /// convert_hf_to_gguf.py's LlamaModel.permute on the rows of a q/k weight (out, in) or bias (out),
@@ -492,9 +613,10 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   const std::string label = f.path();
   ModelConfig c;
   c.model_type = m.read("general.architecture", [](const GgufValue& v) { return v.as_string(); });
-  if (c.model_type == "llama") c.arch = Arch::llama;
-  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
-  else if (c.model_type == "qwen3") c.arch = Arch::qwen3;
+  if (c.model_type == "gemma2")  // llama.cpp stores Gemma's norms as 1 + w, and names them its own way
+    nn::detail::fail("gguf", label, ": general.architecture \"gemma2\": nn reads Gemma 2 from Hugging Face folders only, "
+                     "not from GGUF (supported here: llama, qwen2, qwen3, phi3)");
+  if (const std::optional<Arch> arch = arch_from_name(c.model_type); arch && c.model_type != "smollm") c.arch = *arch;
   else
     nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not a supported model family (supported: ",
                      kSupportedFamilies, ")");
@@ -542,6 +664,11 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   c.o_bias = f.find_tensor("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = f.find_tensor("blk.0.ffn_gate.bias") != nullptr;
   c.qk_norm = c.arch == Arch::qwen3;
+  if (c.arch == Arch::phi3) {  // llama.cpp's phi3: no biases; the window as convert_hf_to_gguf writes it
+    c.qkv_bias = c.o_bias = c.mlp_bias = false;
+    c.sliding_window = m.opt_int(a + "attention.sliding_window", 0);
+    if (c.sliding_window < 0) nn::detail::fail("gguf", label, ": ", a, "attention.sliding_window must not be negative");
+  }
   if (const GgufTensorInfo* t = f.find_tensor("rope_freqs.weight")) {
     Tensor ff = f.tensor(*t, DType::f64);
     c.rope_freq_factors = ff.to_doubles();
@@ -586,7 +713,7 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
   };
   for (const GgufTensorInfo& t : f.tensors()) {
     if (t.name == "rope_freqs.weight") continue;  // read into the config
-    std::string hf = detail::gguf_to_hf_name(t.name);
+    std::string hf = detail::gguf_to_hf_name(t.name, cfg.arch);
     const bool matrix = hf.ends_with("_proj.weight") || hf == "model.embed_tokens.weight" || hf == "lm_head.weight";
     if (keep_quantized && matrix && GgufFile::keeps_quantized(t.type) && t.ne.size() == 2) {
       QuantizedMatrix q = f.quantized(t);
@@ -606,6 +733,21 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
     }
     named.emplace_back(hf, unpermute(hf, f.tensor(t, dtype), t.name));
   }
+  // Phi-3's fused projections, split into the model's parts (a quantized matrix by whole rows:
+  // each row's codes, scales and biases move together).
+  detail::split_fused(cfg, named, f.path());
+  for (const detail::FusedProjection& fp : detail::fused_projections(cfg))
+    for (std::int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
+      const std::string pre = "model.layers." + std::to_string(li) + ".";
+      auto it = quantized.find(pre + fp.fused);
+      if (it == quantized.end()) continue;
+      const QuantizedMatrix q = std::move(it->second);
+      quantized.erase(it);
+      const std::vector<Tensor> w = detail::split_rows(q.weight, fp.rows, pre + fp.fused + ".weight", f.path()),
+                                s = detail::split_rows(q.scales, fp.rows, pre + fp.fused + ".scales", f.path()),
+                                b = detail::split_rows(q.biases, fp.rows, pre + fp.fused + ".biases", f.path());
+      for (std::size_t i = 0; i < fp.parts.size(); ++i) quantized.emplace(pre + fp.parts[i], QuantizedMatrix{w[i], s[i], b[i], q.q});
+    }
   // Quantized matrices replace their layers before the strict load, which then checks every name
   // (a bias of a quantized projection lands in its QuantizedLinear) and hands over the storage.
   auto has = [&](const std::string& p) { return quantized.count(p) > 0; };

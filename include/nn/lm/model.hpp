@@ -1,14 +1,20 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// CausalLM: the Llama / Qwen2 / Qwen3 / SmolLM decoder-only transformer as Hugging Face's
-// LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM compute it, as a module tree whose parameter paths are HF's own
-// ("model.layers.0.self_attn.q_proj.weight"), with a batched forward on the tape and a KV-cached
-// forward for generation.
+// CausalLM: the Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder-only transformer as
+// Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM and
+// Gemma2ForCausalLM compute it, as a module tree whose parameter paths are HF's own
+// ("model.layers.0.self_attn.q_proj.weight"; Phi-3's fused qkv_proj / gate_up_proj held split),
+// with a batched forward on the tape and a KV-cached forward for generation.
 //
 // One decoder layer (HF LlamaDecoderLayer):
 //   h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = RMSNorm(x)
 //   (Qwen3: rope(q_norm(q_proj(n1))), rope(k_norm(k_proj(n1))), the norms per head)
 //   y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                         n2 = RMSNorm(h)
 // then a final RMSNorm and the LM head (the embedding table itself when tie_word_embeddings).
+// Gemma 2 (Gemma2DecoderLayer): x starts as embed * sqrt(C), every RMSNorm scales by (1 + w),
+//   h = x + RMSNorm(o_proj(attention(...)))     scores cap*tanh(s/cap), scale 1/sqrt(qpas)
+//   y = h + RMSNorm(down_proj(gelu_tanh(gate_proj(n2)) * up_proj(n2)))   n2 = RMSNorm(h)
+// and the logits cap*tanh(logits/cap). Sliding-window layers (Phi-3: all; Gemma 2: even) see
+// the keys less than sliding_window positions back.
 // RoPE is the NEOX half-split form (HF rotate_half) with the config's inverse frequencies.
 #pragma once
 
@@ -66,11 +72,58 @@ inline Linear make_linear(std::int64_t in, std::int64_t out, bool bias, DType dt
   return l;
 }
 
-inline RmsNorm make_norm(std::int64_t dims, double eps, DType dt, bool zero) {
+/// An RMSNorm of the config's kind: Gemma's scales by (1 + weight), so its identity weight is 0.
+inline RmsNorm make_norm(std::int64_t dims, const ModelConfig& c, DType dt, bool zero) {
   RmsNorm n;
-  n.weight = Param(zero ? Tensor::ones(Shape{dims}, dt) : Tensor::empty(Shape{dims}, dt));
-  n.eps(eps);
+  n.weight = Param(!zero ? Tensor::empty(Shape{dims}, dt) : c.norm_unit_offset ? Tensor::zeros(Shape{dims}, dt) : Tensor::ones(Shape{dims}, dt));
+  n.eps(c.rms_norm_eps).unit_offset(c.norm_unit_offset);
   return n;
+}
+
+/// cap * tanh(x / cap), Gemma 2's soft cap on attention scores and logits.
+template <class B>
+GVar softcap(GTape<B>& tp, GVar x, double cap) {
+  return nn::scale(tp, nn::tanh(tp, nn::scale(tp, x, 1.0 / cap)), cap);
+}
+
+/// The additive mask (1, 1, 1, Tq, S) of queries at positions S0 .. S0+Tq-1 (S = S0 + Tq) over
+/// keys 0 .. S-1: key j is seen when j <= i and, with a window W > 0, i - j < W (transformers'
+/// sliding-window causal mask).
+inline Tensor causal_window_mask(std::int64_t Tq, std::int64_t S0, std::int64_t window, DType dt) {
+  const std::int64_t S = S0 + Tq;
+  std::vector<double> m(static_cast<std::size_t>(Tq * S));
+  for (std::int64_t i = 0; i < Tq; ++i)
+    for (std::int64_t j = 0; j < S; ++j)
+      m[static_cast<std::size_t>(i * S + j)] = j <= S0 + i && (window == 0 || S0 + i - j < window) ? 0.0 : kMaskedValue;
+  return Tensor::from_doubles(Shape{1, 1, 1, Tq, S}, m, dt);
+}
+
+/// Attention written out, for what the fused kernel does not do (soft-capped scores, a sliding
+/// window) and for decode's cached keys:
+///   qh (B, nkv, g, Tq, hd) after RoPE; kh, vh (B, nkv, S, hd); mask additive, broadcasting
+///   against (B, nkv, g, Tq, S) -> (B, Tq, nkv * g * hd)
+/// softmax(cap(scale q k^T) + mask) v, with cap the soft cap when `cap` > 0.
+template <class B>
+GVar composite_attention(GTape<B>& tp, GVar qh, GVar kh, GVar vh, GVar mask, double scale, double cap) {
+  const Shape qs = tp.shape(qh);
+  const std::int64_t Bn = qs[0], nkv = qs[1], g = qs[2], Tq = qs[3], hd = qs[4], S = tp.shape(kh)[2];
+  qh = nn::scale(tp, qh, scale);
+  GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
+  scores = nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S});
+  if (cap > 0) scores = softcap(tp, scores, cap);
+  GVar p = softmax(tp, add(tp, scores, mask));                                    // (B, nkv, g, Tq, S)
+  GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
+  ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
+  return nn::detail::view(tp, ctx, Shape{Bn, Tq, nkv * g * hd});
+}
+
+/// q (B, T, nkv * g * hd) or k / v (B, T, nkv * hd) in composite_attention's layout:
+/// (B, nkv, g, T, hd) for queries (g > 0), (B, nkv, T, hd) for keys and values (g == 0).
+template <class B>
+GVar heads_first(GTape<B>& tp, GVar x, std::int64_t nkv, std::int64_t g, std::int64_t hd) {
+  const Shape s = tp.shape(x);
+  if (g > 0) return permute(tp, nn::detail::view(tp, x, Shape{s[0], s[1], nkv, g, hd}), {0, 2, 3, 1, 4});
+  return permute(tp, nn::detail::view(tp, x, Shape{s[0], s[1], nkv, hd}), {0, 2, 1, 3});
 }
 
 /// cos and sin (T, head_dim/2) for positions offset .. offset+T-1, angles t * inv_freq[i] in
@@ -116,24 +169,45 @@ struct Attention {
   NN_MODULE(Attention, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)
 };
 
-/// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I).
+/// HF's LlamaMLP: down(silu(gate(x)) * up(x)); gate, up (I, C), down (C, I). Gemma 2's GeGLU
+/// (gelu): down(gelu_tanh(gate(x)) * up(x)).
 struct Mlp {
   Projection gate_proj, up_proj, down_proj;
+  bool gelu = false;
 
   // x: (..., C) -> (..., C)
   template <class B>
   GVar operator()(GTape<B>& tp, GVar x) const {
-    return detail::project(tp, down_proj, swiglu(tp, detail::project(tp, gate_proj, x), detail::project(tp, up_proj, x)));
+    GVar g = detail::project(tp, gate_proj, x), u = detail::project(tp, up_proj, x);
+    return detail::project(tp, down_proj, gelu ? mul(tp, gelu_approx(tp, g), u) : swiglu(tp, g, u));
   }
-  NN_MODULE(Mlp, gate_proj, up_proj, down_proj)
+  NN_MODULE(Mlp, gate_proj, up_proj, down_proj, NN_STATIC(gelu))
 };
 
-/// One pre-norm decoder layer, fields in HF's order.
+/// One pre-norm decoder layer, fields in HF's order. Gemma 2 ("sandwich"):
+/// post_attention_layernorm normalises the attention's output before the residual add, and
+/// pre_ / post_feedforward_layernorm wrap the MLP; elsewhere post_attention_layernorm is the
+/// MLP's input norm and the other two are absent.
 struct DecoderLayer {
   Attention self_attn;
   Mlp mlp;
   RmsNorm input_layernorm, post_attention_layernorm;
-  NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm)
+  std::optional<RmsNorm> pre_feedforward_layernorm, post_feedforward_layernorm;
+  NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+            post_feedforward_layernorm)
+
+  /// h + attention's output ctx (B, T, heads * hd) through o_proj (and Gemma's norm).
+  template <class B>
+  GVar attention_residual(GTape<B>& tp, GVar h, GVar ctx) const {
+    GVar a = detail::project(tp, self_attn.o_proj, ctx);
+    return add(tp, h, pre_feedforward_layernorm ? post_attention_layernorm(tp, a) : a);
+  }
+  /// h + the MLP's output on the normalised h.
+  template <class B>
+  GVar mlp_residual(GTape<B>& tp, GVar h) const {
+    if (!pre_feedforward_layernorm) return add(tp, h, mlp(tp, post_attention_layernorm(tp, h)));
+    return add(tp, h, (*post_feedforward_layernorm)(tp, mlp(tp, (*pre_feedforward_layernorm)(tp, h))));
+  }
 };
 
 /// HF's LlamaModel / Qwen2Model (the "model." prefix of every path): embedding, layers, norm.
@@ -231,7 +305,33 @@ struct CausalLM {
       rp.cos = reshape(tp, gather_rows(tp, rp.cos, pk.positions), {n, half});
       rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
     }
-    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    const double scale = c.attention_scale();
+    // Layers the fused kernel cannot run (soft-capped scores; a window shorter than the rows)
+    // run attention written out, under the causal + window mask (1, 1, 1, T, T) and the padding
+    // mask; packed rows need the fused kernel.
+    auto composite = [&](std::size_t li) {
+      return c.attn_logit_softcapping > 0 || (c.window_on(static_cast<std::int64_t>(li)) && T > c.sliding_window);
+    };
+    GVar window_mask[2];  // [windowed]
+    for (std::size_t li = 0; li < model.layers.size(); ++li)
+      if (composite(li)) {
+        if (pk.valid())
+          nn::detail::fail(L, "packed rows need the fused attention kernel, which ", c.model_type,
+                           "'s soft-capped or sliding-window layers cannot use");
+        const bool w = c.window_on(static_cast<std::int64_t>(li));
+        if (!window_mask[w].valid()) {
+          GVar m = tp.constant(nn::detail::on_backend<B>(detail::causal_window_mask(T, 0, w ? c.sliding_window : 0, dt)));
+          if (mask.valid()) {  // (b, 1, T, T) or fewer leading axes -> (b, 1, 1, T, T)
+            const Shape ms = tp.shape(mask);
+            const std::int64_t b = ms.rank() == 4 ? ms[0] : 1;
+            if (ms.rank() < 2 || ms.rank() > 4 || (ms.rank() >= 3 && ms[ms.rank() - 3] != 1) || ms[ms.rank() - 1] != T ||
+                ms[ms.rank() - 2] != T)
+              nn::detail::fail(L, "mask ", ms.str(), ": ", c.model_type, "'s attention takes one (B, 1, T, T) mask for all heads");
+            m = add(tp, m, nn::detail::view(tp, mask, Shape{b, 1, 1, T, T}));
+          }
+          window_mask[w] = m;
+        }
+      }
 
     // Each block is recorded inside a tape scope named by its parameter path, so anomaly mode
     // names the layer ("model.layers.3.self_attn") where a NaN first appears.
@@ -239,9 +339,10 @@ struct CausalLM {
     {
       auto s = tp.scope("model.embed_tokens");
       x = detail::embed(tp, model.embed_tokens, ids);  // (B, T, C)
+      if (c.embed_scale > 0) x = nn::scale(tp, x, c.embed_scale);  // Gemma: times sqrt(hidden)
     }
     // One decoder layer: h (B, T, C) -> (B, T, C).
-    auto layer = [&](const DecoderLayer& l, GVar h) {
+    auto layer = [&](const DecoderLayer& l, GVar h, std::size_t li) {
       GVar n1;
       {
         auto s = tp.scope("input_layernorm");
@@ -253,6 +354,15 @@ struct CausalLM {
         GVar q = Attention::head_norm(tp, at.q_norm, detail::project(tp, at.q_proj, n1), c.head_dim);  // (B, T, n_heads * hd)
         GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), c.head_dim);  // (B, T, n_kv * hd)
         GVar v = detail::project(tp, at.v_proj, n1);
+        if (composite(li)) {
+          const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
+          GVar qh = rope(tp, detail::heads_first(tp, q, nkv, g, hd), rp.cos, rp.sin);  // (B, nkv, g, T, hd)
+          GVar kh = rope(tp, detail::heads_first(tp, k, nkv, 0, hd), rp.cos, rp.sin);  // (B, nkv, T, hd)
+          GVar ctx = detail::composite_attention(tp, qh, kh, detail::heads_first(tp, v, nkv, 0, hd),
+                                                 window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
+                                                 c.attn_logit_softcapping);
+          h = l.attention_residual(tp, h, ctx);
+        } else {
         // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
         GVar ctx = gqa_attention(tp, q, k, v,
                                  {.T = T,
@@ -265,20 +375,16 @@ struct CausalLM {
                                   .mask = mask,
                                   .causal = !mask.valid(),
                                   .doc_starts = pk.starts});  // (B, T, n_heads * hd)
-        h = add(tp, h, detail::project(tp, l.self_attn.o_proj, ctx));
-      }
-      GVar n2;
-      {
-        auto s = tp.scope("post_attention_layernorm");
-        n2 = l.post_attention_layernorm(tp, h);
+        h = l.attention_residual(tp, h, ctx);
+        }
       }
       auto s = tp.scope("mlp");
-      return add(tp, h, l.mlp(tp, n2));
+      return l.mlp_residual(tp, h);
     };
     for (std::size_t li = 0; li < model.layers.size(); ++li) {
       auto in_layer = tp.scope("model.layers." + std::to_string(li));
       const DecoderLayer& l = model.layers[li];
-      x = grad_checkpoint_ ? nn::checkpoint(tp, layer, l, x) : layer(l, x);
+      x = grad_checkpoint_ ? nn::checkpoint(tp, layer, l, x, li) : layer(l, x, li);
     }
     auto s = tp.scope("model.norm");
     return model.norm(tp, x);
@@ -288,7 +394,8 @@ struct CausalLM {
   template <class B>
   GVar head(GTape<B>& tp, GVar h) const {
     auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
-    return lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
+    GVar out = lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
+    return config_.final_logit_softcapping > 0 ? detail::softcap(tp, out, config_.final_logit_softcapping) : out;
   }
 
   /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.
@@ -339,7 +446,8 @@ struct CausalLM {
       nn::detail::fail(L, "keep ", keep.shape().str(), " must have the shape of ids ", ids.shape().str());
 
     // keep for every position so far (B, S), and the additive mask (B, 1, Tq, S): query i (at
-    // position S0 + i) sees key j when j <= S0 + i and key j is a real token.
+    // position S0 + i) sees key j when j <= S0 + i, key j is a real token and (Phi-3's
+    // sliding_window W) S0 + i - j < W, as transformers' sliding-window causal mask.
     std::vector<double> kp(static_cast<std::size_t>(Bn * S), 1.0);
     for (std::int64_t b = 0; b < Bn; ++b)
       for (std::int64_t j = 0; j < S; ++j) {
@@ -348,21 +456,24 @@ struct CausalLM {
         if (j >= S0 && keep.defined()) v = keep.item(b * Tq + (j - S0)) != 0 ? 1.0 : 0.0;
         kp[static_cast<std::size_t>(b * S + j)] = v;
       }
-    std::vector<double> m(static_cast<std::size_t>(Bn * Tq * S));
-    for (std::int64_t b = 0; b < Bn; ++b)
-      for (std::int64_t i = 0; i < Tq; ++i)
-        for (std::int64_t j = 0; j < S; ++j)
-          m[static_cast<std::size_t>((b * Tq + i) * S + j)] =
-              (j <= S0 + i && kp[static_cast<std::size_t>(b * S + j)] != 0) ? 0.0 : kMaskedValue;
+    std::vector<double> pad(static_cast<std::size_t>(Bn * S));  // the keys' padding, additive
+    for (std::size_t i = 0; i < pad.size(); ++i) pad[i] = kp[i] != 0 ? 0.0 : kMaskedValue;
 
     GTape<B> tp;
-    GVar mask = tp.constant(nn::detail::on_backend<B>(Tensor::from_doubles(Shape{Bn, 1, 1, Tq, S}, m, dt)));
+    GVar key_pad = tp.constant(nn::detail::on_backend<B>(Tensor::from_doubles(Shape{Bn, 1, 1, 1, S}, pad, dt)));
+    GVar masks[2];  // [windowed]: causal (+ window) + padding, (B, 1, 1, Tq, S)
+    for (std::size_t li = 0; li < nl; ++li) {
+      const bool w = c.window_on(static_cast<std::int64_t>(li));
+      if (!masks[w].valid())
+        masks[w] = add(tp, tp.constant(nn::detail::on_backend<B>(detail::causal_window_mask(Tq, S0, w ? c.sliding_window : 0, dt))),
+                       key_pad);
+    }
     RopeVars rp = detail::rope_vars(tp, c, Tq, S0, dt);
     const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
 
     std::vector<Tensor> new_k(nl), new_v(nl);
     GVar x = detail::embed(tp, model.embed_tokens, tp.constant(nn::detail::on_backend<B>(ids)));  // (B, Tq, C)
+    if (c.embed_scale > 0) x = nn::scale(tp, x, c.embed_scale);
     for (std::size_t li = 0; li < nl; ++li) {
       const DecoderLayer& l = model.layers[li];
       GVar n1 = l.input_layernorm(tp, x);
@@ -371,9 +482,9 @@ struct CausalLM {
       GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), hd);  // (B, Tq, n_kv * hd)
       GVar v = detail::project(tp, at.v_proj, n1);
       // The layout of gqa_attention, with Tq queries against S keys.
-      GVar qh = permute(tp, nn::detail::view(tp, q, Shape{Bn, Tq, nkv, g, hd}), {0, 2, 3, 1, 4});  // (B, nkv, g, Tq, hd)
-      GVar kh = permute(tp, nn::detail::view(tp, k, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
-      GVar vh = permute(tp, nn::detail::view(tp, v, Shape{Bn, Tq, nkv, hd}), {0, 2, 1, 3});        // (B, nkv, Tq, hd)
+      GVar qh = detail::heads_first(tp, q, nkv, g, hd);  // (B, nkv, g, Tq, hd)
+      GVar kh = detail::heads_first(tp, k, nkv, 0, hd);  // (B, nkv, Tq, hd)
+      GVar vh = detail::heads_first(tp, v, nkv, 0, hd);  // (B, nkv, Tq, hd)
       qh = rope(tp, qh, rp.cos, rp.sin);
       kh = rope(tp, kh, rp.cos, rp.sin);
       if (S0 > 0) {
@@ -382,15 +493,9 @@ struct CausalLM {
       }
       new_k[li] = tp.value(kh);
       new_v[li] = tp.value(vh);
-      qh = nn::scale(tp, qh, scale);
-      GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
-      scores = add(tp, nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S}), mask);               // (B, nkv, g, Tq, S)
-      GVar p = softmax(tp, scores);
-      GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
-      ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
-      ctx = nn::detail::view(tp, ctx, Shape{Bn, Tq, nkv * g * hd});
-      x = add(tp, x, detail::project(tp, l.self_attn.o_proj, ctx));
-      x = add(tp, x, l.mlp(tp, l.post_attention_layernorm(tp, x)));
+      GVar ctx = detail::composite_attention(tp, qh, kh, vh, masks[c.window_on(static_cast<std::int64_t>(li))],
+                                             c.attention_scale(), c.attn_logit_softcapping);  // (B, Tq, n_heads * hd)
+      x = l.mlp_residual(tp, l.attention_residual(tp, x, ctx));
     }
     Tensor out = tp.value(head(tp, model.norm(tp, x)));
     // Commit only once the whole step has run, so a failed call leaves the cache as it was.
@@ -420,16 +525,21 @@ struct CausalLM {
       l.self_attn.v_proj = detail::make_linear(C, cfg.kv_dim(), cfg.qkv_bias, dt, zero);
       l.self_attn.o_proj = detail::make_linear(cfg.q_dim(), C, cfg.o_bias, dt, zero);
       if (cfg.qk_norm) {
-        l.self_attn.q_norm = detail::make_norm(cfg.head_dim, cfg.rms_norm_eps, dt, zero);
-        l.self_attn.k_norm = detail::make_norm(cfg.head_dim, cfg.rms_norm_eps, dt, zero);
+        l.self_attn.q_norm = detail::make_norm(cfg.head_dim, cfg, dt, zero);
+        l.self_attn.k_norm = detail::make_norm(cfg.head_dim, cfg, dt, zero);
       }
       l.mlp.gate_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
       l.mlp.up_proj = detail::make_linear(C, I, cfg.mlp_bias, dt, zero);
       l.mlp.down_proj = detail::make_linear(I, C, cfg.mlp_bias, dt, zero);
-      l.input_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
-      l.post_attention_layernorm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+      l.mlp.gelu = cfg.gelu_mlp;
+      l.input_layernorm = detail::make_norm(C, cfg, dt, zero);
+      l.post_attention_layernorm = detail::make_norm(C, cfg, dt, zero);
+      if (cfg.sandwich_norms) {
+        l.pre_feedforward_layernorm = detail::make_norm(C, cfg, dt, zero);
+        l.post_feedforward_layernorm = detail::make_norm(C, cfg, dt, zero);
+      }
     }
-    model.norm = detail::make_norm(C, cfg.rms_norm_eps, dt, zero);
+    model.norm = detail::make_norm(C, cfg, dt, zero);
     if (!cfg.tie_word_embeddings) lm_head = Projection(detail::make_linear(C, cfg.vocab_size, false, dt, zero));
   }
 

@@ -115,9 +115,18 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
                       {"rms_norm_eps", c.rms_norm_eps},
                       {"rope_theta", c.rope_theta},
                       {"tie_word_embeddings", c.tie_word_embeddings},
-                      {"hidden_act", "silu"},
+                      {c.gelu_mlp ? "hidden_activation" : "hidden_act", c.gelu_mlp ? "gelu_pytorch_tanh" : "silu"},
                       {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
-  if (c.arch != Arch::qwen2) j["attention_bias"] = c.qkv_bias;  // Qwen2's q/k/v biases are fixed
+  if (c.arch == Arch::llama || c.arch == Arch::qwen3) j["attention_bias"] = c.qkv_bias;  // Qwen2, Phi-3: fixed
+  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2)
+    j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json();
+  if (c.arch == Arch::gemma2) {
+    j["attention_bias"] = c.qkv_bias;
+    j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
+    auto cap = [](double v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(); };
+    j["attn_logit_softcapping"] = cap(c.attn_logit_softcapping);
+    j["final_logit_softcapping"] = cap(c.final_logit_softcapping);
+  }
   if (c.arch == Arch::llama) j["mlp_bias"] = c.mlp_bias;
   const RopeScaling& rs = c.rope_scaling;
   if (rs.type == "linear") j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rs.factor}};
@@ -132,7 +141,7 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
   for (const auto& [path, t] : model.parameters())
     if (path.ends_with(".lora_a") || path.ends_with(".lora_b"))
       nn::detail::fail("save_hf", "the model still has LoRA layers (", path, "): fuse them first");
-  NamedTensors w = model.parameters();
+  NamedTensors w = detail::join_fused(c, model.parameters());  // Phi-3: qkv_proj, gate_up_proj
   save_safetensors(folder / "model.safetensors", w, {{"format", "pt"}});
   detail::write_text(folder / "config.json", j.dump(2) + "\n");
 }

@@ -19,17 +19,26 @@ struct RmsNorm {
     return *this;
   }
   double eps() const { return eps_; }
+  /// Scale by (1 + weight) instead of weight: Gemma's RMSNorm (transformers' GemmaRMSNorm,
+  /// mlx-lm's gemma RMSNorm), whose stored weight is the offset from 1 (zeros at init).
+  RmsNorm& unit_offset(bool on) {
+    unit_offset_ = on;
+    return *this;
+  }
+  bool unit_offset() const { return unit_offset_; }
 
   // x: (..., dims)
   template <class B>
   GVar operator()(GTape<B>& tp, GVar x) const {
-    return rmsnorm(tp, x, nn::param(tp, weight), eps_);
+    GVar w = nn::param(tp, weight);
+    return rmsnorm(tp, x, unit_offset_ ? add_scalar(tp, w, 1.0) : w, eps_);
   }
 
-  NN_MODULE(RmsNorm, weight, NN_STATIC(eps_))
+  NN_MODULE(RmsNorm, weight, NN_STATIC(eps_), NN_STATIC(unit_offset_))
 
  private:
   double eps_ = 1e-5;
+  bool unit_offset_ = false;
 };
 
 /// (x - mean) / sqrt(var + eps) * weight + bias over the last axis (Ba et al. 2016).

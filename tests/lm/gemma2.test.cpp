@@ -1,0 +1,158 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// Gemma 2 (embeddings times sqrt(hidden), (1 + w) RMSNorms, four norms a layer, GeGLU, soft caps
+// on attention scores and logits, a sliding window on the even layers): a tiny random
+// Gemma2ForCausalLM from transformers (tests/oracle/gen_gemma2.py), logits against transformers in
+// float64 with and without the caps and the window, gradients against central differences, a LoRA
+// and a DoRA step (compiled equals eager), and the folder save_hf writes read back. KV-cached
+// decoding equal to the full forward is checked with the other families in model.test.cpp.
+#include "support/lm_step.hpp"
+#include "support/temp_dir.hpp"
+
+#include <nn/lm/gguf_export.hpp>
+#include <nn/lm/pretrained.hpp>
+
+using namespace nn;
+
+namespace {
+
+const std::string kModels = std::string(NN_FIXTURES_DIR) + "/lm/models";
+
+Tensor want(const std::string& which = "") {
+  return SafetensorsFile(kModels + "/gemma2_expected.safetensors").tensor("gemma2." + which + "logits");
+}
+
+Tensor run_logits(const lm::CausalLM& m) { return test::lm_fixture_logits(m); }
+
+/// `m`'s weights under another config of the same shapes.
+lm::CausalLM with_config(const lm::CausalLM& m, const lm::ModelConfig& c) {
+  lm::CausalLM out(c, m.dtype());
+  out.model = m.model;
+  out.lm_head = m.lm_head;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("Gemma 2: config, the four norms a layer, logits equal transformers' in float64") {
+  lm::CausalLM m = lm::load_hf(kModels + "/gemma2", DType::f64);
+  const lm::ModelConfig& c = m.config();
+  CHECK(c.arch == lm::Arch::gemma2);
+  CHECK(c.norm_unit_offset);
+  CHECK(c.sandwich_norms);
+  CHECK(c.gelu_mlp);
+  CHECK(c.tie_word_embeddings);
+  CHECK(c.embed_scale == std::sqrt(32.0));
+  CHECK(c.attention_scale() == 1.0 / std::sqrt(24.0));
+  CHECK(c.attn_logit_softcapping == 2.0);
+  CHECK(c.final_logit_softcapping == 3.0);
+  CHECK(c.sliding_window == 4);
+  CHECK(c.window_on(0));
+  CHECK_FALSE(c.window_on(1));
+  CHECK(c.window_on(2));
+  std::set<std::string> paths;
+  for (const auto& [p, t] : m.parameters()) paths.insert(p);
+  for (const char* p : {"model.layers.2.pre_feedforward_layernorm.weight", "model.layers.2.post_feedforward_layernorm.weight",
+                        "model.layers.2.post_attention_layernorm.weight", "model.layers.2.input_layernorm.weight"})
+    CHECK(paths.count(p));
+  CHECK_FALSE(paths.count("lm_head.weight"));
+  const double err = test::rel_err(run_logits(m), want());
+  MESSAGE("gemma2: logits vs transformers (float64), max relative error " << err);
+  CHECK(err <= 1e-10);
+
+  // without the soft caps: layer 1 (no window) then runs the fused attention kernel
+  lm::ModelConfig nocap = c;
+  nocap.attn_logit_softcapping = nocap.final_logit_softcapping = 0;
+  const double err_nocap = test::rel_err(run_logits(with_config(m, nocap)), want("nocap."));
+  MESSAGE("gemma2 without the caps: " << err_nocap);
+  CHECK(err_nocap <= 1e-10);
+  lm::ModelConfig nowindow = c;
+  nowindow.sliding_window = 0;
+  CHECK(test::rel_err(run_logits(with_config(m, nowindow)), want("nowindow.")) <= 1e-10);
+  // and each of them matters
+  CHECK(test::rel_err(run_logits(with_config(m, nocap)), want()) > 1e-3);
+  CHECK(test::rel_err(run_logits(with_config(m, nowindow)), want()) > 1e-3);
+}
+
+TEST_CASE("Gemma 2: gradients through the caps, the window and the (1 + w) norms equal central differences") {
+  lm::CausalLM m = lm::load_hf(kModels + "/gemma2", DType::f64);
+  const test::LmBatch bt = test::lm_batch(m);
+  auto loss = [&](lm::CausalLM& mm) {
+    return value_and_grad(mm, [&](GTape<cpu>& tp, const lm::CausalLM& x) {
+      return test::lm_loss(tp, x, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
+    });
+  };
+  auto [l0, g] = loss(m);
+  struct Probe {
+    const char* what;
+    Tensor param, grad;
+  };
+  const auto& L0 = m.model.layers[0];
+  const auto& G0 = g.model.layers[0];
+  const std::vector<Probe> probes = {
+      {"layer 0 post_feedforward_layernorm", L0.post_feedforward_layernorm->weight.value, G0.post_feedforward_layernorm->weight.value},
+      {"layer 0 post_attention_layernorm", L0.post_attention_layernorm.weight.value, G0.post_attention_layernorm.weight.value},
+      {"layer 2 q_proj", std::get<Linear>(m.model.layers[2].self_attn.q_proj).weight.value,
+       std::get<Linear>(g.model.layers[2].self_attn.q_proj).weight.value},
+      {"layer 1 gate_proj", std::get<Linear>(m.model.layers[1].mlp.gate_proj).weight.value,
+       std::get<Linear>(g.model.layers[1].mlp.gate_proj).weight.value},
+      {"embedding (tied head)", std::get<Embedding>(m.model.embed_tokens).weight.value,
+       std::get<Embedding>(g.model.embed_tokens).weight.value}};
+  double worst = 0;
+  for (const Probe& p : probes) {
+    for (std::int64_t i : {std::int64_t{3}, p.param.numel() / 2 + 1}) {
+      double* w = static_cast<double*>(const_cast<void*>(p.param.raw())) + i;
+      const double keep = *w, h = 1e-5;
+      *w = keep + h;
+      const double up = loss(m).first.item();
+      *w = keep - h;
+      const double down = loss(m).first.item();
+      *w = keep;
+      const double fd = (up - down) / (2 * h), an = p.grad.item(i);
+      CAPTURE(p.what);
+      CAPTURE(i);
+      const double e = std::abs(fd - an) / std::max(1e-6, std::abs(fd));
+      worst = std::max(worst, e);
+      CHECK(e <= 1e-6);
+    }
+  }
+  MESSAGE("gemma2: analytic vs central-difference gradients, worst relative difference " << worst);
+}
+
+TEST_CASE("Gemma 2: a LoRA and a DoRA step, compiled, equal the eager steps bit for bit") {
+  for (bool dora : {false, true}) {
+    CAPTURE(dora);
+    test::check_adapter_step_compiled_equals_eager(kModels + "/gemma2", dora);
+  }
+}
+
+TEST_CASE("Gemma 2: save_hf writes a folder load_hf reads back to the same logits; GGUF is refused by name") {
+  lm::CausalLM m = lm::load_hf(kModels + "/gemma2", DType::f32);
+  const Tensor ref = run_logits(m);
+  test::TempDir dir("gemma2_out");
+  lm::save_hf(dir.path / "hf", m);
+  const nlohmann::json cfg = lm::detail::read_json_file(dir.path / "hf" / "config.json", "test");
+  CHECK(cfg["model_type"] == "gemma2");
+  CHECK(cfg["architectures"][0] == "Gemma2ForCausalLM");
+  CHECK(cfg["hidden_activation"] == "gelu_pytorch_tanh");
+  CHECK(cfg["query_pre_attn_scalar"] == 24.0);
+  CHECK(cfg["attn_logit_softcapping"] == 2.0);
+  CHECK(cfg["final_logit_softcapping"] == 3.0);
+  CHECK(cfg["sliding_window"] == 4);
+  CHECK(test::rel_err(run_logits(lm::load_hf(dir.path / "hf", DType::f32)), ref) == 0.0);
+  test::check_error([&] { lm::save_gguf(dir.path / "m.gguf", m, lm::GgufWriter(), "f32", nullptr); },
+                    {"[gguf]", "m.gguf", "Gemma 2", "save_hf"});
+  CHECK_FALSE(std::filesystem::exists(dir.path / "m.gguf"));
+}
+
+TEST_CASE("Gemma 2: configs nn cannot run are refused by name") {
+  nlohmann::json j = lm::detail::read_json_file(kModels + "/gemma2/config.json", "test");
+  j["hidden_activation"] = "gelu";
+  test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "c.json", "hidden_activation", "gelu"});
+  j["hidden_activation"] = "gelu_pytorch_tanh";
+  j["layer_types"] = {"full_attention", "sliding_attention", "full_attention"};  // not Gemma 2's alternation
+  test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "layer_types", "[0]"});
+  j["layer_types"] = {"sliding_attention", "full_attention", "sliding_attention"};
+  CHECK(lm::config_from_json(j, "c.json").window_on(2));
+  j["query_pre_attn_scalar"] = 0;
+  test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "query_pre_attn_scalar"});
+}
