@@ -42,7 +42,7 @@ def learn_bpe(texts, vocab_size):
     tokens = ["<unk>", "<s>", "</s>"] + sorted({c for w in words for c in w})
     segs = {w: list(w) for w in words}
     merges = []
-    while len(tokens) < vocab_size:
+    while len(tokens) < vocab_size - 1:  # the last id is <|endoftext|> (below)
         pairs = Counter()
         for w, n in words.items():
             s = segs[w]
@@ -63,8 +63,11 @@ def learn_bpe(texts, vocab_size):
                     out.append(s[i])
                     i += 1
             segs[w] = out
-    while len(tokens) < vocab_size:
+    while len(tokens) < vocab_size - 1:
         tokens.append(f"<unused{len(tokens)}>")
+    # llama.cpp sets attributes on "<|endoftext|>" for a model whose general.name says phi3, and
+    # fails to load one without it
+    tokens.append("<|endoftext|>")
     return tokens, merges
 
 
