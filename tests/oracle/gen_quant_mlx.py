@@ -36,10 +36,13 @@ mlx.json:
     scale is passed for nvfp4).
   "quantized_matmul": [{name, mode, group_size, bits, transpose, x, wq, scales, biases, out}],
       float32 only, out = mx.quantized_matmul(x, wq, scales, biases, transpose, group_size, bits,
-      mode), for affine g64b4, g32b8, g128b3, g64b6, g32b2 and mxfp4 g32b4:
+      mode), for affine g64b4, g32b8, g128b3, g64b6, g32b2, mxfp4 g32b4, mxfp8 g32b8 and nvfp4
+      g16b4 (the last two from a second generator, seed 0x9A48, after the first six):
     {q}_t:    x (5, 384),    w (64, 384),  transpose=True  -> out (5, 64)
     {q}_nt:   x (5, 64),     w (64, 384),  transpose=False -> out (5, 384) = x @ dequant(w)
     {q}_t3d:  x (2, 3, 384), w (16, 384),  transpose=True  -> out (2, 3, 16)
+    {q}_t1, {q}_nt1: one row of x (1, 384) / (1, 64), w (64, 384), for all eight formats (the
+      decode shape, where nn streams W instead of packing it)
     (w is quantized along its last axis; only wq/scales/biases are stored.)
   "model": {file, group_size: 64, bits: 4, ids (2, 5) int32, logits (2, 5, 64) float32}
     mx.random.seed(0); embed = nn.Embedding(64, 128), proj = nn.Linear(128, 128);
@@ -347,6 +350,7 @@ def quantize_cases():
 
 
 QMM_QUANTS = [("affine", 64, 4), ("affine", 32, 8), ("affine", 128, 3), ("affine", 64, 6), ("affine", 32, 2), ("mxfp4", 32, 4)]
+QMM_QUANTS_MORE = [("mxfp8", 32, 8), ("nvfp4", 16, 4)]
 
 
 def qmm_case(name, x, w, mode, g, b, transpose):
@@ -369,6 +373,23 @@ def qmm_cases():
         cases.append(qmm_case(f"{q}_t", x_t, w_t, mode, g, b, True))
         cases.append(qmm_case(f"{q}_nt", x_nt, w_nt, mode, g, b, False))
         cases.append(qmm_case(f"{q}_t3d", x_3d, w_3d, mode, g, b, True))
+    # Added later with their own generator, so that the cases above and the model keep their bytes:
+    # the other two fp modes in the same three forms, and one row of x (a decode step: nn streams W
+    # instead of packing it) in every format.
+    rng2 = np.random.default_rng(0x9A48)
+    normal2 = lambda *s: mx.array(rng2.normal(0.0, 1.0, size=s).astype(np.float32))  # noqa: E731
+    for mode, g, b in QMM_QUANTS_MORE:
+        q = f"{mode}_g{g}_b{b}"
+        x_t, w_t = normal2(5, 384), normal2(64, 384)
+        x_nt, w_nt = normal2(5, 64), normal2(64, 384)
+        x_3d, w_3d = normal2(2, 3, 384), normal2(16, 384)
+        cases.append(qmm_case(f"{q}_t", x_t, w_t, mode, g, b, True))
+        cases.append(qmm_case(f"{q}_nt", x_nt, w_nt, mode, g, b, False))
+        cases.append(qmm_case(f"{q}_t3d", x_3d, w_3d, mode, g, b, True))
+    for mode, g, b in QMM_QUANTS + QMM_QUANTS_MORE:
+        q = f"{mode}_g{g}_b{b}"
+        cases.append(qmm_case(f"{q}_t1", normal2(1, 384), normal2(64, 384), mode, g, b, True))
+        cases.append(qmm_case(f"{q}_nt1", normal2(1, 64), normal2(64, 384), mode, g, b, False))
     return cases
 
 
