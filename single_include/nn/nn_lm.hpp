@@ -691,17 +691,34 @@ struct DecoderLayer {
   NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
             post_feedforward_layernorm)
 
-  /// h + attention's output ctx (B, T, heads * hd) through o_proj (and Gemma's norm).
+  /// h + attention's output ctx (B, T, heads * hd) through o_proj (and Gemma's norm). Each
+  /// module runs inside a tape scope named by its path below the layer, so anomaly mode names it.
   template <class B>
   GVar attention_residual(GTape<B>& tp, GVar h, GVar ctx) const {
-    GVar a = detail::project(tp, self_attn.o_proj, ctx);
-    return add(tp, h, pre_feedforward_layernorm ? post_attention_layernorm(tp, a) : a);
+    GVar a;
+    {
+      auto s = tp.scope("self_attn");
+      a = detail::project(tp, self_attn.o_proj, ctx);
+    }
+    if (pre_feedforward_layernorm) {
+      auto s = tp.scope("post_attention_layernorm");
+      a = post_attention_layernorm(tp, a);
+    }
+    return add(tp, h, a);
   }
-  /// h + the MLP's output on the normalised h.
+  /// h + the MLP's output on the normalised h (scoped as attention_residual).
   template <class B>
   GVar mlp_residual(GTape<B>& tp, GVar h) const {
-    if (!pre_feedforward_layernorm) return add(tp, h, mlp(tp, post_attention_layernorm(tp, h)));
-    return add(tp, h, (*post_feedforward_layernorm)(tp, mlp(tp, (*pre_feedforward_layernorm)(tp, h))));
+    auto scoped = [&tp](const char* name, auto&& f) {
+      auto s = tp.scope(name);
+      return f();
+    };
+    const bool gemma = pre_feedforward_layernorm.has_value();
+    GVar n = gemma ? scoped("pre_feedforward_layernorm", [&] { return (*pre_feedforward_layernorm)(tp, h); })
+                   : scoped("post_attention_layernorm", [&] { return post_attention_layernorm(tp, h); });
+    GVar m = scoped("mlp", [&] { return mlp(tp, n); });
+    if (gemma) m = scoped("post_feedforward_layernorm", [&] { return (*post_feedforward_layernorm)(tp, m); });
+    return add(tp, h, m);
   }
 };
 
@@ -843,6 +860,7 @@ struct CausalLM {
         auto s = tp.scope("input_layernorm");
         n1 = l.input_layernorm(tp, h);
       }
+      GVar ctx;  // attention's output before o_proj: (B, T, n_heads * hd)
       {
         auto s = tp.scope("self_attn");
         const Attention& at = l.self_attn;
@@ -853,28 +871,25 @@ struct CausalLM {
           const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
           GVar qh = rope(tp, detail::heads_first(tp, q, nkv, g, hd), rp.cos, rp.sin);  // (B, nkv, g, T, hd)
           GVar kh = rope(tp, detail::heads_first(tp, k, nkv, 0, hd), rp.cos, rp.sin);  // (B, nkv, T, hd)
-          GVar ctx = detail::composite_attention(tp, qh, kh, detail::heads_first(tp, v, nkv, 0, hd),
-                                                 window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
-                                                 c.attn_logit_softcapping);
-          h = l.attention_residual(tp, h, ctx);
+          ctx = detail::composite_attention(tp, qh, kh, detail::heads_first(tp, v, nkv, 0, hd),
+                                            window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
+                                            c.attn_logit_softcapping);
         } else {
-        // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
-        GVar ctx = gqa_attention(tp, q, k, v,
-                                 {.T = T,
-                                  .n_heads = c.num_attention_heads,
-                                  .n_kv_heads = c.num_key_value_heads,
-                                  .head_dim = c.head_dim,
-                                  .scale = scale,
-                                  .cos = rp.cos,
-                                  .sin = rp.sin,
-                                  .mask = mask,
-                                  .causal = !mask.valid(),
-                                  .doc_starts = pk.starts});  // (B, T, n_heads * hd)
-        h = l.attention_residual(tp, h, ctx);
+          // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+          ctx = gqa_attention(tp, q, k, v,
+                              {.T = T,
+                               .n_heads = c.num_attention_heads,
+                               .n_kv_heads = c.num_key_value_heads,
+                               .head_dim = c.head_dim,
+                               .scale = scale,
+                               .cos = rp.cos,
+                               .sin = rp.sin,
+                               .mask = mask,
+                               .causal = !mask.valid(),
+                               .doc_starts = pk.starts});  // (B, T, n_heads * hd)
         }
       }
-      auto s = tp.scope("mlp");
-      return l.mlp_residual(tp, h);
+      return l.mlp_residual(tp, l.attention_residual(tp, h, ctx));
     };
     for (std::size_t li = 0; li < model.layers.size(); ++li) {
       auto in_layer = tp.scope("model.layers." + std::to_string(li));
@@ -941,8 +956,8 @@ struct CausalLM {
       nn::detail::fail(L, "keep ", keep.shape().str(), " must have the shape of ids ", ids.shape().str());
 
     // keep for every position so far (B, S), and the additive mask (B, 1, Tq, S): query i (at
-    // position S0 + i) sees key j when j <= S0 + i, key j is a real token and (Phi-3's
-    // sliding_window W) S0 + i - j < W, as transformers' sliding-window causal mask.
+    // position S0 + i) sees key j when j <= S0 + i, key j is a real token and (a sliding-window
+    // layer: Phi-3 all, Gemma 2 even ones) S0 + i - j < W, as transformers' sliding-window causal mask.
     std::vector<double> kp(static_cast<std::size_t>(Bn * S), 1.0);
     for (std::int64_t b = 0; b < Bn; ++b)
       for (std::int64_t j = 0; j < S; ++j) {
@@ -3035,20 +3050,25 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
     named.emplace_back(hf, unpermute(hf, f.tensor(t, dtype), t.name));
   }
   // Phi-3's fused projections, split into the model's parts (a quantized matrix by whole rows:
-  // each row's codes, scales and biases move together).
+  // each row's codes, scales and biases move together). A fused matrix kept quantized becomes its
+  // parts' QuantizedMatrix from the rows split_fused cut (shared storage: no second copy).
   detail::split_fused(cfg, named, f.path());
-  for (const detail::FusedProjection& fp : detail::fused_projections(cfg))
-    for (std::int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
-      const std::string pre = "model.layers." + std::to_string(li) + ".";
-      auto it = quantized.find(pre + fp.fused);
-      if (it == quantized.end()) continue;
-      const QuantizedMatrix q = std::move(it->second);
-      quantized.erase(it);
-      const std::vector<Tensor> w = detail::split_rows(q.weight, fp.rows, pre + fp.fused + ".weight", f.path()),
-                                s = detail::split_rows(q.scales, fp.rows, pre + fp.fused + ".scales", f.path()),
-                                b = detail::split_rows(q.biases, fp.rows, pre + fp.fused + ".biases", f.path());
-      for (std::size_t i = 0; i < fp.parts.size(); ++i) quantized.emplace(pre + fp.parts[i], QuantizedMatrix{w[i], s[i], b[i], q.q});
-    }
+  if (const auto table = detail::fused_projections(cfg); !table.empty()) {
+    std::map<std::string, const Tensor*> by_name;
+    for (const auto& [n, t] : named) by_name.emplace(n, &t);
+    for (const detail::FusedProjection& fp : table)
+      for (std::int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
+        const std::string pre = "model.layers." + std::to_string(li) + ".";
+        auto it = quantized.find(pre + fp.fused);
+        if (it == quantized.end()) continue;
+        const Quant q = it->second.q;
+        quantized.erase(it);
+        for (const std::string& part : fp.parts)
+          quantized.emplace(pre + part, QuantizedMatrix{*by_name.at(pre + part + ".weight"),
+                                                        *by_name.at(pre + part + ".scales"),
+                                                        *by_name.at(pre + part + ".biases"), q});
+      }
+  }
   // Quantized matrices replace their layers before the strict load, which then checks every name
   // (a bias of a quantized projection lands in its QuantizedLinear) and hands over the storage.
   auto has = [&](const std::string& p) { return quantized.count(p) > 0; };

@@ -5,6 +5,8 @@
 // float64 with and without the caps and the window, gradients against central differences, a LoRA
 // and a DoRA step (compiled equals eager), and the folder save_hf writes read back. KV-cached
 // decoding equal to the full forward is checked with the other families in model.test.cpp.
+#include <functional>
+
 #include "support/lm_step.hpp"
 #include "support/temp_dir.hpp"
 
@@ -122,6 +124,23 @@ TEST_CASE("Gemma 2: a LoRA and a DoRA step, compiled, equal the eager steps bit 
   for (bool dora : {false, true}) {
     CAPTURE(dora);
     test::check_adapter_step_compiled_equals_eager(kModels + "/gemma2", dora);
+  }
+}
+
+TEST_CASE("Gemma 2: anomaly mode names each of a layer's four norms by its path") {
+  using L = lm::DecoderLayer;
+  const std::vector<std::pair<std::string, std::function<RmsNorm&(L&)>>> norms{
+      {"input_layernorm", [](L& l) -> RmsNorm& { return l.input_layernorm; }},
+      {"post_attention_layernorm", [](L& l) -> RmsNorm& { return l.post_attention_layernorm; }},
+      {"pre_feedforward_layernorm", [](L& l) -> RmsNorm& { return *l.pre_feedforward_layernorm; }},
+      {"post_feedforward_layernorm", [](L& l) -> RmsNorm& { return *l.post_feedforward_layernorm; }}};
+  for (const auto& [name, norm] : norms) {
+    lm::CausalLM m = lm::load_hf(kModels + "/gemma2", DType::f64);  // a fresh copy: Tensors share storage
+    norm(m.model.layers[1]).weight.value.data<double>()[0] = INFINITY;
+    GTape<cpu> tp;
+    tp.detect_anomaly(true);
+    test::check_error([&] { m.logits(tp, tp.input(test::lm_fixture_inputs().tensor("ids").to(DType::i64))); },
+                      {"[anomaly] ", "in 'model.layers.1." + name + "'", "+Inf"});
   }
 }
 

@@ -573,3 +573,18 @@ TEST_CASE("anomaly mode names the decoder layer where an Inf first appears") {
                     {"[anomaly] ", "in 'model.layers." + std::to_string(last) + ".self_attn'",
                      "forward produced +Inf at [0, 0, 0] (element 0) of (1, 2, "});
 }
+
+TEST_CASE("anomaly mode names the norm between attention and MLP by its own path") {
+  const lm::ModelConfig c = lm::config_from_json(base_config());
+  lm::CausalLM m(c);  // zeros, norms ones
+  std::fill_n(std::get<Embedding>(m.model.embed_tokens).weight.value.data<float>(),
+              std::get<Embedding>(m.model.embed_tokens).weight.value.numel(), 1.0f);
+  const std::size_t last = m.model.layers.size() - 1;
+  m.model.layers[last].post_attention_layernorm.weight.value.data<float>()[0] = INFINITY;
+  GTape<cpu> tp;
+  tp.detect_anomaly(true);
+  GVar ids = tp.input(Tensor::from<std::int32_t>({1, 2}, {1, 2}));
+  // not 'mlp': the norm feeds the MLP but is a module of the layer
+  test::check_error([&] { m.logits(tp, ids); },
+                    {"[anomaly] ", "in 'model.layers." + std::to_string(last) + ".post_attention_layernorm'", "+Inf"});
+}

@@ -734,20 +734,25 @@ inline CausalLM load_gguf(const GgufFile& f, DType dtype = DType::f32, bool keep
     named.emplace_back(hf, unpermute(hf, f.tensor(t, dtype), t.name));
   }
   // Phi-3's fused projections, split into the model's parts (a quantized matrix by whole rows:
-  // each row's codes, scales and biases move together).
+  // each row's codes, scales and biases move together). A fused matrix kept quantized becomes its
+  // parts' QuantizedMatrix from the rows split_fused cut (shared storage: no second copy).
   detail::split_fused(cfg, named, f.path());
-  for (const detail::FusedProjection& fp : detail::fused_projections(cfg))
-    for (std::int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
-      const std::string pre = "model.layers." + std::to_string(li) + ".";
-      auto it = quantized.find(pre + fp.fused);
-      if (it == quantized.end()) continue;
-      const QuantizedMatrix q = std::move(it->second);
-      quantized.erase(it);
-      const std::vector<Tensor> w = detail::split_rows(q.weight, fp.rows, pre + fp.fused + ".weight", f.path()),
-                                s = detail::split_rows(q.scales, fp.rows, pre + fp.fused + ".scales", f.path()),
-                                b = detail::split_rows(q.biases, fp.rows, pre + fp.fused + ".biases", f.path());
-      for (std::size_t i = 0; i < fp.parts.size(); ++i) quantized.emplace(pre + fp.parts[i], QuantizedMatrix{w[i], s[i], b[i], q.q});
-    }
+  if (const auto table = detail::fused_projections(cfg); !table.empty()) {
+    std::map<std::string, const Tensor*> by_name;
+    for (const auto& [n, t] : named) by_name.emplace(n, &t);
+    for (const detail::FusedProjection& fp : table)
+      for (std::int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
+        const std::string pre = "model.layers." + std::to_string(li) + ".";
+        auto it = quantized.find(pre + fp.fused);
+        if (it == quantized.end()) continue;
+        const Quant q = it->second.q;
+        quantized.erase(it);
+        for (const std::string& part : fp.parts)
+          quantized.emplace(pre + part, QuantizedMatrix{*by_name.at(pre + part + ".weight"),
+                                                        *by_name.at(pre + part + ".scales"),
+                                                        *by_name.at(pre + part + ".biases"), q});
+      }
+  }
   // Quantized matrices replace their layers before the strict load, which then checks every name
   // (a bias of a quantized projection lands in its QuantizedLinear) and hands over the storage.
   auto has = [&](const std::string& p) { return quantized.count(p) > 0; };

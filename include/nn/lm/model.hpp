@@ -196,17 +196,34 @@ struct DecoderLayer {
   NN_MODULE(DecoderLayer, self_attn, mlp, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
             post_feedforward_layernorm)
 
-  /// h + attention's output ctx (B, T, heads * hd) through o_proj (and Gemma's norm).
+  /// h + attention's output ctx (B, T, heads * hd) through o_proj (and Gemma's norm). Each
+  /// module runs inside a tape scope named by its path below the layer, so anomaly mode names it.
   template <class B>
   GVar attention_residual(GTape<B>& tp, GVar h, GVar ctx) const {
-    GVar a = detail::project(tp, self_attn.o_proj, ctx);
-    return add(tp, h, pre_feedforward_layernorm ? post_attention_layernorm(tp, a) : a);
+    GVar a;
+    {
+      auto s = tp.scope("self_attn");
+      a = detail::project(tp, self_attn.o_proj, ctx);
+    }
+    if (pre_feedforward_layernorm) {
+      auto s = tp.scope("post_attention_layernorm");
+      a = post_attention_layernorm(tp, a);
+    }
+    return add(tp, h, a);
   }
-  /// h + the MLP's output on the normalised h.
+  /// h + the MLP's output on the normalised h (scoped as attention_residual).
   template <class B>
   GVar mlp_residual(GTape<B>& tp, GVar h) const {
-    if (!pre_feedforward_layernorm) return add(tp, h, mlp(tp, post_attention_layernorm(tp, h)));
-    return add(tp, h, (*post_feedforward_layernorm)(tp, mlp(tp, (*pre_feedforward_layernorm)(tp, h))));
+    auto scoped = [&tp](const char* name, auto&& f) {
+      auto s = tp.scope(name);
+      return f();
+    };
+    const bool gemma = pre_feedforward_layernorm.has_value();
+    GVar n = gemma ? scoped("pre_feedforward_layernorm", [&] { return (*pre_feedforward_layernorm)(tp, h); })
+                   : scoped("post_attention_layernorm", [&] { return post_attention_layernorm(tp, h); });
+    GVar m = scoped("mlp", [&] { return mlp(tp, n); });
+    if (gemma) m = scoped("post_feedforward_layernorm", [&] { return (*post_feedforward_layernorm)(tp, m); });
+    return add(tp, h, m);
   }
 };
 
@@ -348,6 +365,7 @@ struct CausalLM {
         auto s = tp.scope("input_layernorm");
         n1 = l.input_layernorm(tp, h);
       }
+      GVar ctx;  // attention's output before o_proj: (B, T, n_heads * hd)
       {
         auto s = tp.scope("self_attn");
         const Attention& at = l.self_attn;
@@ -358,28 +376,25 @@ struct CausalLM {
           const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
           GVar qh = rope(tp, detail::heads_first(tp, q, nkv, g, hd), rp.cos, rp.sin);  // (B, nkv, g, T, hd)
           GVar kh = rope(tp, detail::heads_first(tp, k, nkv, 0, hd), rp.cos, rp.sin);  // (B, nkv, T, hd)
-          GVar ctx = detail::composite_attention(tp, qh, kh, detail::heads_first(tp, v, nkv, 0, hd),
-                                                 window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
-                                                 c.attn_logit_softcapping);
-          h = l.attention_residual(tp, h, ctx);
+          ctx = detail::composite_attention(tp, qh, kh, detail::heads_first(tp, v, nkv, 0, hd),
+                                            window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
+                                            c.attn_logit_softcapping);
         } else {
-        // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
-        GVar ctx = gqa_attention(tp, q, k, v,
-                                 {.T = T,
-                                  .n_heads = c.num_attention_heads,
-                                  .n_kv_heads = c.num_key_value_heads,
-                                  .head_dim = c.head_dim,
-                                  .scale = scale,
-                                  .cos = rp.cos,
-                                  .sin = rp.sin,
-                                  .mask = mask,
-                                  .causal = !mask.valid(),
-                                  .doc_starts = pk.starts});  // (B, T, n_heads * hd)
-        h = l.attention_residual(tp, h, ctx);
+          // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+          ctx = gqa_attention(tp, q, k, v,
+                              {.T = T,
+                               .n_heads = c.num_attention_heads,
+                               .n_kv_heads = c.num_key_value_heads,
+                               .head_dim = c.head_dim,
+                               .scale = scale,
+                               .cos = rp.cos,
+                               .sin = rp.sin,
+                               .mask = mask,
+                               .causal = !mask.valid(),
+                               .doc_starts = pk.starts});  // (B, T, n_heads * hd)
         }
       }
-      auto s = tp.scope("mlp");
-      return l.mlp_residual(tp, h);
+      return l.mlp_residual(tp, l.attention_residual(tp, h, ctx));
     };
     for (std::size_t li = 0; li < model.layers.size(); ++li) {
       auto in_layer = tp.scope("model.layers." + std::to_string(li));
@@ -446,8 +461,8 @@ struct CausalLM {
       nn::detail::fail(L, "keep ", keep.shape().str(), " must have the shape of ids ", ids.shape().str());
 
     // keep for every position so far (B, S), and the additive mask (B, 1, Tq, S): query i (at
-    // position S0 + i) sees key j when j <= S0 + i, key j is a real token and (Phi-3's
-    // sliding_window W) S0 + i - j < W, as transformers' sliding-window causal mask.
+    // position S0 + i) sees key j when j <= S0 + i, key j is a real token and (a sliding-window
+    // layer: Phi-3 all, Gemma 2 even ones) S0 + i - j < W, as transformers' sliding-window causal mask.
     std::vector<double> kp(static_cast<std::size_t>(Bn * S), 1.0);
     for (std::int64_t b = 0; b < Bn; ++b)
       for (std::int64_t j = 0; j < S; ++j) {
