@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // quantized_matmul beside the float32 GEMM of the same dequantized matrix, on the finetune's real
 // product shapes (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49152), x @ W^T and x @ W (the
-// forward and x's gradient), at batches of 1, 2, 4, 8, 64 and 256 tokens, affine 64/4, both through the
-// tape's kernels (B::quantized_matmul, B::matmul) on the same threads. Prints the ratio
+// forward and x's gradient), at batches of 1, 2, 4, 8, 64 and 256 tokens, affine GROUP/BITS (64/4:
+// MLX's default; 32/5 and 16/6 are what a Q4_K_M GGUF's Q5_0 and Q6_K blocks become), both through
+// the tape's kernels (B::quantized_matmul, B::matmul) on the same threads. Prints the ratio
 // f32 time / quantized time (> 1: the quantized product is faster).
 //
-//   bench_quantized_matmul [threads=1] [repeats=5]
+//   bench_quantized_matmul [threads=1] [repeats=5] [bits=4] [group=64]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,15 +34,17 @@ double best_seconds(int repeats, F&& f) {
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 1;
   const int repeats = argc > 2 ? std::atoi(argv[2]) : 5;
+  const int bits = argc > 3 ? std::atoi(argv[3]) : 4;
+  const int group = argc > 4 ? std::atoi(argv[4]) : 64;
   bench::set_threads(threads);
   bench::print_cpu_info();
-  std::printf("# threads %d, best of %d, affine group 64 bits 4, float32 x\n", threads, repeats);
+  std::printf("# threads %d, best of %d, affine group %d bits %d, float32 x\n", threads, repeats, group, bits);
   std::printf("| W (out, in) | product | tokens | f32 GEMM ms | quantized ms | f32 / quantized |\n|---|---|---|---|---|---|\n");
   const std::int64_t shapes[][2] = {{576, 576}, {1536, 576}, {49152, 576}};
   for (const auto& s : shapes) {
     const std::int64_t out = s[0], in = s[1];
     const nn::Tensor w = nn::random::normal({out, in}, nn::DType::f32, 0.0, 0.05);
-    const nn::QuantizedMatrix q = nn::quantize(w, nn::Quant::affine(64, 4));
+    const nn::QuantizedMatrix q = nn::quantize(w, nn::Quant::affine(group, bits));
     const nn::Tensor wd = nn::dequantize(q);
     for (const bool transpose : {true, false}) {
       for (const std::int64_t M : {1, 2, 4, 8, 64, 256}) {

@@ -135,31 +135,65 @@ inline bool quant_avx2() {
   return yes;
 }
 
+/// Codes c .. c + 7 of one row's bit stream (c a multiple of 8) in eight int32 lanes, BITS wide:
+/// 4 bits two a byte (low nibble first), 8 bits a byte each, and 2, 3, 5 and 6 bits straddling
+/// bytes (the eight fill BITS bytes from byte c * BITS / 8: codes 0-3 in the low 4 * BITS <= 24
+/// bits, codes 4-7 in the next 4 * BITS, the two halves shifted apart in one variable shift).
+template <int BITS>
+[[gnu::target("avx2"), gnu::always_inline]] inline __m256i codes8(const std::uint8_t* row, std::uint64_t c) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+  } else if constexpr (BITS == 4) {
+    std::uint32_t w;
+    std::memcpy(&w, row + c / 2, 4);
+    const __m128i v = _mm_cvtsi32_si128(static_cast<int>(w)), nib = _mm_set1_epi8(0x0f);
+    return _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib)));
+  } else {
+    // The BITS bytes assembled in a register from loads of 4, 2 and 1 bytes: no byte past the
+    // eight codes is read, and no partial stores are read back whole (a store-forwarding stall).
+    const std::uint8_t* p = row + c / 8 * BITS;
+    std::uint32_t lo = 0;
+    std::uint16_t mid = 0;
+    std::uint64_t w;
+    if constexpr (BITS == 2) std::memcpy(&mid, p, 2), w = mid;
+    else if constexpr (BITS == 3) std::memcpy(&mid, p, 2), w = mid | static_cast<std::uint64_t>(p[2]) << 16;
+    else if constexpr (BITS == 5) std::memcpy(&lo, p, 4), w = lo | static_cast<std::uint64_t>(p[4]) << 32;
+    else std::memcpy(&lo, p, 4), std::memcpy(&mid, p + 4, 2), w = lo | static_cast<std::uint64_t>(mid) << 32;
+    const __m256i v = _mm256_set_m128i(_mm_set1_epi32(static_cast<int>(w >> (4 * BITS))), _mm_set1_epi32(static_cast<int>(w)));
+    const __m256i sh = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 0, BITS, 2 * BITS, 3 * BITS);
+    return _mm256_and_si256(_mm256_srlv_epi32(v, sh), _mm256_set1_epi32((1 << BITS) - 1));
+  }
+}
+
+/// Calls f.template operator()<BITS>() for bits in {2, 3, 4, 5, 6, 8} (a code width known at
+/// compile time inside the loops that decode).
+template <class F>
+inline decltype(auto) with_code_bits(int bits, F&& f) {
+  switch (bits) {
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    default: return f.template operator()<8>();
+  }
+}
+
 /// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
-/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's / nvfp4's s * E2M1[q] (b
-/// unused). The same arithmetic as the scalar reader: the product is rounded before the bias is
-/// added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
-[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, int bits, bool fp4, std::int64_t c0, std::int64_t n,
-                                            float s, float b, float* out) {
+/// of 8, inside one group): affine codes (any width) as s * q + b, or mxfp4's / nvfp4's
+/// s * E2M1[q] (b unused). The same arithmetic as the scalar reader: the product is rounded before
+/// the bias is added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
+template <int BITS, bool FP4>
+[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, std::uint64_t c0, std::uint64_t n, float s, float b,
+                                            float* out) {
   const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
-  const __m128i nib = _mm_set1_epi8(0x0f);
   // E2M1 in two halves of 8 (codes 0-7 positive, 8-15 their negatives, 8 being -0).
   const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-  for (std::int64_t i = 0; i < n; i += 8) {
-    const std::int64_t c = c0 + i;
-    __m128i bytes;
-    if (bits == 4) {  // 8 codes in 4 bytes, low nibble first
-      std::uint32_t w;
-      std::memcpy(&w, row + c / 2, 4);
-      const __m128i v = _mm_cvtsi32_si128(static_cast<int>(w));
-      bytes = _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-    } else {
-      bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
-    }
-    const __m256i q = _mm256_cvtepu8_epi32(bytes);
+  for (std::uint64_t i = 0; i < n; i += 8) {
+    const __m256i q = codes8<BITS>(row, c0 + i);
     __m256 v;
-    if (fp4) {
+    if constexpr (FP4) {
       const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
       v = _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28))));
     } else {
@@ -198,9 +232,9 @@ struct QuantReader {
     const std::uint8_t* row = codes + r * row_bytes;
     const std::int64_t end = c0 + n;
 #if defined(NN_QUANT_AVX2)
-    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time.
-    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && q.mode != QuantMode::mxfp8 &&
-                      quant_avx2();
+    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time
+    // (every affine width, mxfp4 and nvfp4; mxfp8's E4M3 bytes take the scalar loop).
+    const bool wide = std::is_same_v<T, float> && stride == 1 && q.mode != QuantMode::mxfp8 && quant_avx2();
 #endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
@@ -215,7 +249,11 @@ struct QuantReader {
       if (wide && c % 8 == 0 && gend - c >= 8) {
         if constexpr (std::is_same_v<T, float>) {
           const std::int64_t n8 = (gend - c) / 8 * 8;
-          decode8(row, q.bits, fp4, c, n8, s, b, out);
+          if (fp4) decode8<4, true>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
+          else
+            with_code_bits(q.bits, [&]<int BITS>() {
+              decode8<BITS, false>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
+            });
           c += n8;
           out += n8;
         }

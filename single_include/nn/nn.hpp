@@ -1766,31 +1766,65 @@ inline bool quant_avx2() {
   return yes;
 }
 
+/// Codes c .. c + 7 of one row's bit stream (c a multiple of 8) in eight int32 lanes, BITS wide:
+/// 4 bits two a byte (low nibble first), 8 bits a byte each, and 2, 3, 5 and 6 bits straddling
+/// bytes (the eight fill BITS bytes from byte c * BITS / 8: codes 0-3 in the low 4 * BITS <= 24
+/// bits, codes 4-7 in the next 4 * BITS, the two halves shifted apart in one variable shift).
+template <int BITS>
+[[gnu::target("avx2"), gnu::always_inline]] inline __m256i codes8(const std::uint8_t* row, std::uint64_t c) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+  } else if constexpr (BITS == 4) {
+    std::uint32_t w;
+    std::memcpy(&w, row + c / 2, 4);
+    const __m128i v = _mm_cvtsi32_si128(static_cast<int>(w)), nib = _mm_set1_epi8(0x0f);
+    return _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib)));
+  } else {
+    // The BITS bytes assembled in a register from loads of 4, 2 and 1 bytes: no byte past the
+    // eight codes is read, and no partial stores are read back whole (a store-forwarding stall).
+    const std::uint8_t* p = row + c / 8 * BITS;
+    std::uint32_t lo = 0;
+    std::uint16_t mid = 0;
+    std::uint64_t w;
+    if constexpr (BITS == 2) std::memcpy(&mid, p, 2), w = mid;
+    else if constexpr (BITS == 3) std::memcpy(&mid, p, 2), w = mid | static_cast<std::uint64_t>(p[2]) << 16;
+    else if constexpr (BITS == 5) std::memcpy(&lo, p, 4), w = lo | static_cast<std::uint64_t>(p[4]) << 32;
+    else std::memcpy(&lo, p, 4), std::memcpy(&mid, p + 4, 2), w = lo | static_cast<std::uint64_t>(mid) << 32;
+    const __m256i v = _mm256_set_m128i(_mm_set1_epi32(static_cast<int>(w >> (4 * BITS))), _mm_set1_epi32(static_cast<int>(w)));
+    const __m256i sh = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 0, BITS, 2 * BITS, 3 * BITS);
+    return _mm256_and_si256(_mm256_srlv_epi32(v, sh), _mm256_set1_epi32((1 << BITS) - 1));
+  }
+}
+
+/// Calls f.template operator()<BITS>() for bits in {2, 3, 4, 5, 6, 8} (a code width known at
+/// compile time inside the loops that decode).
+template <class F>
+inline decltype(auto) with_code_bits(int bits, F&& f) {
+  switch (bits) {
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    default: return f.template operator()<8>();
+  }
+}
+
 /// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
-/// of 8, inside one group): affine 4- or 8-bit codes as s * q + b, or mxfp4's / nvfp4's s * E2M1[q] (b
-/// unused). The same arithmetic as the scalar reader: the product is rounded before the bias is
-/// added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
-[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, int bits, bool fp4, std::int64_t c0, std::int64_t n,
-                                            float s, float b, float* out) {
+/// of 8, inside one group): affine codes (any width) as s * q + b, or mxfp4's / nvfp4's
+/// s * E2M1[q] (b unused). The same arithmetic as the scalar reader: the product is rounded before
+/// the bias is added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
+template <int BITS, bool FP4>
+[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, std::uint64_t c0, std::uint64_t n, float s, float b,
+                                            float* out) {
   const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
-  const __m128i nib = _mm_set1_epi8(0x0f);
   // E2M1 in two halves of 8 (codes 0-7 positive, 8-15 their negatives, 8 being -0).
   const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-  for (std::int64_t i = 0; i < n; i += 8) {
-    const std::int64_t c = c0 + i;
-    __m128i bytes;
-    if (bits == 4) {  // 8 codes in 4 bytes, low nibble first
-      std::uint32_t w;
-      std::memcpy(&w, row + c / 2, 4);
-      const __m128i v = _mm_cvtsi32_si128(static_cast<int>(w));
-      bytes = _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-    } else {
-      bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
-    }
-    const __m256i q = _mm256_cvtepu8_epi32(bytes);
+  for (std::uint64_t i = 0; i < n; i += 8) {
+    const __m256i q = codes8<BITS>(row, c0 + i);
     __m256 v;
-    if (fp4) {
+    if constexpr (FP4) {
       const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
       v = _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28))));
     } else {
@@ -1829,9 +1863,9 @@ struct QuantReader {
     const std::uint8_t* row = codes + r * row_bytes;
     const std::int64_t end = c0 + n;
 #if defined(NN_QUANT_AVX2)
-    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time.
-    const bool wide = std::is_same_v<T, float> && stride == 1 && (q.bits == 4 || q.bits == 8) && q.mode != QuantMode::mxfp8 &&
-                      quant_avx2();
+    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time
+    // (every affine width, mxfp4 and nvfp4; mxfp8's E4M3 bytes take the scalar loop).
+    const bool wide = std::is_same_v<T, float> && stride == 1 && q.mode != QuantMode::mxfp8 && quant_avx2();
 #endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
@@ -1846,7 +1880,11 @@ struct QuantReader {
       if (wide && c % 8 == 0 && gend - c >= 8) {
         if constexpr (std::is_same_v<T, float>) {
           const std::int64_t n8 = (gend - c) / 8 * 8;
-          decode8(row, q.bits, fp4, c, n8, s, b, out);
+          if (fp4) decode8<4, true>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
+          else
+            with_code_bits(q.bits, [&]<int BITS>() {
+              decode8<BITS, false>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
+            });
           c += n8;
           out += n8;
         }
@@ -5801,6 +5839,99 @@ inline void axpy_fast(T* y, T a, const T* x, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+#if defined(NN_QUANT_AVX2)
+/// y[m, j] (+)= x[m] . W[j] for j in [n0, n1) (x @ W^T), M <= 4 rows of float32 x (M, K) and an
+/// affine W of any width whose groups are multiples of 8 codes. No value of W is formed: each
+/// row's codes are turned float and multiplied into every row of x as they are, and each group's
+/// scale and bias enter once,
+///   x . W[j] = sum_g s_g * (sum_{k in g} q_k x_k) + b_g * (sum_{k in g} x_k),
+/// with xsum (M, groups) the sums of x per group. Dequantize-then-dot rounded in another order
+/// (tests/quant/quant.test.cpp holds it to float64 and to MLX). U sums per row of x run side by
+/// side so that one row (a decode step) is not bound by the FMA's latency.
+template <int M, int BITS>
+[[gnu::target("avx2,fma")]] inline void affine_dot_rows(const QuantReader<float>& rd, const float* X, const float* xsum,
+                                                        float* Y, std::int64_t N, std::int64_t K, std::int64_t n0,
+                                                        std::int64_t n1, bool acc) {
+  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+  const std::int64_t G = rd.q.group, groups = K / G;
+  for (std::int64_t j = n0; j < n1; ++j) {
+    const std::uint8_t* row = rd.codes + j * rd.row_bytes;
+    __m256 tot[M];
+    float bias[M];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), bias[m] = 0.0f;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      __m256 a[M][U];
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
+      std::int64_t c = g * G;
+      const std::int64_t e = c + G;
+      for (; c + 8 * U <= e; c += 8 * U)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) {
+          const __m256 qv = _mm256_cvtepi32_ps(codes8<BITS>(row, static_cast<std::uint64_t>(c + 8 * u)));
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) a[m][u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(X + m * K + c + 8 * u), a[m][u]);
+        }
+      for (; c < e; c += 8) {
+        const __m256 qv = _mm256_cvtepi32_ps(codes8<BITS>(row, static_cast<std::uint64_t>(c)));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) a[m][0] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(X + m * K + c), a[m][0]);
+      }
+      const std::int64_t si = j * rd.groups_per_row + g;
+      const __m256 sv = _mm256_set1_ps(widen_scale<float>(rd.scales, rd.sdt, si));
+      const float b = widen_scale<float>(rd.biases, rd.sdt, si);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        __m256 sum = a[m][0];
+#pragma GCC unroll 4
+        for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, a[m][u]);
+        tot[m] = _mm256_fmadd_ps(sv, sum, tot[m]);
+        bias[m] += b * xsum[m * groups + g];
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float l[8];
+      _mm256_store_ps(l, tot[m]);
+      const float v = (((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))) + bias[m];
+      Y[m * N + j] = acc ? Y[m * N + j] + v : v;
+    }
+  }
+}
+
+/// affine_dot_rows for M = 1..4 rows; false where it does not apply (another format or dtype, a
+/// CPU without AVX2, a group that is not a multiple of 8 codes, more rows).
+template <class T>
+inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N,
+                                std::int64_t K, std::int64_t n0, std::int64_t n1, bool acc) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || M > 4 || K > 8192 || !quant_avx2()) return false;
+    const std::int64_t groups = K / rd.q.group;
+    alignas(64) static thread_local float xsum[4 * 1024];  // K <= 8192 and groups >= 8 codes
+    for (std::int64_t m = 0; m < M; ++m)
+      for (std::int64_t g = 0; g < groups; ++g) {
+        float t = 0.0f;
+        for (std::int64_t k = g * rd.q.group; k < (g + 1) * rd.q.group; ++k) t += X[m * K + k];
+        xsum[m * groups + g] = t;
+      }
+    with_code_bits(rd.q.bits, [&]<int BITS>() {
+      switch (M) {
+        case 1: affine_dot_rows<1, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+        case 2: affine_dot_rows<2, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+        case 3: affine_dot_rows<3, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+        default: affine_dot_rows<4, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+      }
+    });
+    return true;
+  }
+}
+#endif
+
 /// y (M, N) (+)= x (M, K) @ op(W) for few rows of x (a decode step, a short prompt), columns
 /// [n0, n1) of y: W is streamed once, a row (x @ W^T: one output column) or a row segment (x @ W:
 /// one depth) at a time, decoded into a small buffer that every row of x then reads. No packing,
@@ -5813,6 +5944,9 @@ inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int6
   constexpr std::int64_t cap = 8192;
   if (transpose) {
     if (K > cap) return false;
+#if defined(NN_QUANT_AVX2)
+    if (affine_dot_rows_any(rd, X, Y, M, N, K, n0, n1, acc)) return true;  // affine float32: no values formed
+#endif
     for (std::int64_t j = n0; j < n1; ++j) {
       rd.run(j, 0, K, buf, 1);
       for (std::int64_t m = 0; m < M; ++m) {

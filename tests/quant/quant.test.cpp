@@ -166,7 +166,8 @@ TEST_CASE("the vector decoder equals the scalar one and MLX's dequantize, bit fo
   // time otherwise (a strided run takes the scalar loop): both must give dequantize()'s values,
   // which are MLX's. Runs start and end off group and 8-code boundaries.
   for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::affine(128, 4), Quant::mxfp4(),
-                        Quant::affine(64, 3), Quant::mxfp8(), Quant::nvfp4()}) {
+                        Quant::affine(64, 3), Quant::mxfp8(), Quant::nvfp4(), Quant::affine(32, 2), Quant::affine(32, 5),
+                        Quant::affine(64, 6), Quant::affine(16, 6), Quant::affine(16, 3), Quant::affine(128, 5)}) {
     const std::string name = std::string(quant_mode_name(q.mode)) + " " + std::to_string(q.group) + "/" + std::to_string(q.bits);
     CAPTURE(name);
     const Tensor raw = nn::test::random_tensor(Shape{5, 256}, DType::f32, 21, -3, 3);
@@ -194,7 +195,7 @@ TEST_CASE("quantized_matmul on few rows (streamed W) and many (packed W) equals 
   // The 1-8 row products stream W (a dot per output for x @ W^T, an axpy per depth for x @ W);
   // more rows pack it for the GEMM. Both against the float64 product of the dequantized matrix.
   for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::mxfp4(), Quant::affine(32, 2), Quant::mxfp8(),
-                        Quant::nvfp4()}) {
+                        Quant::nvfp4(), Quant::affine(32, 5), Quant::affine(16, 6), Quant::affine(64, 3)}) {
     for (const bool transpose : {true, false}) {
       for (const std::int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
         CAPTURE(quant_mode_name(q.mode));

@@ -98,6 +98,99 @@ inline void axpy_fast(T* y, T a, const T* x, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+#if defined(NN_QUANT_AVX2)
+/// y[m, j] (+)= x[m] . W[j] for j in [n0, n1) (x @ W^T), M <= 4 rows of float32 x (M, K) and an
+/// affine W of any width whose groups are multiples of 8 codes. No value of W is formed: each
+/// row's codes are turned float and multiplied into every row of x as they are, and each group's
+/// scale and bias enter once,
+///   x . W[j] = sum_g s_g * (sum_{k in g} q_k x_k) + b_g * (sum_{k in g} x_k),
+/// with xsum (M, groups) the sums of x per group. Dequantize-then-dot rounded in another order
+/// (tests/quant/quant.test.cpp holds it to float64 and to MLX). U sums per row of x run side by
+/// side so that one row (a decode step) is not bound by the FMA's latency.
+template <int M, int BITS>
+[[gnu::target("avx2,fma")]] inline void affine_dot_rows(const QuantReader<float>& rd, const float* X, const float* xsum,
+                                                        float* Y, std::int64_t N, std::int64_t K, std::int64_t n0,
+                                                        std::int64_t n1, bool acc) {
+  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+  const std::int64_t G = rd.q.group, groups = K / G;
+  for (std::int64_t j = n0; j < n1; ++j) {
+    const std::uint8_t* row = rd.codes + j * rd.row_bytes;
+    __m256 tot[M];
+    float bias[M];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), bias[m] = 0.0f;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      __m256 a[M][U];
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
+      std::int64_t c = g * G;
+      const std::int64_t e = c + G;
+      for (; c + 8 * U <= e; c += 8 * U)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) {
+          const __m256 qv = _mm256_cvtepi32_ps(codes8<BITS>(row, static_cast<std::uint64_t>(c + 8 * u)));
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) a[m][u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(X + m * K + c + 8 * u), a[m][u]);
+        }
+      for (; c < e; c += 8) {
+        const __m256 qv = _mm256_cvtepi32_ps(codes8<BITS>(row, static_cast<std::uint64_t>(c)));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) a[m][0] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(X + m * K + c), a[m][0]);
+      }
+      const std::int64_t si = j * rd.groups_per_row + g;
+      const __m256 sv = _mm256_set1_ps(widen_scale<float>(rd.scales, rd.sdt, si));
+      const float b = widen_scale<float>(rd.biases, rd.sdt, si);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        __m256 sum = a[m][0];
+#pragma GCC unroll 4
+        for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, a[m][u]);
+        tot[m] = _mm256_fmadd_ps(sv, sum, tot[m]);
+        bias[m] += b * xsum[m * groups + g];
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float l[8];
+      _mm256_store_ps(l, tot[m]);
+      const float v = (((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))) + bias[m];
+      Y[m * N + j] = acc ? Y[m * N + j] + v : v;
+    }
+  }
+}
+
+/// affine_dot_rows for M = 1..4 rows; false where it does not apply (another format or dtype, a
+/// CPU without AVX2, a group that is not a multiple of 8 codes, more rows).
+template <class T>
+inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N,
+                                std::int64_t K, std::int64_t n0, std::int64_t n1, bool acc) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || M > 4 || K > 8192 || !quant_avx2()) return false;
+    const std::int64_t groups = K / rd.q.group;
+    alignas(64) static thread_local float xsum[4 * 1024];  // K <= 8192 and groups >= 8 codes
+    for (std::int64_t m = 0; m < M; ++m)
+      for (std::int64_t g = 0; g < groups; ++g) {
+        float t = 0.0f;
+        for (std::int64_t k = g * rd.q.group; k < (g + 1) * rd.q.group; ++k) t += X[m * K + k];
+        xsum[m * groups + g] = t;
+      }
+    with_code_bits(rd.q.bits, [&]<int BITS>() {
+      switch (M) {
+        case 1: affine_dot_rows<1, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+        case 2: affine_dot_rows<2, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+        case 3: affine_dot_rows<3, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+        default: affine_dot_rows<4, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
+      }
+    });
+    return true;
+  }
+}
+#endif
+
 /// y (M, N) (+)= x (M, K) @ op(W) for few rows of x (a decode step, a short prompt), columns
 /// [n0, n1) of y: W is streamed once, a row (x @ W^T: one output column) or a row segment (x @ W:
 /// one depth) at a time, decoded into a small buffer that every row of x then reads. No packing,
@@ -110,6 +203,9 @@ inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int6
   constexpr std::int64_t cap = 8192;
   if (transpose) {
     if (K > cap) return false;
+#if defined(NN_QUANT_AVX2)
+    if (affine_dot_rows_any(rd, X, Y, M, N, K, n0, n1, acc)) return true;  // affine float32: no values formed
+#endif
     for (std::int64_t j = n0; j < n1; ++j) {
       rd.run(j, 0, K, buf, 1);
       for (std::int64_t m = 0; m < M; ++m) {
