@@ -61,11 +61,14 @@ inline std::string first_nonfinite(const Tensor& t) {
   return {};
 }
 
-/// NN_DETECT_ANOMALY in the environment: set and not "0" turns anomaly mode on for every tape
-/// constructed afterwards (read at construction, so a test may set it and unset it).
-inline bool anomaly_from_env() {
-  const char* e = std::getenv("NN_DETECT_ANOMALY");
+/// Whether environment switch `name` is on: set, and neither empty nor "0".
+inline bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
   return e != nullptr && *e != '\0' && std::string_view(e) != "0";
 }
+
+/// NN_DETECT_ANOMALY in the environment: set and not "0" turns anomaly mode on for every tape
+/// constructed afterwards (read at construction, so a test may set it and unset it).
+inline bool anomaly_from_env() { return env_flag("NN_DETECT_ANOMALY"); }
 
 }  // namespace nn::detail

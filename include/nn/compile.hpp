@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -125,6 +126,20 @@ class CompiledStep {
     plan_ = on;
     return *this;
   }
+  /// Elementwise fusion (nn::fuse_elementwise, ops/fused.hpp): the recording's chains of unary
+  /// and binary nodes run as one fused node each, forward and backward, one pass over memory
+  /// instead of one per node, with results equal bit for bit. CPU tapes with memory planning
+  /// only (its intermediates are unreadable anyway). Off by default; NN_FUSION=1 in the
+  /// environment turns it on for steps made afterwards, and NN_FUSION_LOG=1 prints each
+  /// recording's groups (nn::fusion_report) to stderr. Changing it records the step again.
+  CompiledStep& fuse(bool on) {
+    if (on != fuse_) recorded_ = false;
+    fuse_ = on;
+    return *this;
+  }
+  /// What the last recording's fusion pass did (zeros when fusion is off).
+  const FusionStats& fusion() const { return fusion_; }
+
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
   double grad_norm() const { return grad_norm_; }
 
@@ -165,6 +180,11 @@ class CompiledStep {
     if constexpr (kFits) {  // else only the static_assert above speaks
       auto build = [&] { return std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars); };
       loss_ = plan ? tp_.record_deferred(build) : build();
+    }
+    fusion_ = {};
+    if (plan && fuse_) {
+      fusion_ = fuse_elementwise(tp_, loss_);
+      if (detail::env_flag("NN_FUSION_LOG")) std::fputs(fusion_report(tp_).c_str(), stderr);
     }
     if (plan) {
       tp_.plan_memory(loss_);
@@ -229,7 +249,8 @@ class CompiledStep {
   std::function<void(std::span<const GradBuffer>)> reduce_;  // between backward and the update
   std::uint64_t structure_ = 0, hyper_ = 0;
   double clip_ = -1, grad_norm_ = 0;
-  bool recorded_ = false, plan_ = true;
+  bool recorded_ = false, plan_ = true, fuse_ = detail::env_flag("NN_FUSION");
+  FusionStats fusion_;
   int recordings_ = 0;
 };
 

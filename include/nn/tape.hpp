@@ -128,9 +128,13 @@ struct Node {
   // the last use the plan saw.
   bool planned = false;
   bool deferred = false;  // recorded by a deferred tape (defer_kernels): no value until plan_memory()
+  // Absorbed by the fusion pass (ops/fused.hpp) into the fused node at this index, which now
+  // computes its value inside its own loop: no def, no inputs, no buffers. -1: not absorbed.
+  std::int32_t fused_into = -1;
 
   const char* name() const {
     if (def) return def->name();
+    if (fused_into >= 0) return "(fused)";
     switch (leaf) {
       case LeafKind::param: return "param";
       case LeafKind::constant: return "constant";
@@ -293,6 +297,7 @@ class GTape {
     deferred_count_ = 0;
     open_segment_ = -1;
     loss_ = -1;
+    fused_programs_.clear();
     if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
     autocast_ = DType::f32;
     if (!float_dtype_set_) {
@@ -639,6 +644,14 @@ class GTape {
     return b;
   }
 
+  /// The fused groups' programs (ops/fused.hpp): a fused node's attributes name one by index.
+  /// A deque, so a program's address stays put while more are added.
+  std::int32_t add_fused_program(const FusedProgram& p) {
+    fused_programs_.push_back(p);
+    return static_cast<std::int32_t>(fused_programs_.size() - 1);
+  }
+  const FusedProgram& fused_program(std::int32_t id) const { return fused_programs_[static_cast<std::size_t>(id)]; }
+
   /// Raises "[op] message" naming the node; used by ops when validating.
   template <class... P>
   [[noreturn]] void fail_at(GVar v, const char* op, const P&... parts) const {
@@ -892,6 +905,10 @@ class GTape {
                    ") is an intermediate of a memory-planned tape (a compiled step), whose buffers are shared "
                    "with others once their last use has run; read it from an eager tape, or compile with "
                    "plan_memory(false)");
+    if (n.fused_into >= 0)
+      detail::fail(op, "node ", v.index, " was fused into node ", n.fused_into,
+                   " (nn::fuse_elementwise: its value is computed inside that node's loop and never stored); "
+                   "read it from a tape that is not fused");
     if (n.deferred && !deferred_ok)
       detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
                    ") was recorded with its kernel deferred (a compiled step's recording): it has no value "
@@ -955,6 +972,7 @@ class GTape {
   std::int64_t deferred_count_ = 0;        // nodes recorded deferred and not yet given a buffer
   Tensor placeholder_;                     // what deferred nodes' values view (never written)
   std::vector<Tensor> blocks_;             // plan_memory's shared blocks
+  std::deque<FusedProgram> fused_programs_;  // the fusion pass's programs, by id
 };
 
 }  // namespace nn

@@ -12,20 +12,21 @@
 // nn/backend/gemm.hpp, nn/backend/cpu/shape.hpp, nn/backend/cpu/index.hpp,
 // nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp,
 // nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp, nn/backend/cpu/attention.hpp,
-// nn/backend/cpu/glu.hpp, nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp,
-// nn/anomaly.hpp, nn/grad_checkpoint.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp,
-// nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
-// nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
-// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/layers/helpers.hpp,
-// nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp,
-// nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp,
-// nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp, nn/module.hpp,
-// nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp,
-// nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp,
-// nn/modules/dora.hpp, nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp,
-// nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp,
-// nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp,
-// nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
+// nn/backend/cpu/glu.hpp, nn/backend/cpu/fused.hpp, nn/backend/cpu/quantized.hpp,
+// nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp, nn/grad_checkpoint.hpp,
+// nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
+// nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
+// nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
+// nn/ops/quantized.hpp, nn/ops/fused.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp,
+// nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp,
+// nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp,
+// nn/io/safetensors.hpp, nn/io/atomic_file.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp,
+// nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp,
+// nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp, nn/modules/dora.hpp,
+// nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
+// nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp,
+// nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp,
+// nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -865,6 +866,7 @@ struct CpuInfo {
 // The backend policy concept: the kernels a backend (nn::cpu, nn::cuda) must supply so the tape
 // and the ops can run on it without ever touching tensor memory themselves.
 
+#include <array>
 #include <concepts>
 
 
@@ -935,7 +937,8 @@ constexpr const char* binary_name(Binary b) {
 #define NN_PRIMITIVES(X)                                                                                  \
   X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
   X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
-  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)
+  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)  \
+  X(fused)
 
 enum class Prim : std::uint8_t {
 #define NN_PRIM_ENUMERATOR(p) p,
@@ -1026,6 +1029,27 @@ struct Quant {
 struct QuantMatmulAttrs {
   Quant q;
   bool transpose = true;
+};
+
+/// A fused elementwise group's program (ops/fused.hpp makes it; backend/cpu/fused.hpp runs it):
+/// registers 0..inputs-1 hold the group's inputs at each element, register inputs + s step s's
+/// result, and the last step's result is the output. Each step is a unary or binary primitive
+/// that was a node of the tape, kept with its attributes, so the fused loop computes exactly what
+/// the nodes did, element by element, with the same functors (backend/math.hpp).
+inline constexpr int kMaxFusedSteps = 16;
+inline constexpr int kMaxFusedInputs = 8;
+struct FusedStep {
+  bool binary = false;  // else unary
+  std::uint8_t op = 0;  // the Unary or Binary enumerator
+  std::int8_t a = 0, b = 0;  // operand registers (b: binary only)
+  bool grad = false;         // the step's value wants a gradient (its node's requires_grad)
+  bool grad_a = false, grad_b = false;  // the gradient flows into operand a / b
+  double arg = 0.0;          // a unary's scalar (pow's exponent, scale's factor)
+  std::int32_t node = -1;    // the tape node it was (for reports)
+};
+struct FusedProgram {
+  int inputs = 0, steps = 0;
+  std::array<FusedStep, kMaxFusedSteps> step{};
 };
 
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
@@ -2514,7 +2538,7 @@ inline long peak_rss_kb() { return proc_status_kb("VmHWM"); }
 //
 // The kernels live in backend/cpu/, one file per family, mirroring ops/: elementwise, reduce,
 // matmul (and the GEMM engine), shape, index, random, softmax, cross_entropy, and the fused
-// norm, rope, attention and glu, and optim (the optimizer updates). Per-element math both
+// norm, rope, attention and glu, the fused elementwise groups (fused), and optim (the optimizer updates). Per-element math both
 // backends share is in backend/math.hpp. nn::cpu gathers the families by inheritance, so
 // `cpu::matmul(...)` and `B::matmul(...)` in a template both find them.
 //
@@ -2794,6 +2818,30 @@ void dispatch_binary(Binary op, F&& f) {
   }
 }
 
+/// Runs f.template operator()<Op>() with the Unary op as a compile-time constant (as
+/// dispatch_binary): the fused kernel's per-step loops.
+template <class F>
+void dispatch_unary(Unary op, F&& f) {
+  switch (op) {
+    case Unary::neg: f.template operator()<Unary::neg>(); return;
+    case Unary::exp: f.template operator()<Unary::exp>(); return;
+    case Unary::log: f.template operator()<Unary::log>(); return;
+    case Unary::sqrt: f.template operator()<Unary::sqrt>(); return;
+    case Unary::rsqrt: f.template operator()<Unary::rsqrt>(); return;
+    case Unary::tanh: f.template operator()<Unary::tanh>(); return;
+    case Unary::sigmoid: f.template operator()<Unary::sigmoid>(); return;
+    case Unary::relu: f.template operator()<Unary::relu>(); return;
+    case Unary::abs: f.template operator()<Unary::abs>(); return;
+    case Unary::pow: f.template operator()<Unary::pow>(); return;
+    case Unary::silu: f.template operator()<Unary::silu>(); return;
+    case Unary::gelu: f.template operator()<Unary::gelu>(); return;
+    case Unary::gelu_approx: f.template operator()<Unary::gelu_approx>(); return;
+    case Unary::gelu_fast: f.template operator()<Unary::gelu_fast>(); return;
+    case Unary::scale: f.template operator()<Unary::scale>(); return;
+    case Unary::add_scalar: f.template operator()<Unary::add_scalar>(); return;
+  }
+}
+
 // dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
 // accumulating (permuting token ids is fine; adding them is not a gradient).
 template <class F>
@@ -2843,6 +2891,14 @@ inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) 
   (void)uneven;
 #endif
   for (std::int64_t i = 0; i < n; ++i) f(i);
+}
+
+/// Whether b is a trailing suffix of y's shape (b repeats along y's leading dims: a bias row).
+inline bool is_suffix(const Shape& b, const Shape& y) {
+  if (b.rank() > y.rank()) return false;
+  for (int i = 1; i <= b.rank(); ++i)
+    if (b[b.rank() - i] != y[y.rank() - i]) return false;
+  return true;
 }
 
 /// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the
@@ -3057,7 +3113,7 @@ struct ElementwiseKernelsT {
           detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
             ys[i] = detail::binary_f(Op, as[i], bv);
           });
-        } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
+        } else if (a.shape() == y.shape() && detail::is_suffix(b.shape(), y.shape())) {
           const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
           detail::parallel_for(rows, n > detail::kParallelGrain, [&](std::int64_t r) {
             for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(Op, as[r * nb + j], bs[j]);
@@ -3128,12 +3184,6 @@ struct ElementwiseKernelsT {
   }
 
  private:
-  static bool is_suffix(const Shape& b, const Shape& y) {
-    if (b.rank() > y.rank()) return false;
-    for (int i = 1; i <= b.rank(); ++i)
-      if (b[b.rank() - i] != y[y.rank() - i]) return false;
-    return true;
-  }
   static bool mask_at(const Tensor& m, std::int64_t i) {
     switch (m.dtype()) {
       case DType::u8: return static_cast<const std::uint8_t*>(m.raw())[i] != 0;
@@ -5743,6 +5793,209 @@ using GluKernels = GluKernelsT<>;
 }  // namespace cpu_kernels
 }  // namespace nn
 // ---- end nn/backend/cpu/glu.hpp ----
+// ---- begin nn/backend/cpu/fused.hpp ----
+// nn::cpu's fused elementwise kernel: a FusedProgram (backend/policy.hpp; ops/fused.hpp makes it
+// from a group of the tape's unary and binary nodes) run over the output in tiles of kTile
+// elements. Each step of the program runs over the whole tile before the next (one dispatch per
+// step and tile, a loop the compiler vectorises as it does the unfused kernels'), and the tile's
+// registers stay in L1: one pass over memory for the group instead of one per node.
+//
+// The vjp recomputes the tile's intermediates (the last step's value it reads from the output),
+// then walks the steps in reverse, as the backward
+// sweep walks the nodes: each gradient is the same product (g * f'(...)) the node's own vjp
+// forms, and each contribution to an input is added in the order the sweep would add it, so the
+// fused step equals the unfused one bit for bit.
+
+
+namespace nn {
+
+/// Where the fused vjp writes one contribution to an input's gradient: a buffer at the output's
+/// shape (the input's gradient, or a scratch the op then sums down to a broadcast input's shape)
+/// and whether it adds into what is there.
+struct FusedGradDest {
+  Tensor* g = nullptr;
+  bool acc = false;
+};
+
+namespace cpu_kernels {
+
+// A class template with one instance, `FusedKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct FusedKernelsT {
+  static constexpr std::int64_t kTile = 128;
+  static constexpr int kMaxRegs = kMaxFusedInputs + kMaxFusedSteps;
+
+  /// y = the program's output; ins: its inputs, each of y's shape or broadcast to it.
+  static void fused(const FusedProgram& p, std::span<const Tensor* const> ins, Tensor& y) {
+    detail::dispatch_float(y.dtype(), "fused", [&]<class T>() {
+      const Readers rd(p, ins, y.shape());
+      T* ys = static_cast<T*>(y.raw());
+      const std::int64_t n = y.numel(), tiles = (n + kTile - 1) / kTile;
+      detail::parallel_for(tiles, n > detail::kParallelGrain, [&](std::int64_t t) {
+        alignas(64) T buf[kMaxRegs][kTile];
+        const T* r[kMaxRegs];
+        const std::int64_t i0 = t * kTile, len = std::min(kTile, n - i0);
+        rd.template load<T>(r, buf, i0, len);
+        run_steps<T>(p, r, buf, p.steps - 1, len);
+        run_step<T>(p, p.steps - 1, r, ys + i0, len);  // the last step straight into y
+      });
+    });
+  }
+
+  /// The program's vjp from the output y and its gradient g: dest[c] receives contribution c,
+  /// the contributions numbered as the steps are walked in reverse (operand a before b) over the
+  /// operands that are inputs and want a gradient (ops/fused.hpp numbers them the same way).
+  /// The intermediates are recomputed from the inputs; the last step's value is read from y.
+  static void fused_vjp(const FusedProgram& p, std::span<const Tensor* const> ins, const Tensor& y, const Tensor& g,
+                        std::span<const FusedGradDest> dest) {
+    detail::dispatch_float(g.dtype(), "fused", [&]<class T>() {
+      const Readers rd(p, ins, g.shape());
+      const T* ys = static_cast<const T*>(y.raw());
+      const T* gs = static_cast<const T*>(g.raw());
+      const std::int64_t n = g.numel(), tiles = (n + kTile - 1) / kTile;
+      detail::parallel_for(tiles, n > detail::kParallelGrain, [&](std::int64_t t) {
+        alignas(64) T buf[kMaxRegs][kTile];
+        alignas(64) T gbuf[kMaxFusedSteps][kTile];  // d loss / d (step s's value), s < steps - 1
+        const T* r[kMaxRegs];
+        const std::int64_t i0 = t * kTile, len = std::min(kTile, n - i0);
+        rd.template load<T>(r, buf, i0, len);
+        run_steps<T>(p, r, buf, p.steps - 1, len);
+        r[p.inputs + p.steps - 1] = ys + i0;
+        std::size_t c = 0;
+        for (int s = p.steps - 1; s >= 0; --s) {
+          const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+          if (!st.grad) continue;
+          const T* go = s == p.steps - 1 ? gs + i0 : gbuf[s];
+          const T* a = r[st.a];
+          if (!st.binary) {
+            if (!st.grad_a) continue;
+            const T* yv = r[p.inputs + s];
+            const T arg = static_cast<T>(st.arg);
+            T* out = target<T>(p, st.a, gbuf, dest, c, i0);
+            const bool acc = st.a < p.inputs && dest[c - 1].acc;
+            detail::dispatch_unary(static_cast<Unary>(st.op), [&]<Unary Op>() {
+              for (std::int64_t j = 0; j < len; ++j) detail::put(out, j, go[j] * detail::unary_df(Op, a[j], yv[j], arg), acc);
+            });
+            continue;
+          }
+          const T* b = r[st.b];
+          detail::dispatch_binary(static_cast<Binary>(st.op), [&]<Binary Op>() {
+            for (int which = 0; which < 2; ++which) {
+              if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
+              const int reg = which == 0 ? st.a : st.b;
+              T* out = target<T>(p, reg, gbuf, dest, c, i0);
+              const bool acc = reg < p.inputs && dest[c - 1].acc;
+              for (std::int64_t j = 0; j < len; ++j) detail::put(out, j, go[j] * detail::binary_df(Op, which, a[j], b[j]), acc);
+            }
+          });
+        }
+      });
+    });
+  }
+
+ private:
+  // Where a gradient for register `reg` goes: an intermediate's gradient buffer (written once:
+  // a fused intermediate has one consumer), or an input's next destination (at element i0).
+  template <class T>
+  static T* target(const FusedProgram& p, int reg, T (*gbuf)[kTile], std::span<const FusedGradDest> dest,
+                   std::size_t& c, std::int64_t i0) {
+    if (reg >= p.inputs) return gbuf[reg - p.inputs];
+    return static_cast<T*>(dest[c++].g->raw()) + i0;
+  }
+
+  // Steps 0..count-1 of the tile into their buffers (register inputs + s points at its buffer).
+  template <class T>
+  static void run_steps(const FusedProgram& p, const T** r, T (*buf)[kTile], int count, std::int64_t len) {
+    for (int s = 0; s < count; ++s) {
+      T* y = buf[p.inputs + s];
+      run_step<T>(p, s, r, y, len);
+      r[p.inputs + s] = y;
+    }
+  }
+  // One step over len elements into y; the op a compile-time constant, so the loop vectorises
+  // as the unfused kernel's does.
+  template <class T>
+  static void run_step(const FusedProgram& p, int s, const T* const* r, T* y, std::int64_t len) {
+    const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+    const T* a = r[st.a];
+    if (!st.binary) {
+      const T arg = static_cast<T>(st.arg);
+      detail::dispatch_unary(static_cast<Unary>(st.op), [&]<Unary Op>() {
+        for (std::int64_t j = 0; j < len; ++j) y[j] = detail::unary_f(Op, a[j], arg);
+      });
+      return;
+    }
+    const T* b = r[st.b];
+    detail::dispatch_binary(static_cast<Binary>(st.op), [&]<Binary Op>() {
+      for (std::int64_t j = 0; j < len; ++j) y[j] = detail::binary_f(Op, a[j], b[j]);
+    });
+  }
+
+  // How each input is read at output element i: at i (its shape is the output's), at 0 (one
+  // element), at i mod its size (a trailing suffix of the output's shape: a bias), or through
+  // broadcast strides (any other broadcast).
+  struct Readers {
+    enum class Mode : std::uint8_t { same, scalar, suffix, strided };
+    struct In {
+      const void* data = nullptr;
+      Mode mode = Mode::same;
+      std::int64_t size = 0;
+      std::array<std::int64_t, kMaxRank> st{};
+    };
+    std::array<In, kMaxFusedInputs> in{};
+    int count = 0;
+    Shape out;
+
+    Readers(const FusedProgram& p, std::span<const Tensor* const> ins, const Shape& o) : count(p.inputs), out(o) {
+      for (int k = 0; k < count; ++k) {
+        const Tensor& x = *ins[static_cast<std::size_t>(k)];
+        In& r = in[static_cast<std::size_t>(k)];
+        r.data = x.raw();
+        r.size = x.numel();
+        if (x.shape() == o) r.mode = Mode::same;
+        else if (x.numel() == 1) r.mode = Mode::scalar;
+        else if (detail::is_suffix(x.shape(), o)) r.mode = Mode::suffix;
+        else r.mode = Mode::strided, r.st = detail::broadcast_strides(x.shape(), o);
+      }
+    }
+    // Points register k at input k's values for elements i0..i0+len: the input itself where it
+    // has the output's shape, else its values gathered into buf[k].
+    template <class T>
+    void load(const T** r, T (*buf)[kTile], std::int64_t i0, std::int64_t len) const {
+      for (int k = 0; k < count; ++k) {
+        const In& x = in[static_cast<std::size_t>(k)];
+        const T* s = static_cast<const T*>(x.data);
+        T* d = buf[k];
+        r[k] = d;
+        switch (x.mode) {
+          case Mode::same: r[k] = s + i0; break;
+          case Mode::scalar: std::fill_n(d, len, s[0]); break;
+          case Mode::suffix:
+            for (std::int64_t j = 0, o = i0 % x.size; j < len; ++j, o = o + 1 == x.size ? 0 : o + 1) d[j] = s[o];
+            break;
+          case Mode::strided:
+            for (std::int64_t j = 0; j < len; ++j) d[j] = s[offset(x.st, i0 + j)];
+            break;
+        }
+      }
+    }
+    // The input offset of output element i: i unravelled over the output's dims, dotted with
+    // the input's broadcast strides (the rare general broadcast; a division per dim).
+    std::int64_t offset(const std::array<std::int64_t, kMaxRank>& st, std::int64_t i) const {
+      std::int64_t off = 0;
+      for (int d = out.rank() - 1; d >= 0; --d) {
+        off += (i % out[d]) * st[static_cast<std::size_t>(d)];
+        i /= out[d];
+      }
+      return off;
+    }
+  };
+};
+using FusedKernels = FusedKernelsT<>;
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/fused.hpp ----
 // ---- begin nn/backend/cpu/quantized.hpp ----
 // nn::cpu's quantized kernels (ops/quantized.hpp): products with a quantized matrix, whose values
 // are dequantized panel by panel straight into the GEMM's packed layout (the matrix never exists
@@ -6200,6 +6453,7 @@ struct cpu : cpu_kernels::ElementwiseKernels,
              cpu_kernels::RopeKernels,
              cpu_kernels::AttentionKernels,
              cpu_kernels::GluKernels,
+             cpu_kernels::FusedKernels,
              cpu_kernels::QuantizedKernels,
              cpu_kernels::OptimKernels {
   static constexpr Device device = Device::cpu;
@@ -6315,12 +6569,15 @@ inline std::string first_nonfinite(const Tensor& t) {
   return {};
 }
 
-/// NN_DETECT_ANOMALY in the environment: set and not "0" turns anomaly mode on for every tape
-/// constructed afterwards (read at construction, so a test may set it and unset it).
-inline bool anomaly_from_env() {
-  const char* e = std::getenv("NN_DETECT_ANOMALY");
+/// Whether environment switch `name` is on: set, and neither empty nor "0".
+inline bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
   return e != nullptr && *e != '\0' && std::string_view(e) != "0";
 }
+
+/// NN_DETECT_ANOMALY in the environment: set and not "0" turns anomaly mode on for every tape
+/// constructed afterwards (read at construction, so a test may set it and unset it).
+inline bool anomaly_from_env() { return env_flag("NN_DETECT_ANOMALY"); }
 
 }  // namespace nn::detail
 // ---- end nn/anomaly.hpp ----
@@ -6431,9 +6688,13 @@ struct Node {
   // the last use the plan saw.
   bool planned = false;
   bool deferred = false;  // recorded by a deferred tape (defer_kernels): no value until plan_memory()
+  // Absorbed by the fusion pass (ops/fused.hpp) into the fused node at this index, which now
+  // computes its value inside its own loop: no def, no inputs, no buffers. -1: not absorbed.
+  std::int32_t fused_into = -1;
 
   const char* name() const {
     if (def) return def->name();
+    if (fused_into >= 0) return "(fused)";
     switch (leaf) {
       case LeafKind::param: return "param";
       case LeafKind::constant: return "constant";
@@ -6596,6 +6857,7 @@ class GTape {
     deferred_count_ = 0;
     open_segment_ = -1;
     loss_ = -1;
+    fused_programs_.clear();
     if (scope_stack_.empty()) scope_paths_.clear();  // an open scope keeps its path for what follows
     autocast_ = DType::f32;
     if (!float_dtype_set_) {
@@ -6942,6 +7204,14 @@ class GTape {
     return b;
   }
 
+  /// The fused groups' programs (ops/fused.hpp): a fused node's attributes name one by index.
+  /// A deque, so a program's address stays put while more are added.
+  std::int32_t add_fused_program(const FusedProgram& p) {
+    fused_programs_.push_back(p);
+    return static_cast<std::int32_t>(fused_programs_.size() - 1);
+  }
+  const FusedProgram& fused_program(std::int32_t id) const { return fused_programs_[static_cast<std::size_t>(id)]; }
+
   /// Raises "[op] message" naming the node; used by ops when validating.
   template <class... P>
   [[noreturn]] void fail_at(GVar v, const char* op, const P&... parts) const {
@@ -7195,6 +7465,10 @@ class GTape {
                    ") is an intermediate of a memory-planned tape (a compiled step), whose buffers are shared "
                    "with others once their last use has run; read it from an eager tape, or compile with "
                    "plan_memory(false)");
+    if (n.fused_into >= 0)
+      detail::fail(op, "node ", v.index, " was fused into node ", n.fused_into,
+                   " (nn::fuse_elementwise: its value is computed inside that node's loop and never stored); "
+                   "read it from a tape that is not fused");
     if (n.deferred && !deferred_ok)
       detail::fail(op, "node ", v.index, " (", n.name(), ", ", n.value.shape().str(),
                    ") was recorded with its kernel deferred (a compiled step's recording): it has no value "
@@ -7258,6 +7532,7 @@ class GTape {
   std::int64_t deferred_count_ = 0;        // nodes recorded deferred and not yet given a buffer
   Tensor placeholder_;                     // what deferred nodes' values view (never written)
   std::vector<Tensor> blocks_;             // plan_memory's shared blocks
+  std::deque<FusedProgram> fused_programs_;  // the fusion pass's programs, by id
 };
 
 }  // namespace nn
@@ -8823,6 +9098,282 @@ GVar quantized_gather(GTape<B>& tp, GVar ids, GVar wq, GVar scales, std::optiona
 
 }  // namespace nn
 // ---- end nn/ops/quantized.hpp ----
+// ---- begin nn/ops/fused.hpp ----
+// Fusion of elementwise chains on a recorded tape (the first seed's gpfuse, CPU part): a pass
+// over the tape finds groups of unary and binary nodes whose intermediate values nothing else
+// reads, and turns each group into one `fused` node that runs the group per element in one
+// loop (backend/cpu/fused.hpp), forward and vjp. The fused node is the group's last node (its
+// index, its value buffer, its GVar); the others are absorbed (Node::fused_into) and hold no
+// buffers. Values and gradients equal the unfused tape's bit for bit: each element goes through
+// the same functors (backend/math.hpp) in the same order, and each contribution to an input's
+// gradient is added in the order the backward sweep adds it unfused.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace nn {
+
+/// A fused node's attributes: its program's index on the tape (GTape::fused_program).
+struct FusedAttrs {
+  std::int32_t program = -1;
+};
+
+namespace detail {
+
+// The fused vjp's contributions to inputs, numbered as backend/cpu/fused.hpp walks them: steps
+// in reverse, operand a before b, only operands that are inputs and want a gradient. f(step,
+// which, register) per contribution, in that order.
+template <class F>
+void for_each_fused_contribution(const FusedProgram& p, F&& f) {
+  for (int s = p.steps - 1; s >= 0; --s) {
+    const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+    if (!st.grad) continue;
+    if (st.grad_a && st.a < p.inputs) f(s, 0, st.a);
+    if (st.binary && st.grad_b && st.b < p.inputs) f(s, 1, st.b);
+  }
+}
+
+template <class B>
+struct FusedPrim {
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    std::array<const Tensor*, kMaxFusedInputs> ins{};
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) ins[k] = &tp.in(n, k);
+    B::fused(program(tp, n), std::span<const Tensor* const>(ins.data(), n.inputs.size()), n.value);
+  }
+  // Each contribution's destination, taken from the tape in the sweep's order (so the first
+  // overwrites and the rest add, as unfused); a broadcast input's contributions go to scratch
+  // buffers at the output's shape, each summed down into its gradient afterwards, in order.
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const FusedProgram& p = program(tp, n);
+    std::array<const Tensor*, kMaxFusedInputs> ins{};
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) ins[k] = &tp.in(n, k);
+    std::array<FusedGradDest, 2 * kMaxFusedSteps> dest{};
+    std::array<std::int8_t, 2 * kMaxFusedSteps> reduce_into{};  // input k, or -1: written in place
+    std::size_t c = 0;
+    for_each_fused_contribution(p, [&](int, int, int) { ++c; });
+    if (n.saved.size() < c) n.saved.resize(c);  // first run only: later scratch() calls move nothing
+    c = 0;
+    for_each_fused_contribution(p, [&](int, int, int reg) {
+      const std::size_t k = static_cast<std::size_t>(reg);
+      if (tp.in(n, k).shape() == n.value.shape()) {
+        GradSlot s = tp.grad_slot(n, k);
+        dest[c] = {&s.g, s.acc};
+        reduce_into[c] = -1;
+      } else {
+        dest[c] = {&tp.scratch(n, c, n.value.shape(), n.value.dtype()), false};
+        reduce_into[c] = static_cast<std::int8_t>(reg);
+      }
+      ++c;
+    });
+    B::fused_vjp(p, std::span<const Tensor* const>(ins.data(), n.inputs.size()), n.value, n.grad,
+                 std::span<const FusedGradDest>(dest.data(), c));
+    for (std::size_t j = 0; j < c; ++j)
+      if (reduce_into[j] >= 0) tp.accumulate_reduced(n, static_cast<std::size_t>(reduce_into[j]), *dest[j].g);
+  }
+  // The vjp recomputes the group's intermediates from its inputs and reads the last value.
+  static std::uint32_t vjp_reads(const GTape<B>&, const Node<B>& n) {
+    return ((1u << n.inputs.size()) - 1u) | kVjpReadsOutput;
+  }
+  static const FusedProgram& program(const GTape<B>& tp, const Node<B>& n) {
+    return tp.fused_program(attrs_of<FusedAttrs>(n).program);
+  }
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
+};
+template <class B>
+const OpDef<B> FusedPrim<B>::def{.prim = Prim::fused, .forward = &forward, .vjp = &vjp, .vjp_reads = &vjp_reads};
+
+// The cost rule. The fused vjp recomputes a group's intermediates (only the last value is
+// stored): cheap for arithmetic, not for a transcendental, whose recomputation costs more than
+// the memory pass it saves (bench/fusion.cpp measured fused SwiGLU from silu and mul at 0.6-0.7x
+// of unfused when silu was recomputed). So an op with a transcendental (exp, log, sqrt, rsqrt,
+// tanh, sigmoid, pow, silu, the GELUs) joins a group only as its last node, whose value the vjp
+// reads instead.
+inline bool recompute_is_cheap(Unary op) {
+  switch (op) {
+    case Unary::neg: case Unary::relu: case Unary::abs: case Unary::scale: case Unary::add_scalar: return true;
+    default: return false;
+  }
+}
+
+// Whether node i may join a fused group: a unary or binary node of a float dtype, outside
+// checkpoint segments (their nodes are recomputed by the sweep), not already planned or fused.
+template <class B>
+bool fusable(GTape<B>& tp, std::int32_t i) {
+  const Node<B>& n = tp.at(i);
+  if (!n.def || (n.def->prim != Prim::unary && n.def->prim != Prim::binary)) return false;
+  const DType t = n.value.dtype();
+  return (t == DType::f32 || t == DType::f64) && !n.pooled && !n.planned && n.segment < 0 && n.fused_into < 0;
+}
+
+}  // namespace detail
+
+/// What fuse_elementwise did: groups made, nodes absorbed into them, and the memory traffic a
+/// step no longer makes (each absorbed value's write and read, and, where the group wants a
+/// gradient, its gradient's write and read).
+struct FusionStats {
+  int groups = 0;
+  int absorbed = 0;
+  std::int64_t bytes_saved = 0;
+};
+
+/// The fusion pass, run on a recorded tape before it is planned (nn::compile runs it when
+/// asked: CompiledStep::fuse). From the last node back, each unary or binary node roots a group
+/// that takes in every operand that is itself such a node of the same shape and dtype, read by
+/// nothing but its one consumer in the group, and not `out` (up to kMaxFusedSteps nodes and
+/// kMaxFusedInputs distinct inputs); a transcendental op only as a group's last node (the cost
+/// rule: detail::recompute_is_cheap). Groups of two or more nodes become one fused node. A group
+/// is left unfused where fusing would reorder a gradient's sum: an input of the group that a
+/// node outside it also reads, between the group's first and last node, would get its
+/// contributions added in another order. No fusion on a tape in anomaly mode (its errors name
+/// the node that made a NaN), nor on another backend than the CPU (yet: the pass returns
+/// nothing fused). Intermediates of a fused group cannot be read afterwards (an nn::Error says
+/// so), as with plan_memory: fuse only a tape whose intermediates nobody reads.
+template <class B>
+FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
+  FusionStats stats;
+  tp.node(out);  // validates the handle
+  if constexpr (B::device != Device::cpu) {
+    return stats;
+  } else {
+    if (tp.detect_anomaly()) return stats;
+    const auto N = static_cast<std::int32_t>(tp.size());
+    std::vector<std::vector<std::int32_t>> readers(static_cast<std::size_t>(N));  // every node reading each node, per use
+    for (std::int32_t i = 0; i < N; ++i)
+      for (std::int32_t in : tp.at(i).inputs) readers[static_cast<std::size_t>(in)].push_back(i);
+    std::vector<char> taken(static_cast<std::size_t>(N), 0);
+    std::vector<std::int32_t> group, stack, ext;
+    for (std::int32_t r = N - 1; r >= 0; --r) {
+      if (taken[static_cast<std::size_t>(r)] || !detail::fusable(tp, r)) continue;
+      const Node<B>& root = tp.at(r);
+      group.assign(1, r);
+      stack.assign(1, r);
+      while (!stack.empty()) {
+        const std::int32_t j = stack.back();
+        stack.pop_back();
+        for (std::int32_t in : tp.at(j).inputs) {
+          const auto u = static_cast<std::size_t>(in);
+          if (group.size() >= static_cast<std::size_t>(kMaxFusedSteps)) break;
+          if (in == out.index || taken[u] || readers[u].size() != 1 || !detail::fusable(tp, in)) continue;
+          const Node<B>& m = tp.at(in);
+          if (m.def->prim == Prim::unary && !detail::recompute_is_cheap(detail::attrs_of<UnaryAttrs>(m).op)) continue;
+          if (!(m.value.shape() == root.value.shape()) || m.value.dtype() != root.value.dtype()) continue;
+          group.push_back(in);
+          stack.push_back(in);
+        }
+      }
+      if (group.size() < 2) continue;
+      std::sort(group.begin(), group.end());  // the tape's order is a topological one
+      auto member = [&](std::int32_t i) { return std::binary_search(group.begin(), group.end(), i); };
+      // the group's inputs, in order of first use; each a register
+      ext.clear();
+      for (std::int32_t j : group)
+        for (std::int32_t in : tp.at(j).inputs)
+          if (!member(in) && std::find(ext.begin(), ext.end(), in) == ext.end()) ext.push_back(in);
+      if (ext.size() > static_cast<std::size_t>(kMaxFusedInputs)) continue;
+      bool reorders = false;
+      for (std::int32_t x : ext) {
+        if (!tp.at(x).requires_grad) continue;
+        for (std::int32_t c : readers[static_cast<std::size_t>(x)])
+          reorders = reorders || (!member(c) && c > group.front() && c < r);
+      }
+      if (reorders) continue;
+
+      FusedProgram p;
+      p.inputs = static_cast<int>(ext.size());
+      p.steps = static_cast<int>(group.size());
+      auto reg = [&](std::int32_t i) -> std::int8_t {
+        if (member(i)) return static_cast<std::int8_t>(p.inputs + (std::lower_bound(group.begin(), group.end(), i) - group.begin()));
+        return static_cast<std::int8_t>(std::find(ext.begin(), ext.end(), i) - ext.begin());
+      };
+      for (std::size_t s = 0; s < group.size(); ++s) {
+        const Node<B>& n = tp.at(group[s]);
+        FusedStep& st = p.step[s];
+        st.binary = n.def->prim == Prim::binary;
+        if (st.binary) {
+          st.op = static_cast<std::uint8_t>(detail::attrs_of<BinaryAttrs>(n).op);
+        } else {
+          const UnaryAttrs& a = detail::attrs_of<UnaryAttrs>(n);
+          st.op = static_cast<std::uint8_t>(a.op);
+          st.arg = a.arg;
+        }
+        st.a = reg(n.inputs[0]);
+        st.grad_a = tp.at(n.inputs[0]).requires_grad;
+        if (st.binary) {
+          st.b = reg(n.inputs[1]);
+          st.grad_b = tp.at(n.inputs[1]).requires_grad;
+        }
+        st.grad = n.requires_grad;
+        st.node = group[s];
+      }
+      const std::int32_t id = tp.add_fused_program(p);
+      const std::int64_t bytes = root.value.numel() * static_cast<std::int64_t>(dtype_size(root.value.dtype()));
+      for (std::int32_t j : group) {
+        taken[static_cast<std::size_t>(j)] = 1;
+        if (j == r) continue;
+        Node<B>& n = tp.at(j);
+        stats.bytes_saved += bytes * (n.requires_grad ? 4 : 2);
+        n.def = nullptr;
+        n.fused_into = r;
+        n.inputs.clear();
+        n.requires_grad = false;
+        n.value = Tensor();
+        n.grad = Tensor();
+        n.saved.clear();
+        n.deferred = false;
+      }
+      Node<B>& f = tp.at(r);
+      f.def = &detail::FusedPrim<B>::def;
+      f.inputs = ext;
+      f.attrs.set(FusedAttrs{id});
+      f.saved.clear();
+      ++stats.groups;
+      stats.absorbed += static_cast<int>(group.size()) - 1;
+    }
+    return stats;
+  }
+}
+
+/// One line per fused node of the tape, then the totals: its index and scope, its steps' ops
+/// and the nodes they were, its inputs, the elements and dtype, and the bytes per step it saves
+/// (as FusionStats counts them). nn::compile prints it to stderr when NN_FUSION_LOG=1.
+template <class B>
+std::string fusion_report(const GTape<B>& tp) {
+  std::ostringstream os;
+  int groups = 0, absorbed = 0;
+  std::int64_t saved = 0;
+  for (std::size_t i = 0; i < tp.size(); ++i) {
+    const GVar v{&tp, static_cast<std::int32_t>(i)};
+    const Node<B>& n = tp.node(v);
+    if (!n.def || n.def->prim != Prim::fused) continue;
+    const FusedProgram& p = detail::FusedPrim<B>::program(tp, n);
+    const std::int64_t bytes = n.value.numel() * static_cast<std::int64_t>(dtype_size(n.value.dtype()));
+    std::int64_t s = 0;
+    os << "fused node " << i;
+    if (!tp.scope_path(v).empty()) os << " ('" << tp.scope_path(v) << "')";
+    os << ":";
+    for (int k = 0; k < p.steps; ++k) {
+      const FusedStep& st = p.step[static_cast<std::size_t>(k)];
+      os << ' ' << (st.binary ? binary_name(static_cast<Binary>(st.op)) : unary_name(static_cast<Unary>(st.op))) << '#'
+         << st.node;
+      if (k + 1 < p.steps) s += bytes * (st.grad ? 4 : 2);
+    }
+    os << ", " << p.inputs << " inputs, " << n.value.numel() << ' ' << dtype_name(n.value.dtype()) << ", " << s
+       << " bytes saved per step\n";
+    ++groups;
+    absorbed += p.steps - 1;
+    saved += s;
+  }
+  os << "fusion: " << groups << " groups, " << absorbed << " nodes absorbed, " << saved << " bytes saved per step\n";
+  return os.str();
+}
+
+}  // namespace nn
+// ---- end nn/ops/fused.hpp ----
 // ---- begin nn/layers/helpers.hpp ----
 // The seed's helpers for writing a model as a list of layer calls: registering the caller's
 // weights (param / constant / input) and constant fills (ones / zeros / full) on a tape.
@@ -13724,6 +14275,7 @@ std::pair<M, double> clip_grad_norm(const M& grads, double max_norm) {
 // buffers it owns, with no re-recording and no heap allocation.
 
 #include <array>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -13841,6 +14393,20 @@ class CompiledStep {
     plan_ = on;
     return *this;
   }
+  /// Elementwise fusion (nn::fuse_elementwise, ops/fused.hpp): the recording's chains of unary
+  /// and binary nodes run as one fused node each, forward and backward, one pass over memory
+  /// instead of one per node, with results equal bit for bit. CPU tapes with memory planning
+  /// only (its intermediates are unreadable anyway). Off by default; NN_FUSION=1 in the
+  /// environment turns it on for steps made afterwards, and NN_FUSION_LOG=1 prints each
+  /// recording's groups (nn::fusion_report) to stderr. Changing it records the step again.
+  CompiledStep& fuse(bool on) {
+    if (on != fuse_) recorded_ = false;
+    fuse_ = on;
+    return *this;
+  }
+  /// What the last recording's fusion pass did (zeros when fusion is off).
+  const FusionStats& fusion() const { return fusion_; }
+
   /// The global gradient norm of the last call, before clipping (0 when not clipping).
   double grad_norm() const { return grad_norm_; }
 
@@ -13881,6 +14447,11 @@ class CompiledStep {
     if constexpr (kFits) {  // else only the static_assert above speaks
       auto build = [&] { return std::apply([&](auto... v) { return fn_(tp_, static_cast<const M&>(*model_), v...); }, vars); };
       loss_ = plan ? tp_.record_deferred(build) : build();
+    }
+    fusion_ = {};
+    if (plan && fuse_) {
+      fusion_ = fuse_elementwise(tp_, loss_);
+      if (detail::env_flag("NN_FUSION_LOG")) std::fputs(fusion_report(tp_).c_str(), stderr);
     }
     if (plan) {
       tp_.plan_memory(loss_);
@@ -13945,7 +14516,8 @@ class CompiledStep {
   std::function<void(std::span<const GradBuffer>)> reduce_;  // between backward and the update
   std::uint64_t structure_ = 0, hyper_ = 0;
   double clip_ = -1, grad_norm_ = 0;
-  bool recorded_ = false, plan_ = true;
+  bool recorded_ = false, plan_ = true, fuse_ = detail::env_flag("NN_FUSION");
+  FusionStats fusion_;
   int recordings_ = 0;
 };
 
@@ -14356,7 +14928,7 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
   X(struct, detail::DropoutPrim<cpu>) X(struct, detail::RmsNormPrim<cpu>) X(struct, detail::RopePrim<cpu>) \
   X(struct, detail::AttentionPrim<cpu>) X(struct, detail::FlashAttentionPrim<cpu>)                     \
   X(struct, detail::SwigluPrim<cpu>) X(struct, detail::QuantizedMatmulPrim<cpu>)                       \
-  X(struct, detail::QuantizedGatherPrim<cpu>)                                                          \
+  X(struct, detail::QuantizedGatherPrim<cpu>) X(struct, detail::FusedPrim<cpu>)                      \
   X(class, GTape<cpu>) X(class, Sgd<cpu>) X(class, Adam<cpu>) X(class, AdamW<cpu>) X(class, Lion<cpu>) \
   X(class, Muon<cpu>) X(class, Adafactor<cpu>)
 

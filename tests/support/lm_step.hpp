@@ -64,8 +64,9 @@ void step_alongside_eager(lm::CausalLM& eager, Opt& opt_e, Step& step, int steps
 }
 
 // A LoRA and (dora) a DoRA step on the float32 model of a fixture folder: 3 AdamW steps of a
-// compiled step beside the eager ones, losses and final weights equal bit for bit.
-inline void check_adapter_step_compiled_equals_eager(const std::string& folder, bool dora) {
+// compiled step beside the eager ones, losses and final weights equal bit for bit. `fuse`: the
+// compiled step runs its elementwise chains fused (CompiledStep::fuse); returns what it fused.
+inline FusionStats check_adapter_step_compiled_equals_eager(const std::string& folder, bool dora, bool fuse = false) {
   auto make = [&] {
     lm::CausalLM m = lm::load_hf(folder, DType::f32);
     random::seed(1);
@@ -78,8 +79,11 @@ inline void check_adapter_step_compiled_equals_eager(const std::string& folder, 
   auto step = compile<3>(compiled, opt_c, [](GTape<cpu>& tp, const lm::CausalLM& m, GVar ids, GVar mask, GVar tg) {
     return lm_loss(tp, m, ids, mask, tg);
   });
+  step.fuse(fuse);
   step_alongside_eager(eager, opt_e, step, 3);
   CHECK(flat_values(eager) == flat_values(compiled));
+  if (!fuse) CHECK(step.fusion().groups == 0);
+  return step.fusion();
 }
 
 // The right-padded fixture batch of tests/fixtures/lm/models/expected.safetensors ("ids",

@@ -242,6 +242,17 @@ std::vector<OpCase<B>> cases() {
   add({Prim::swiglu, "swiglu", {real({3, 8}, -3, 3), real({3, 8})},
        [](T tp, V v) { return fused_swiglu(tp, v[0], v[1]); }, true, "",
        [](T tp, V v) { return reference::swiglu(tp, v[0], v[1]); }});
+  // An elementwise chain (bias add with broadcasting, scale, silu, a product that reads an input
+  // twice) run as one fused node (nn::fuse_elementwise; on a backend without fusion the pass
+  // leaves the chain as it is): equal to the chain unfused, bit for bit.
+  auto chain = [](T tp, V v) { return mul(tp, silu(tp, scale(tp, nn::add(tp, v[0], v[1]), 0.5)), v[0]); };
+  add({Prim::fused, "fused", {real({3, 8}, -3, 3), real({8})},
+       [chain](T tp, V v) {
+         const GVar y = chain(tp, v);
+         fuse_elementwise(tp, y);
+         return y;
+       },
+       true, "", chain, Tol{.composite64 = 0, .composite32 = 0}});
 
   // ---- quantized matrices: against matmul / gather_rows of the dequantized matrix ---------------
   // W (48, 64) drawn once, quantized in x's dtype (affine 32/4, or mxfp4), on B's device.

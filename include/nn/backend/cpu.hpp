@@ -7,7 +7,7 @@
 //
 // The kernels live in backend/cpu/, one file per family, mirroring ops/: elementwise, reduce,
 // matmul (and the GEMM engine), shape, index, random, softmax, cross_entropy, and the fused
-// norm, rope, attention and glu, and optim (the optimizer updates). Per-element math both
+// norm, rope, attention and glu, the fused elementwise groups (fused), and optim (the optimizer updates). Per-element math both
 // backends share is in backend/math.hpp. nn::cpu gathers the families by inheritance, so
 // `cpu::matmul(...)` and `B::matmul(...)` in a template both find them.
 //
@@ -31,6 +31,7 @@
 #include "cpu/rope.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/glu.hpp"
+#include "cpu/fused.hpp"
 #include "cpu/quantized.hpp"
 #include "cpu/optim.hpp"
 
@@ -49,6 +50,7 @@ struct cpu : cpu_kernels::ElementwiseKernels,
              cpu_kernels::RopeKernels,
              cpu_kernels::AttentionKernels,
              cpu_kernels::GluKernels,
+             cpu_kernels::FusedKernels,
              cpu_kernels::QuantizedKernels,
              cpu_kernels::OptimKernels {
   static constexpr Device device = Device::cpu;

@@ -3,6 +3,7 @@
 // and the ops can run on it without ever touching tensor memory themselves.
 #pragma once
 
+#include <array>
 #include <concepts>
 
 #include "../tensor.hpp"
@@ -74,7 +75,8 @@ constexpr const char* binary_name(Binary b) {
 #define NN_PRIMITIVES(X)                                                                                  \
   X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
   X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
-  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)
+  X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)  \
+  X(fused)
 
 enum class Prim : std::uint8_t {
 #define NN_PRIM_ENUMERATOR(p) p,
@@ -165,6 +167,27 @@ struct Quant {
 struct QuantMatmulAttrs {
   Quant q;
   bool transpose = true;
+};
+
+/// A fused elementwise group's program (ops/fused.hpp makes it; backend/cpu/fused.hpp runs it):
+/// registers 0..inputs-1 hold the group's inputs at each element, register inputs + s step s's
+/// result, and the last step's result is the output. Each step is a unary or binary primitive
+/// that was a node of the tape, kept with its attributes, so the fused loop computes exactly what
+/// the nodes did, element by element, with the same functors (backend/math.hpp).
+inline constexpr int kMaxFusedSteps = 16;
+inline constexpr int kMaxFusedInputs = 8;
+struct FusedStep {
+  bool binary = false;  // else unary
+  std::uint8_t op = 0;  // the Unary or Binary enumerator
+  std::int8_t a = 0, b = 0;  // operand registers (b: binary only)
+  bool grad = false;         // the step's value wants a gradient (its node's requires_grad)
+  bool grad_a = false, grad_b = false;  // the gradient flows into operand a / b
+  double arg = 0.0;          // a unary's scalar (pow's exponent, scale's factor)
+  std::int32_t node = -1;    // the tape node it was (for reports)
+};
+struct FusedProgram {
+  int inputs = 0, steps = 0;
+  std::array<FusedStep, kMaxFusedSteps> step{};
 };
 
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)

@@ -47,6 +47,30 @@ void dispatch_binary(Binary op, F&& f) {
   }
 }
 
+/// Runs f.template operator()<Op>() with the Unary op as a compile-time constant (as
+/// dispatch_binary): the fused kernel's per-step loops.
+template <class F>
+void dispatch_unary(Unary op, F&& f) {
+  switch (op) {
+    case Unary::neg: f.template operator()<Unary::neg>(); return;
+    case Unary::exp: f.template operator()<Unary::exp>(); return;
+    case Unary::log: f.template operator()<Unary::log>(); return;
+    case Unary::sqrt: f.template operator()<Unary::sqrt>(); return;
+    case Unary::rsqrt: f.template operator()<Unary::rsqrt>(); return;
+    case Unary::tanh: f.template operator()<Unary::tanh>(); return;
+    case Unary::sigmoid: f.template operator()<Unary::sigmoid>(); return;
+    case Unary::relu: f.template operator()<Unary::relu>(); return;
+    case Unary::abs: f.template operator()<Unary::abs>(); return;
+    case Unary::pow: f.template operator()<Unary::pow>(); return;
+    case Unary::silu: f.template operator()<Unary::silu>(); return;
+    case Unary::gelu: f.template operator()<Unary::gelu>(); return;
+    case Unary::gelu_approx: f.template operator()<Unary::gelu_approx>(); return;
+    case Unary::gelu_fast: f.template operator()<Unary::gelu_fast>(); return;
+    case Unary::scale: f.template operator()<Unary::scale>(); return;
+    case Unary::add_scalar: f.template operator()<Unary::add_scalar>(); return;
+  }
+}
+
 // dispatch over every dtype a data-movement kernel handles: floats, plus integers when not
 // accumulating (permuting token ids is fine; adding them is not a gradient).
 template <class F>
@@ -96,6 +120,14 @@ inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) 
   (void)uneven;
 #endif
   for (std::int64_t i = 0; i < n; ++i) f(i);
+}
+
+/// Whether b is a trailing suffix of y's shape (b repeats along y's leading dims: a bias row).
+inline bool is_suffix(const Shape& b, const Shape& y) {
+  if (b.rank() > y.rank()) return false;
+  for (int i = 1; i <= b.rank(); ++i)
+    if (b[b.rank() - i] != y[y.rank() - i]) return false;
+  return true;
 }
 
 /// Strides (in elements) of `in` seen through output shape `out`: the input is aligned to the

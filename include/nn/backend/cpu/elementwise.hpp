@@ -77,7 +77,7 @@ struct ElementwiseKernelsT {
           detail::parallel_for(n, n > detail::kParallelGrain, [&](std::int64_t i) {
             ys[i] = detail::binary_f(Op, as[i], bv);
           });
-        } else if (a.shape() == y.shape() && is_suffix(b.shape(), y.shape())) {
+        } else if (a.shape() == y.shape() && detail::is_suffix(b.shape(), y.shape())) {
           const std::int64_t nb = b.numel(), rows = n / nb;  // b repeats along the leading dims
           detail::parallel_for(rows, n > detail::kParallelGrain, [&](std::int64_t r) {
             for (std::int64_t j = 0; j < nb; ++j) ys[r * nb + j] = detail::binary_f(Op, as[r * nb + j], bs[j]);
@@ -148,12 +148,6 @@ struct ElementwiseKernelsT {
   }
 
  private:
-  static bool is_suffix(const Shape& b, const Shape& y) {
-    if (b.rank() > y.rank()) return false;
-    for (int i = 1; i <= b.rank(); ++i)
-      if (b[b.rank() - i] != y[y.rank() - i]) return false;
-    return true;
-  }
   static bool mask_at(const Tensor& m, std::int64_t i) {
     switch (m.dtype()) {
       case DType::u8: return static_cast<const std::uint8_t*>(m.raw())[i] != 0;
