@@ -1050,6 +1050,10 @@ struct FusedStep {
 struct FusedProgram {
   int inputs = 0, steps = 0;
   std::array<FusedStep, kMaxFusedSteps> step{};
+  // The registers the vjp reads (bit r: register r): what the steps' derivatives read
+  // (unary_df_reads, binary_df_reads) and what those values are computed from. The last step's
+  // value comes from the output; a register outside the mask is neither loaded nor recomputed.
+  std::uint32_t vjp_need = ~0u;
 };
 
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)
@@ -5845,7 +5849,8 @@ struct FusedKernelsT {
   /// The program's vjp from the output y and its gradient g: dest[c] receives contribution c,
   /// the contributions numbered as the steps are walked in reverse (operand a before b) over the
   /// operands that are inputs and want a gradient (ops/fused.hpp numbers them the same way).
-  /// The intermediates are recomputed from the inputs; the last step's value is read from y.
+  /// The intermediates the derivatives read are recomputed from the inputs (FusedProgram::
+  /// vjp_need); the last step's value is read from y.
   static void fused_vjp(const FusedProgram& p, std::span<const Tensor* const> ins, const Tensor& y, const Tensor& g,
                         std::span<const FusedGradDest> dest) {
     detail::dispatch_float(g.dtype(), "fused", [&]<class T>() {
@@ -5856,11 +5861,12 @@ struct FusedKernelsT {
       detail::parallel_for(tiles, n > detail::kParallelGrain, [&](std::int64_t t) {
         alignas(64) T buf[kMaxRegs][kTile];
         alignas(64) T gbuf[kMaxFusedSteps][kTile];  // d loss / d (step s's value), s < steps - 1
+        alignas(64) static const T zeros[kTile] = {};  // what an unread register points at
         const T* r[kMaxRegs];
         const std::int64_t i0 = t * kTile, len = std::min(kTile, n - i0);
-        rd.template load<T>(r, buf, i0, len);
-        run_steps<T>(p, r, buf, p.steps - 1, len);
-        r[p.inputs + p.steps - 1] = ys + i0;
+        rd.template load<T>(r, buf, i0, len, p.vjp_need, zeros);
+        run_steps<T>(p, r, buf, p.steps - 1, len, p.vjp_need, zeros);
+        r[p.inputs + p.steps - 1] = needs(p.vjp_need, p.inputs + p.steps - 1) ? ys + i0 : zeros;
         std::size_t c = 0;
         for (int s = p.steps - 1; s >= 0; --s) {
           const FusedStep& st = p.step[static_cast<std::size_t>(s)];
@@ -5903,10 +5909,18 @@ struct FusedKernelsT {
     return static_cast<T*>(dest[c++].g->raw()) + i0;
   }
 
-  // Steps 0..count-1 of the tile into their buffers (register inputs + s points at its buffer).
+  static bool needs(std::uint32_t mask, int reg) { return (mask >> reg) & 1u; }
+
+  // Steps 0..count-1 of the tile into their buffers (register inputs + s points at its buffer);
+  // a step outside `mask` is not computed (its register points at `skip`).
   template <class T>
-  static void run_steps(const FusedProgram& p, const T** r, T (*buf)[kTile], int count, std::int64_t len) {
+  static void run_steps(const FusedProgram& p, const T** r, T (*buf)[kTile], int count, std::int64_t len,
+                        std::uint32_t mask = ~0u, const T* skip = nullptr) {
     for (int s = 0; s < count; ++s) {
+      if (!needs(mask, p.inputs + s)) {
+        r[p.inputs + s] = skip;
+        continue;
+      }
       T* y = buf[p.inputs + s];
       run_step<T>(p, s, r, y, len);
       r[p.inputs + s] = y;
@@ -5959,10 +5973,16 @@ struct FusedKernelsT {
       }
     }
     // Points register k at input k's values for elements i0..i0+len: the input itself where it
-    // has the output's shape, else its values gathered into buf[k].
+    // has the output's shape, else its values gathered into buf[k]; an input outside `mask` at
+    // `skip` (it is not read).
     template <class T>
-    void load(const T** r, T (*buf)[kTile], std::int64_t i0, std::int64_t len) const {
+    void load(const T** r, T (*buf)[kTile], std::int64_t i0, std::int64_t len, std::uint32_t mask = ~0u,
+              const T* skip = nullptr) const {
       for (int k = 0; k < count; ++k) {
+        if (!((mask >> k) & 1u)) {
+          r[k] = skip;
+          continue;
+        }
         const In& x = in[static_cast<std::size_t>(k)];
         const T* s = static_cast<const T*>(x.data);
         T* d = buf[k];
@@ -9175,9 +9195,11 @@ struct FusedPrim {
     for (std::size_t j = 0; j < c; ++j)
       if (reduce_into[j] >= 0) tp.accumulate_reduced(n, static_cast<std::size_t>(reduce_into[j]), *dest[j].g);
   }
-  // The vjp recomputes the group's intermediates from its inputs and reads the last value.
-  static std::uint32_t vjp_reads(const GTape<B>&, const Node<B>& n) {
-    return ((1u << n.inputs.size()) - 1u) | kVjpReadsOutput;
+  // The inputs the vjp recomputes from, and the output when a derivative reads it.
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    const FusedProgram& p = program(tp, n);
+    const std::uint32_t inputs = p.vjp_need & ((1u << p.inputs) - 1u);
+    return inputs | (((p.vjp_need >> (p.inputs + p.steps - 1)) & 1u) ? kVjpReadsOutput : 0u);
   }
   static const FusedProgram& program(const GTape<B>& tp, const Node<B>& n) {
     return tp.fused_program(attrs_of<FusedAttrs>(n).program);
@@ -9310,6 +9332,29 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
         st.grad = n.requires_grad;
         st.node = group[s];
       }
+      // what the vjp reads: the derivatives' operands, then (from the last step down) what each
+      // recomputed intermediate is computed from; the last step's value comes from the output
+      std::uint32_t need = 0;
+      for (int s = 0; s < p.steps; ++s) {
+        const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+        if (!st.grad) continue;
+        const std::uint32_t self = 1u << (p.inputs + s), a = 1u << st.a, b = st.binary ? 1u << st.b : 0u;
+        if (!st.binary) {
+          const unsigned rd = st.grad_a ? detail::unary_df_reads(static_cast<Unary>(st.op)) : 0u;
+          need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? self : 0u);
+        } else {
+          for (int which = 0; which < 2; ++which) {
+            if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
+            const unsigned rd = detail::binary_df_reads(static_cast<Binary>(st.op), which);
+            need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? b : 0u);
+          }
+        }
+      }
+      for (int s = p.steps - 2; s >= 0; --s) {
+        const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+        if ((need >> (p.inputs + s)) & 1u) need |= (1u << st.a) | (st.binary ? 1u << st.b : 0u);
+      }
+      p.vjp_need = need;
       const std::int32_t id = tp.add_fused_program(p);
       const std::int64_t bytes = root.value.numel() * static_cast<std::int64_t>(dtype_size(root.value.dtype()));
       for (std::int32_t j : group) {

@@ -197,6 +197,18 @@ TEST_CASE("fusion: a chain becomes one node; its intermediates are unreadable, t
   }
 }
 
+TEST_CASE("fusion: the fused vjp reads only what its derivatives read") {
+  GTape<cpu> tp;
+  Tensor Base = nn::test::random_tensor({4, 6}, DType::f32, 5), L = nn::test::random_tensor({4, 6}, DType::f32, 6);
+  GVar base = tp.param(Base), l = tp.param(L);
+  GVar y = add(tp, base, scale(tp, l, 2.0));  // LoRA's scale-and-add: no derivative reads a value
+  GVar z = mul(tp, neg(tp, base), l);         // mul's derivatives read both operands: neg(base) and l
+  GVar loss = add(tp, sum(tp, y), sum(tp, z));
+  CHECK(fuse_elementwise(tp, loss).groups == 2);
+  CHECK(tp.node(y).def->vjp_reads(tp, tp.node(y)) == 0u);  // plan_memory may free base and l early
+  CHECK(tp.node(z).def->vjp_reads(tp, tp.node(z)) == 3u);  // both inputs (base, l), not the output
+}
+
 TEST_CASE("fusion: what the pass leaves alone") {
   Tensor X = nn::test::random_tensor({4, 6}, DType::f32, 3);
   SUBCASE("the cost rule: a transcendental joins a group only as its last node") {

@@ -188,6 +188,10 @@ struct FusedStep {
 struct FusedProgram {
   int inputs = 0, steps = 0;
   std::array<FusedStep, kMaxFusedSteps> step{};
+  // The registers the vjp reads (bit r: register r): what the steps' derivatives read
+  // (unary_df_reads, binary_df_reads) and what those values are computed from. The last step's
+  // value comes from the output; a register outside the mask is neither loaded nor recomputed.
+  std::uint32_t vjp_need = ~0u;
 };
 
 /// Where a vjp kernel writes one input's gradient: the buffer (null when that input needs none)

@@ -79,9 +79,11 @@ struct FusedPrim {
     for (std::size_t j = 0; j < c; ++j)
       if (reduce_into[j] >= 0) tp.accumulate_reduced(n, static_cast<std::size_t>(reduce_into[j]), *dest[j].g);
   }
-  // The vjp recomputes the group's intermediates from its inputs and reads the last value.
-  static std::uint32_t vjp_reads(const GTape<B>&, const Node<B>& n) {
-    return ((1u << n.inputs.size()) - 1u) | kVjpReadsOutput;
+  // The inputs the vjp recomputes from, and the output when a derivative reads it.
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    const FusedProgram& p = program(tp, n);
+    const std::uint32_t inputs = p.vjp_need & ((1u << p.inputs) - 1u);
+    return inputs | (((p.vjp_need >> (p.inputs + p.steps - 1)) & 1u) ? kVjpReadsOutput : 0u);
   }
   static const FusedProgram& program(const GTape<B>& tp, const Node<B>& n) {
     return tp.fused_program(attrs_of<FusedAttrs>(n).program);
@@ -214,6 +216,29 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
         st.grad = n.requires_grad;
         st.node = group[s];
       }
+      // what the vjp reads: the derivatives' operands, then (from the last step down) what each
+      // recomputed intermediate is computed from; the last step's value comes from the output
+      std::uint32_t need = 0;
+      for (int s = 0; s < p.steps; ++s) {
+        const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+        if (!st.grad) continue;
+        const std::uint32_t self = 1u << (p.inputs + s), a = 1u << st.a, b = st.binary ? 1u << st.b : 0u;
+        if (!st.binary) {
+          const unsigned rd = st.grad_a ? detail::unary_df_reads(static_cast<Unary>(st.op)) : 0u;
+          need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? self : 0u);
+        } else {
+          for (int which = 0; which < 2; ++which) {
+            if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
+            const unsigned rd = detail::binary_df_reads(static_cast<Binary>(st.op), which);
+            need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? b : 0u);
+          }
+        }
+      }
+      for (int s = p.steps - 2; s >= 0; --s) {
+        const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+        if ((need >> (p.inputs + s)) & 1u) need |= (1u << st.a) | (st.binary ? 1u << st.b : 0u);
+      }
+      p.vjp_need = need;
       const std::int32_t id = tp.add_fused_program(p);
       const std::int64_t bytes = root.value.numel() * static_cast<std::int64_t>(dtype_size(root.value.dtype()));
       for (std::int32_t j : group) {

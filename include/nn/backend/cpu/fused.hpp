@@ -52,7 +52,8 @@ struct FusedKernelsT {
   /// The program's vjp from the output y and its gradient g: dest[c] receives contribution c,
   /// the contributions numbered as the steps are walked in reverse (operand a before b) over the
   /// operands that are inputs and want a gradient (ops/fused.hpp numbers them the same way).
-  /// The intermediates are recomputed from the inputs; the last step's value is read from y.
+  /// The intermediates the derivatives read are recomputed from the inputs (FusedProgram::
+  /// vjp_need); the last step's value is read from y.
   static void fused_vjp(const FusedProgram& p, std::span<const Tensor* const> ins, const Tensor& y, const Tensor& g,
                         std::span<const FusedGradDest> dest) {
     detail::dispatch_float(g.dtype(), "fused", [&]<class T>() {
@@ -63,11 +64,12 @@ struct FusedKernelsT {
       detail::parallel_for(tiles, n > detail::kParallelGrain, [&](std::int64_t t) {
         alignas(64) T buf[kMaxRegs][kTile];
         alignas(64) T gbuf[kMaxFusedSteps][kTile];  // d loss / d (step s's value), s < steps - 1
+        alignas(64) static const T zeros[kTile] = {};  // what an unread register points at
         const T* r[kMaxRegs];
         const std::int64_t i0 = t * kTile, len = std::min(kTile, n - i0);
-        rd.template load<T>(r, buf, i0, len);
-        run_steps<T>(p, r, buf, p.steps - 1, len);
-        r[p.inputs + p.steps - 1] = ys + i0;
+        rd.template load<T>(r, buf, i0, len, p.vjp_need, zeros);
+        run_steps<T>(p, r, buf, p.steps - 1, len, p.vjp_need, zeros);
+        r[p.inputs + p.steps - 1] = needs(p.vjp_need, p.inputs + p.steps - 1) ? ys + i0 : zeros;
         std::size_t c = 0;
         for (int s = p.steps - 1; s >= 0; --s) {
           const FusedStep& st = p.step[static_cast<std::size_t>(s)];
@@ -110,10 +112,18 @@ struct FusedKernelsT {
     return static_cast<T*>(dest[c++].g->raw()) + i0;
   }
 
-  // Steps 0..count-1 of the tile into their buffers (register inputs + s points at its buffer).
+  static bool needs(std::uint32_t mask, int reg) { return (mask >> reg) & 1u; }
+
+  // Steps 0..count-1 of the tile into their buffers (register inputs + s points at its buffer);
+  // a step outside `mask` is not computed (its register points at `skip`).
   template <class T>
-  static void run_steps(const FusedProgram& p, const T** r, T (*buf)[kTile], int count, std::int64_t len) {
+  static void run_steps(const FusedProgram& p, const T** r, T (*buf)[kTile], int count, std::int64_t len,
+                        std::uint32_t mask = ~0u, const T* skip = nullptr) {
     for (int s = 0; s < count; ++s) {
+      if (!needs(mask, p.inputs + s)) {
+        r[p.inputs + s] = skip;
+        continue;
+      }
       T* y = buf[p.inputs + s];
       run_step<T>(p, s, r, y, len);
       r[p.inputs + s] = y;
@@ -166,10 +176,16 @@ struct FusedKernelsT {
       }
     }
     // Points register k at input k's values for elements i0..i0+len: the input itself where it
-    // has the output's shape, else its values gathered into buf[k].
+    // has the output's shape, else its values gathered into buf[k]; an input outside `mask` at
+    // `skip` (it is not read).
     template <class T>
-    void load(const T** r, T (*buf)[kTile], std::int64_t i0, std::int64_t len) const {
+    void load(const T** r, T (*buf)[kTile], std::int64_t i0, std::int64_t len, std::uint32_t mask = ~0u,
+              const T* skip = nullptr) const {
       for (int k = 0; k < count; ++k) {
+        if (!((mask >> k) & 1u)) {
+          r[k] = skip;
+          continue;
+        }
         const In& x = in[static_cast<std::size_t>(k)];
         const T* s = static_cast<const T*>(x.data);
         T* d = buf[k];
