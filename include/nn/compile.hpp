@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "module.hpp"
+#include "ops/fused.hpp"
 #include "optim/clip.hpp"
 #include "optim/optimizer.hpp"
 
