@@ -126,6 +126,23 @@ inline T widen_scale(const void* p, DType t, std::int64_t i) {
   }
 }
 
+/// The value stored as T's storage type: f32 as is, bf16/f16 rounded to nearest even.
+inline float round_to(DType t, float v) {
+  if (t == DType::bf16) return half::bf16_round(v);
+  if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(v));
+  return v;
+}
+
+/// Keeps the compiler from fusing a product into the next addition (an FMA rounds once; MLX's
+/// dequantize rounds the product, then the sum).
+template <class T>
+inline T rounded(T v) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__CUDACC__)
 #define NN_QUANT_AVX2 1
 /// Whether this CPU runs the AVX2 decoders below (checked once; NN_CPU_ISA=generic turns them off
@@ -179,29 +196,146 @@ inline decltype(auto) with_code_bits(int bits, F&& f) {
   }
 }
 
-/// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
-/// of 8, inside one group): affine codes (any width) as s * q + b, or mxfp4's / nvfp4's
-/// s * E2M1[q] (b unused). The same arithmetic as the scalar reader: the product is rounded before
-/// the bias is added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
-template <int BITS, bool FP4>
-[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, std::uint64_t c0, std::uint64_t n, float s, float b,
-                                            float* out) {
-  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+/// out[0, n) = values c0 .. c0 + n of one row of mxfp4 or nvfp4 in float32, s * E2M1[q], eight
+/// at a time (c0 and n multiples of 8, inside one group). Affine runs go through affine_run_*.
+[[gnu::target("avx2")]] inline void decode8_e2m1(const std::uint8_t* row, std::uint64_t c0, std::uint64_t n, float s,
+                                                 float* out) {
+  const __m256 vs = _mm256_set1_ps(s);
   // E2M1 in two halves of 8 (codes 0-7 positive, 8-15 their negatives, 8 being -0).
   const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   for (std::uint64_t i = 0; i < n; i += 8) {
-    const __m256i q = codes8<BITS>(row, c0 + i);
-    __m256 v;
-    if constexpr (FP4) {
-      const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
-      v = _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28))));
-    } else {
-      __m256 p = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(q));
-      asm("" : "+x"(p));
-      v = _mm256_add_ps(p, vb);
+    const __m256i q = codes8<4>(row, c0 + i);
+    const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)))));
+  }
+}
+
+/// Whether this CPU runs the AVX-512 decoder (16 codes a vector; NN_CPU_ISA=avx2 or generic turns
+/// it off with the GEMM's AVX-512 kernels).
+inline bool quant_avx512() {
+  static const bool yes = choose_isa(detect_cpu_features()) == Isa::avx512;
+  return yes;
+}
+
+/// Per lane i of 16: the bytes of code i (from byte i * BITS / 8) gathered into its dword, and
+/// the shift that brings the code to bit 0 (codes16's shuffle and shift, as constants).
+template <int BITS>
+struct Codes16Layout {
+  alignas(64) std::uint8_t shuffle[64];
+  alignas(64) std::uint32_t shift[16];
+  constexpr Codes16Layout() : shuffle(), shift() {
+    for (int i = 0; i < 16; ++i) {
+      const int byte = i * BITS / 8;
+      for (int k = 0; k < 4; ++k) shuffle[4 * i + k] = k < 2 && byte + k < 16 ? static_cast<std::uint8_t>(byte + k) : 0x80;
+      shift[i] = static_cast<std::uint32_t>(i * BITS % 8);
     }
-    _mm256_storeu_ps(out + i, v);
+  }
+};
+template <int BITS>
+inline constexpr Codes16Layout<BITS> kCodes16{};
+
+#define NN_QUANT_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+// The AVX-512 code below uses the zero-masked forms with every lane set (kAll16) where GCC 12's
+// plain intrinsics pass an _mm512_undefined_* operand, which -Wmaybe-uninitialized reports
+// wherever they are inlined (the same instructions; the GEMM's transposes do the same).
+inline constexpr __mmask16 kAll16 = 0xffff;
+
+/// Codes c .. c + 15 of one row's bit stream (c a multiple of 8) in sixteen int32 lanes. 4 and 8
+/// bits as in codes8; other widths: the 2 * BITS bytes that hold them (a masked load reads nothing
+/// past them) in every 128-bit lane, each code's two bytes shuffled into its lane, shifted down
+/// and masked.
+template <int BITS>
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m512i codes16(const std::uint8_t* row, std::uint64_t c) {
+  if constexpr (BITS == 8) {
+    return _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+  } else if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2)), nib = _mm_set1_epi8(0x0f);
+    return _mm512_maskz_cvtepu8_epi32(kAll16, _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib)));
+  } else {
+    const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (2 * BITS)) - 1), row + c / 8 * BITS);
+    const __m512i lanes = _mm512_maskz_shuffle_epi8(0xffffffffffffffffull, _mm512_maskz_broadcast_i32x4(kAll16, bytes),
+                                                    _mm512_load_si512(kCodes16<BITS>.shuffle));
+    return _mm512_and_si512(_mm512_maskz_srlv_epi32(kAll16, lanes, _mm512_load_si512(kCodes16<BITS>.shift)),
+                            _mm512_set1_epi32((1 << BITS) - 1));
+  }
+}
+
+/// A scale or bias of storage type SDT widened to float (affine_run's loads, the type fixed).
+template <DType SDT>
+[[gnu::always_inline]] inline float scale_f32(const void* p, std::int64_t i) {
+  if constexpr (SDT == DType::f32) return static_cast<const float*>(p)[i];
+  else if constexpr (SDT == DType::f64) return static_cast<float>(static_cast<const double*>(p)[i]);
+  else if constexpr (SDT == DType::bf16) return half::bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+  else return half::f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+}
+
+/// One affine value, round(s * q) + b, as dequantize() and MLX compute it (the product is kept
+/// out of an FMA).
+template <int BITS>
+[[gnu::always_inline]] inline float affine_value(const std::uint8_t* row, std::int64_t row_bytes, float s, float b,
+                                                 std::int64_t c) {
+  return rounded(s * static_cast<float>(QuantMath::code(row, c, BITS, row_bytes))) + b;
+}
+
+/// Values c .. gend of one group (scale s, bias b) into out, eight at a time from a multiple of 8,
+/// the rest one at a time; c and out advance. Shared by both vector widths of affine_run.
+template <int BITS>
+[[gnu::target("avx2"), gnu::always_inline]] inline void affine_run8(const std::uint8_t* row, std::int64_t row_bytes,
+                                                                   float s, float b, std::int64_t& c, std::int64_t gend,
+                                                                   float*& out) {
+  for (; c < gend && c % 8 != 0; ++c) *out++ = affine_value<BITS>(row, row_bytes, s, b, c);
+  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+  for (; c + 8 <= gend; c += 8, out += 8) {
+    __m256 p = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(codes8<BITS>(row, static_cast<std::uint64_t>(c))));
+    asm("" : "+x"(p));
+    _mm256_storeu_ps(out, _mm256_add_ps(p, vb));
+  }
+  for (; c < gend; ++c) *out++ = affine_value<BITS>(row, row_bytes, s, b, c);
+}
+
+/// out[0, n) = W[r, c0 .. c0 + n) of an affine matrix in float32 (row: row r's codes; scales and
+/// biases: row r's), the code width and the scales' storage fixed at compile time, so that a run
+/// over many groups pays for no dispatch per group: the AVX-512 form decodes 16 codes a vector
+/// (from a multiple of 8, after affine_run8's scalar head), the AVX2 form 8.
+template <int BITS, DType SDT>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_run_avx512(const std::uint8_t* row, std::int64_t row_bytes,
+                                                               const void* scales, const void* biases,
+                                                               std::int64_t group, std::int64_t c, std::int64_t n,
+                                                               float* out) {
+  const std::int64_t end = c + n;
+  for (std::int64_t g = c / group; c < end; ++g) {  // one division per run, none per group
+    const std::int64_t gend = std::min(end, (g + 1) * group);
+    const float s = scale_f32<SDT>(scales, g), b = scale_f32<SDT>(biases, g);
+    for (; c < gend && c % 8 != 0; ++c) *out++ = affine_value<BITS>(row, row_bytes, s, b, c);
+    const __m512 vs = _mm512_set1_ps(s), vb = _mm512_set1_ps(b);
+    for (; c + 16 <= gend; c += 16, out += 16) {
+      __m512 p = _mm512_mul_ps(vs, _mm512_maskz_cvtepi32_ps(kAll16, codes16<BITS>(row, static_cast<std::uint64_t>(c))));
+      asm("" : "+v"(p));
+      _mm512_storeu_ps(out, _mm512_add_ps(p, vb));
+    }
+    affine_run8<BITS>(row, row_bytes, s, b, c, gend, out);
+  }
+}
+template <int BITS, DType SDT>
+[[gnu::target("avx2")]] inline void affine_run_avx2(const std::uint8_t* row, std::int64_t row_bytes, const void* scales,
+                                                    const void* biases, std::int64_t group, std::int64_t c,
+                                                    std::int64_t n, float* out) {
+  const std::int64_t end = c + n;
+  for (std::int64_t g = c / group; c < end; ++g) {
+    const std::int64_t gend = std::min(end, (g + 1) * group);
+    affine_run8<BITS>(row, row_bytes, scale_f32<SDT>(scales, g), scale_f32<SDT>(biases, g), c, gend, out);
+  }
+}
+
+/// Calls f.template operator()<SDT>() for a scale storage type (f32, f64, bf16, f16).
+template <class F>
+inline decltype(auto) with_scale_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: return f.template operator()<DType::f32>();
+    case DType::f64: return f.template operator()<DType::f64>();
+    case DType::bf16: return f.template operator()<DType::bf16>();
+    default: return f.template operator()<DType::f16>();
   }
 }
 #endif
@@ -232,9 +366,25 @@ struct QuantReader {
     const std::uint8_t* row = codes + r * row_bytes;
     const std::int64_t end = c0 + n;
 #if defined(NN_QUANT_AVX2)
-    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time
-    // (every affine width, mxfp4 and nvfp4; mxfp8's E4M3 bytes take the scalar loop).
-    const bool wide = std::is_same_v<T, float> && stride == 1 && q.mode != QuantMode::mxfp8 && quant_avx2();
+    // affine float32 into a contiguous run (every GEMM packer and streamed product): one dispatch
+    // per call on the code width, the scales' type and the vector width, none per group.
+    if constexpr (std::is_same_v<T, float>) {
+      if (stride == 1 && q.mode == QuantMode::affine && quant_avx2()) {
+        const bool wide512 = quant_avx512();
+        const void* s = static_cast<const char*>(scales) + r * groups_per_row * dtype_size(sdt);
+        const void* b = static_cast<const char*>(biases) + r * groups_per_row * dtype_size(sdt);
+        with_code_bits(q.bits, [&]<int BITS>() {
+          with_scale_dtype(sdt, [&]<DType SDT>() {
+            if (wide512) affine_run_avx512<BITS, SDT>(row, row_bytes, s, b, q.group, c0, n, out);
+            else affine_run_avx2<BITS, SDT>(row, row_bytes, s, b, q.group, c0, n, out);
+          });
+        });
+        return;
+      }
+    }
+    // mxfp4 and nvfp4 float32 into a contiguous run: whole runs of 8 codes inside a group go
+    // eight at a time (mxfp8's E4M3 bytes take the scalar loop).
+    const bool wide = std::is_same_v<T, float> && stride == 1 && quant_fp(q.mode) && q.bits == 4 && quant_avx2();
 #endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
@@ -249,11 +399,7 @@ struct QuantReader {
       if (wide && c % 8 == 0 && gend - c >= 8) {
         if constexpr (std::is_same_v<T, float>) {
           const std::int64_t n8 = (gend - c) / 8 * 8;
-          if (fp4) decode8<4, true>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
-          else
-            with_code_bits(q.bits, [&]<int BITS>() {
-              decode8<BITS, false>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
-            });
+          decode8_e2m1(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, out);
           c += n8;
           out += n8;
         }
@@ -274,23 +420,6 @@ struct QuantReader {
     }
   }
 };
-
-/// The value stored as T's storage type: f32 as is, bf16/f16 rounded to nearest even.
-inline float round_to(DType t, float v) {
-  if (t == DType::bf16) return half::bf16_round(v);
-  if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(v));
-  return v;
-}
-
-/// Keeps the compiler from fusing a product into the next addition (an FMA rounds once; MLX's
-/// dequantize rounds the product, then the sum).
-template <class T>
-inline T rounded(T v) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
-  asm("" : "+x"(v));
-#endif
-  return v;
-}
 
 }  // namespace detail
 

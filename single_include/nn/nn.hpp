@@ -1785,6 +1785,23 @@ inline T widen_scale(const void* p, DType t, std::int64_t i) {
   }
 }
 
+/// The value stored as T's storage type: f32 as is, bf16/f16 rounded to nearest even.
+inline float round_to(DType t, float v) {
+  if (t == DType::bf16) return half::bf16_round(v);
+  if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(v));
+  return v;
+}
+
+/// Keeps the compiler from fusing a product into the next addition (an FMA rounds once; MLX's
+/// dequantize rounds the product, then the sum).
+template <class T>
+inline T rounded(T v) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__CUDACC__)
 #define NN_QUANT_AVX2 1
 /// Whether this CPU runs the AVX2 decoders below (checked once; NN_CPU_ISA=generic turns them off
@@ -1838,29 +1855,146 @@ inline decltype(auto) with_code_bits(int bits, F&& f) {
   }
 }
 
-/// out[0, n) = values c0 .. c0 + n of one row in float32, eight at a time (c0 and n multiples
-/// of 8, inside one group): affine codes (any width) as s * q + b, or mxfp4's / nvfp4's
-/// s * E2M1[q] (b unused). The same arithmetic as the scalar reader: the product is rounded before
-/// the bias is added (the empty asm keeps the compiler from fusing the two into an FMA), as MLX does.
-template <int BITS, bool FP4>
-[[gnu::target("avx2")]] inline void decode8(const std::uint8_t* row, std::uint64_t c0, std::uint64_t n, float s, float b,
-                                            float* out) {
-  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+/// out[0, n) = values c0 .. c0 + n of one row of mxfp4 or nvfp4 in float32, s * E2M1[q], eight
+/// at a time (c0 and n multiples of 8, inside one group). Affine runs go through affine_run_*.
+[[gnu::target("avx2")]] inline void decode8_e2m1(const std::uint8_t* row, std::uint64_t c0, std::uint64_t n, float s,
+                                                 float* out) {
+  const __m256 vs = _mm256_set1_ps(s);
   // E2M1 in two halves of 8 (codes 0-7 positive, 8-15 their negatives, 8 being -0).
   const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   for (std::uint64_t i = 0; i < n; i += 8) {
-    const __m256i q = codes8<BITS>(row, c0 + i);
-    __m256 v;
-    if constexpr (FP4) {
-      const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
-      v = _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28))));
-    } else {
-      __m256 p = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(q));
-      asm("" : "+x"(p));
-      v = _mm256_add_ps(p, vb);
+    const __m256i q = codes8<4>(row, c0 + i);
+    const __m256 lo = _mm256_permutevar8x32_ps(pos, q), hi = _mm256_permutevar8x32_ps(neg, q);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(vs, _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)))));
+  }
+}
+
+/// Whether this CPU runs the AVX-512 decoder (16 codes a vector; NN_CPU_ISA=avx2 or generic turns
+/// it off with the GEMM's AVX-512 kernels).
+inline bool quant_avx512() {
+  static const bool yes = choose_isa(detect_cpu_features()) == Isa::avx512;
+  return yes;
+}
+
+/// Per lane i of 16: the bytes of code i (from byte i * BITS / 8) gathered into its dword, and
+/// the shift that brings the code to bit 0 (codes16's shuffle and shift, as constants).
+template <int BITS>
+struct Codes16Layout {
+  alignas(64) std::uint8_t shuffle[64];
+  alignas(64) std::uint32_t shift[16];
+  constexpr Codes16Layout() : shuffle(), shift() {
+    for (int i = 0; i < 16; ++i) {
+      const int byte = i * BITS / 8;
+      for (int k = 0; k < 4; ++k) shuffle[4 * i + k] = k < 2 && byte + k < 16 ? static_cast<std::uint8_t>(byte + k) : 0x80;
+      shift[i] = static_cast<std::uint32_t>(i * BITS % 8);
     }
-    _mm256_storeu_ps(out + i, v);
+  }
+};
+template <int BITS>
+inline constexpr Codes16Layout<BITS> kCodes16{};
+
+#define NN_QUANT_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+// The AVX-512 code below uses the zero-masked forms with every lane set (kAll16) where GCC 12's
+// plain intrinsics pass an _mm512_undefined_* operand, which -Wmaybe-uninitialized reports
+// wherever they are inlined (the same instructions; the GEMM's transposes do the same).
+inline constexpr __mmask16 kAll16 = 0xffff;
+
+/// Codes c .. c + 15 of one row's bit stream (c a multiple of 8) in sixteen int32 lanes. 4 and 8
+/// bits as in codes8; other widths: the 2 * BITS bytes that hold them (a masked load reads nothing
+/// past them) in every 128-bit lane, each code's two bytes shuffled into its lane, shifted down
+/// and masked.
+template <int BITS>
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m512i codes16(const std::uint8_t* row, std::uint64_t c) {
+  if constexpr (BITS == 8) {
+    return _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+  } else if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2)), nib = _mm_set1_epi8(0x0f);
+    return _mm512_maskz_cvtepu8_epi32(kAll16, _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib)));
+  } else {
+    const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (2 * BITS)) - 1), row + c / 8 * BITS);
+    const __m512i lanes = _mm512_maskz_shuffle_epi8(0xffffffffffffffffull, _mm512_maskz_broadcast_i32x4(kAll16, bytes),
+                                                    _mm512_load_si512(kCodes16<BITS>.shuffle));
+    return _mm512_and_si512(_mm512_maskz_srlv_epi32(kAll16, lanes, _mm512_load_si512(kCodes16<BITS>.shift)),
+                            _mm512_set1_epi32((1 << BITS) - 1));
+  }
+}
+
+/// A scale or bias of storage type SDT widened to float (affine_run's loads, the type fixed).
+template <DType SDT>
+[[gnu::always_inline]] inline float scale_f32(const void* p, std::int64_t i) {
+  if constexpr (SDT == DType::f32) return static_cast<const float*>(p)[i];
+  else if constexpr (SDT == DType::f64) return static_cast<float>(static_cast<const double*>(p)[i]);
+  else if constexpr (SDT == DType::bf16) return half::bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+  else return half::f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+}
+
+/// One affine value, round(s * q) + b, as dequantize() and MLX compute it (the product is kept
+/// out of an FMA).
+template <int BITS>
+[[gnu::always_inline]] inline float affine_value(const std::uint8_t* row, std::int64_t row_bytes, float s, float b,
+                                                 std::int64_t c) {
+  return rounded(s * static_cast<float>(QuantMath::code(row, c, BITS, row_bytes))) + b;
+}
+
+/// Values c .. gend of one group (scale s, bias b) into out, eight at a time from a multiple of 8,
+/// the rest one at a time; c and out advance. Shared by both vector widths of affine_run.
+template <int BITS>
+[[gnu::target("avx2"), gnu::always_inline]] inline void affine_run8(const std::uint8_t* row, std::int64_t row_bytes,
+                                                                   float s, float b, std::int64_t& c, std::int64_t gend,
+                                                                   float*& out) {
+  for (; c < gend && c % 8 != 0; ++c) *out++ = affine_value<BITS>(row, row_bytes, s, b, c);
+  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+  for (; c + 8 <= gend; c += 8, out += 8) {
+    __m256 p = _mm256_mul_ps(vs, _mm256_cvtepi32_ps(codes8<BITS>(row, static_cast<std::uint64_t>(c))));
+    asm("" : "+x"(p));
+    _mm256_storeu_ps(out, _mm256_add_ps(p, vb));
+  }
+  for (; c < gend; ++c) *out++ = affine_value<BITS>(row, row_bytes, s, b, c);
+}
+
+/// out[0, n) = W[r, c0 .. c0 + n) of an affine matrix in float32 (row: row r's codes; scales and
+/// biases: row r's), the code width and the scales' storage fixed at compile time, so that a run
+/// over many groups pays for no dispatch per group: the AVX-512 form decodes 16 codes a vector
+/// (from a multiple of 8, after affine_run8's scalar head), the AVX2 form 8.
+template <int BITS, DType SDT>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_run_avx512(const std::uint8_t* row, std::int64_t row_bytes,
+                                                               const void* scales, const void* biases,
+                                                               std::int64_t group, std::int64_t c, std::int64_t n,
+                                                               float* out) {
+  const std::int64_t end = c + n;
+  for (std::int64_t g = c / group; c < end; ++g) {  // one division per run, none per group
+    const std::int64_t gend = std::min(end, (g + 1) * group);
+    const float s = scale_f32<SDT>(scales, g), b = scale_f32<SDT>(biases, g);
+    for (; c < gend && c % 8 != 0; ++c) *out++ = affine_value<BITS>(row, row_bytes, s, b, c);
+    const __m512 vs = _mm512_set1_ps(s), vb = _mm512_set1_ps(b);
+    for (; c + 16 <= gend; c += 16, out += 16) {
+      __m512 p = _mm512_mul_ps(vs, _mm512_maskz_cvtepi32_ps(kAll16, codes16<BITS>(row, static_cast<std::uint64_t>(c))));
+      asm("" : "+v"(p));
+      _mm512_storeu_ps(out, _mm512_add_ps(p, vb));
+    }
+    affine_run8<BITS>(row, row_bytes, s, b, c, gend, out);
+  }
+}
+template <int BITS, DType SDT>
+[[gnu::target("avx2")]] inline void affine_run_avx2(const std::uint8_t* row, std::int64_t row_bytes, const void* scales,
+                                                    const void* biases, std::int64_t group, std::int64_t c,
+                                                    std::int64_t n, float* out) {
+  const std::int64_t end = c + n;
+  for (std::int64_t g = c / group; c < end; ++g) {
+    const std::int64_t gend = std::min(end, (g + 1) * group);
+    affine_run8<BITS>(row, row_bytes, scale_f32<SDT>(scales, g), scale_f32<SDT>(biases, g), c, gend, out);
+  }
+}
+
+/// Calls f.template operator()<SDT>() for a scale storage type (f32, f64, bf16, f16).
+template <class F>
+inline decltype(auto) with_scale_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: return f.template operator()<DType::f32>();
+    case DType::f64: return f.template operator()<DType::f64>();
+    case DType::bf16: return f.template operator()<DType::bf16>();
+    default: return f.template operator()<DType::f16>();
   }
 }
 #endif
@@ -1891,9 +2025,25 @@ struct QuantReader {
     const std::uint8_t* row = codes + r * row_bytes;
     const std::int64_t end = c0 + n;
 #if defined(NN_QUANT_AVX2)
-    // float32 into a contiguous run: whole runs of 8 codes inside a group go eight at a time
-    // (every affine width, mxfp4 and nvfp4; mxfp8's E4M3 bytes take the scalar loop).
-    const bool wide = std::is_same_v<T, float> && stride == 1 && q.mode != QuantMode::mxfp8 && quant_avx2();
+    // affine float32 into a contiguous run (every GEMM packer and streamed product): one dispatch
+    // per call on the code width, the scales' type and the vector width, none per group.
+    if constexpr (std::is_same_v<T, float>) {
+      if (stride == 1 && q.mode == QuantMode::affine && quant_avx2()) {
+        const bool wide512 = quant_avx512();
+        const void* s = static_cast<const char*>(scales) + r * groups_per_row * dtype_size(sdt);
+        const void* b = static_cast<const char*>(biases) + r * groups_per_row * dtype_size(sdt);
+        with_code_bits(q.bits, [&]<int BITS>() {
+          with_scale_dtype(sdt, [&]<DType SDT>() {
+            if (wide512) affine_run_avx512<BITS, SDT>(row, row_bytes, s, b, q.group, c0, n, out);
+            else affine_run_avx2<BITS, SDT>(row, row_bytes, s, b, q.group, c0, n, out);
+          });
+        });
+        return;
+      }
+    }
+    // mxfp4 and nvfp4 float32 into a contiguous run: whole runs of 8 codes inside a group go
+    // eight at a time (mxfp8's E4M3 bytes take the scalar loop).
+    const bool wide = std::is_same_v<T, float> && stride == 1 && quant_fp(q.mode) && q.bits == 4 && quant_avx2();
 #endif
     for (std::int64_t c = c0; c < end;) {
       const std::int64_t g = c / q.group, gend = std::min(end, (g + 1) * q.group);
@@ -1908,11 +2058,7 @@ struct QuantReader {
       if (wide && c % 8 == 0 && gend - c >= 8) {
         if constexpr (std::is_same_v<T, float>) {
           const std::int64_t n8 = (gend - c) / 8 * 8;
-          if (fp4) decode8<4, true>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
-          else
-            with_code_bits(q.bits, [&]<int BITS>() {
-              decode8<BITS, false>(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, b, out);
-            });
+          decode8_e2m1(row, static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(n8), s, out);
           c += n8;
           out += n8;
         }
@@ -1933,23 +2079,6 @@ struct QuantReader {
     }
   }
 };
-
-/// The value stored as T's storage type: f32 as is, bf16/f16 rounded to nearest even.
-inline float round_to(DType t, float v) {
-  if (t == DType::bf16) return half::bf16_round(v);
-  if (t == DType::f16) return half::f16_to_f32(half::f32_to_f16(v));
-  return v;
-}
-
-/// Keeps the compiler from fusing a product into the next addition (an FMA rounds once; MLX's
-/// dequantize rounds the product, then the sum).
-template <class T>
-inline T rounded(T v) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
-  asm("" : "+x"(v));
-#endif
-  return v;
-}
 
 }  // namespace detail
 
@@ -3548,13 +3677,14 @@ inline bool pack_avx512() {
 /// Linear's weight as op(B) = W^T, activations as op(A)) is this transpose. Element by element it
 /// took 12% of the main job's LoRA step (perf); a 576 x 576 weight in L2 packs at 0.34 ns per
 /// element that way, 0.24 this way, against 0.15 for a plain copy (Xeon model 207).
-[[gnu::target("avx512f")]] inline void transpose16(const float* src, index ld, int n, float* dst, index L) {
+/// transpose16 from registers: line l of the block is r[l] (lines past n are not stored). The
+/// quantized packer decodes its lines straight into r.
+[[gnu::target("avx512f"), gnu::always_inline]] inline void transpose16_store(const __m512 (&r)[16], int n, float* dst,
+                                                                           index L) {
   // the all-lanes zero-masked forms: GCC 12's plain ones read an undefined register (-Wuninitialized)
   constexpr __mmask16 all16 = 0xFFFF;
   constexpr __mmask8 all8 = 0xFF;
-  __m512 r[16], t[16], u[16];
-  NN_GEMM_UNROLL(16)
-  for (int l = 0; l < 16; ++l) r[l] = l < n ? _mm512_loadu_ps(src + l * ld) : _mm512_setzero_ps();
+  __m512 t[16], u[16];
   // within each 128-bit lane q: t pairs lines (depths 4q..4q+3), u gathers 4 lines per depth
   NN_GEMM_UNROLL(8)
   for (int p = 0; p < 8; ++p) {
@@ -3586,6 +3716,12 @@ inline bool pack_avx512() {
 #undef NN_EVEN_LANES
 #undef NN_ODD_LANES
   }
+}
+[[gnu::target("avx512f")]] inline void transpose16(const float* src, index ld, int n, float* dst, index L) {
+  __m512 r[16];
+  NN_GEMM_UNROLL(16)
+  for (int l = 0; l < 16; ++l) r[l] = l < n ? _mm512_loadu_ps(src + l * ld) : _mm512_setzero_ps();
+  transpose16_store(r, n, dst, L);
 }
 #endif
 
@@ -6027,6 +6163,43 @@ namespace nn {
 #if defined(NN_OWN_GEMM)
 namespace gemm {
 
+#if defined(NN_QUANT_AVX2) && (defined(__x86_64__) || defined(__i386__))
+/// A panel of op(B) = W^T (x @ W^T) from an affine float32 W, on AVX-512: lines j .. j + n of W
+/// (n <= NR; the panel's columns, zero past n) over depths k0 .. k0 + kc (a multiple of 16, whole
+/// 16-code steps of a group), 16 lines x 16 depths at a time decoded into registers (codes16, the
+/// values round(s * q) + b as everywhere) and transposed there (gemm::transpose16_store): the
+/// values never pass through memory before the panel.
+template <int NR, int BITS, DType SDT>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_pack_transposed(const detail::QuantReader<float>& rd, index j, index n,
+                                                                    index k0, index kc, float* dst) {
+  static_assert(NR % 16 == 0);
+  const std::size_t sw = dtype_size(SDT);
+  for (int l0 = 0; l0 < NR; l0 += 16) {
+    const int lines = static_cast<int>(std::clamp<index>(n - l0, 0, 16));
+    for (index k = 0; k < kc; k += 16) {
+      const index g = (k0 + k) / rd.q.group;
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; ++l) {
+        if (l < lines) {
+          const index row = j + l0 + l, si = row * rd.groups_per_row + g;
+          const float s = detail::scale_f32<SDT>(static_cast<const char*>(rd.scales) + si * sw, 0);
+          const float b = detail::scale_f32<SDT>(static_cast<const char*>(rd.biases) + si * sw, 0);
+          __m512 p = _mm512_mul_ps(_mm512_set1_ps(s), _mm512_maskz_cvtepi32_ps(detail::kAll16, detail::codes16<BITS>(
+                                                                                   rd.codes + row * rd.row_bytes,
+                                                                                   static_cast<std::uint64_t>(k0 + k))));
+          asm("" : "+v"(p));
+          r[l] = _mm512_add_ps(p, _mm512_set1_ps(b));
+        } else {
+          r[l] = _mm512_setzero_ps();
+        }
+      }
+      transpose16_store(r, 16, dst + k * NR + l0, NR);
+    }
+  }
+}
+#endif
+
 /// The B packer (DensePackB's contract) of a quantized matrix W read through `rd`: op(B)(k, j) =
 /// W[j0 + j][k] when trans (x @ W^T, a Linear's weight: each panel column is a run of one row of
 /// W), else W[k][j0 + j] (each panel depth is a run of one row). Zero past the edge.
@@ -6040,6 +6213,35 @@ struct QuantPackB {
     // transposing the runs (pack_panel: 16 x 16 in registers) beats writing the decoded values
     // NR apart, and lets the decoder run eight codes at a time.
     alignas(64) static thread_local unsigned char rows_buf[49152];
+    if (!trans && sizeof(T) * static_cast<std::size_t>(nc) <= sizeof(rows_buf)) {
+      // each depth is a run of one row of W over the block's columns: decoded in one call (one
+      // dispatch, whole vectors), then cut into the NR-wide panels
+      T* run = reinterpret_cast<T*>(rows_buf);
+      for (index k = 0; k < kc; ++k) {
+        rd->run(k0 + k, j_off + j0, nc, run, 1);
+        for (index q = 0; q < nc; q += NR) {
+          const index cols = std::min<index>(NR, nc - q);
+          T* to = dst + q * kc + k * NR;  // panel q / NR starts q * kc values in
+          std::copy_n(run + q, cols, to);
+          std::fill(to + cols, to + NR, T(0));
+        }
+      }
+      return;
+    }
+#if defined(NN_QUANT_AVX2) && (defined(__x86_64__) || defined(__i386__))
+    if constexpr (std::is_same_v<T, float> && NR % 16 == 0) {
+      if (trans && kc % 16 == 0 && rd->q.mode == QuantMode::affine && rd->q.group % 16 == 0 && detail::quant_avx512()) {
+        detail::with_code_bits(rd->q.bits, [&]<int BITS>() {
+          detail::with_scale_dtype(rd->sdt, [&]<DType SDT>() {
+            for (index q = 0; q < nc; q += NR)
+              affine_pack_transposed<NR, BITS, SDT>(*rd, j_off + j0 + q, std::min<index>(NR, nc - q), k0, kc,
+                                                    dst + q * kc);
+          });
+        });
+        return;
+      }
+    }
+#endif
     const bool staged = trans && sizeof(T) * static_cast<std::size_t>(NR * kc) <= sizeof(rows_buf);
     for (index q = 0; q < nc; q += NR, dst += kc * NR) {
       const index cols = std::min<index>(NR, nc - q), j = j_off + j0 + q;
@@ -6175,7 +6377,94 @@ template <int M, int BITS>
   }
 }
 
-/// affine_dot_rows for M = 1..4 rows; false where it does not apply (another format or dtype, a
+/// affine_dot_rows on AVX-512: the same factored sums, 16 codes a vector, and J columns of y at
+/// once (each load of x serves J rows of W; J * M chains hide the FMA's latency). 4-bit codes go
+/// 32 a step without being put in order: a 16-byte load widened to 16 lanes holds codes 2i in its
+/// low nibbles and 2i + 1 in its high ones, so x is read as XP, each 32 values of x reordered
+/// once per call into their even then odd positions (a group of 4-bit codes is a multiple of 32).
+template <int M, int J, int BITS>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_dot_rows512(const QuantReader<float>& rd, const float* XP,
+                                                                const float* xsum, float* Y, std::int64_t N,
+                                                                std::int64_t K, std::int64_t n0, std::int64_t n1,
+                                                                bool acc) {
+  constexpr std::int64_t step = BITS == 4 ? 32 : 16;
+  const std::int64_t G = rd.q.group, groups = K / G;
+  for (std::int64_t j = n0; j + J <= n1; j += J) {
+    __m512 tot[J][M];
+    float bias[J][M];
+#pragma GCC unroll 4
+    for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) tot[u][m] = _mm512_setzero_ps(), bias[u][m] = 0.0f;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      __m512 a[J][M];
+#pragma GCC unroll 4
+      for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) a[u][m] = _mm512_setzero_ps();
+      for (std::int64_t c = g * G; c < (g + 1) * G; c += step) {
+        if constexpr (BITS == 4) {
+          __m512 x0[M], x1[M];
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) x0[m] = _mm512_loadu_ps(XP + m * K + c), x1[m] = _mm512_loadu_ps(XP + m * K + c + 16);
+#pragma GCC unroll 4
+          for (int u = 0; u < J; ++u) {
+            const __m512i b = _mm512_maskz_cvtepu8_epi32(
+                kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rd.codes + (j + u) * rd.row_bytes + c / 2)));
+            const __m512 lo = _mm512_maskz_cvtepi32_ps(kAll16, _mm512_and_si512(b, _mm512_set1_epi32(15)));
+            const __m512 hi = _mm512_maskz_cvtepi32_ps(kAll16, _mm512_maskz_srli_epi32(kAll16, b, 4));
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) a[u][m] = _mm512_fmadd_ps(hi, x1[m], _mm512_fmadd_ps(lo, x0[m], a[u][m]));
+          }
+        } else {
+          __m512 x0[M];
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) x0[m] = _mm512_loadu_ps(XP + m * K + c);
+#pragma GCC unroll 4
+          for (int u = 0; u < J; ++u) {
+            const __m512 qv =
+                _mm512_maskz_cvtepi32_ps(kAll16, codes16<BITS>(rd.codes + (j + u) * rd.row_bytes, static_cast<std::uint64_t>(c)));
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) a[u][m] = _mm512_fmadd_ps(qv, x0[m], a[u][m]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int u = 0; u < J; ++u) {
+        const std::int64_t si = (j + u) * rd.groups_per_row + g;
+        const __m512 sv = _mm512_set1_ps(widen_scale<float>(rd.scales, rd.sdt, si));
+        const float b = widen_scale<float>(rd.biases, rd.sdt, si);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          tot[u][m] = _mm512_fmadd_ps(sv, a[u][m], tot[u][m]);
+          bias[u][m] += b * xsum[m * groups + g];
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        alignas(64) float l[16];  // a fixed tree (GCC's _mm512_reduce_add_ps: see kAll16)
+        _mm512_store_ps(l, tot[u][m]);
+        float h[8];
+        for (int i = 0; i < 8; ++i) h[i] = l[i] + l[i + 8];
+        const float v = (((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]))) + bias[u][m];
+        float& y = Y[m * N + j + u];
+        y = acc ? y + v : v;
+      }
+  }
+}
+
+/// Whether affine_dot_rows512 serves rd: an affine matrix on a CPU that runs the AVX-512 decoder,
+/// its groups whole steps of the kernel.
+template <class T>
+inline bool affine_dot_rows512_applies(const QuantReader<T>& rd) {
+  return std::is_same_v<T, float> && rd.q.mode == QuantMode::affine && quant_avx512() &&
+         rd.q.group % (rd.q.bits == 4 ? 32 : 16) == 0;
+}
+
+/// affine_dot_rows for M = 1..4 rows (1..8 on AVX-512); false where it does not apply (another format or dtype, a
 /// CPU without AVX2, a group that is not a multiple of 8 codes, more rows).
 template <class T>
 inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N,
@@ -6183,7 +6472,8 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
   if constexpr (!std::is_same_v<T, float>) {
     return false;
   } else {
-    if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || M > 4 || K > 8192 || !quant_avx2()) return false;
+    if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || K > 8192 || !quant_avx2()) return false;
+    if (M > (affine_dot_rows512_applies(rd) ? 8 : 4)) return false;
     const std::int64_t groups = K / rd.q.group;
     alignas(64) static thread_local float xsum[4 * 1024];  // K <= 8192 and groups >= 8 codes
     for (std::int64_t m = 0; m < M; ++m)
@@ -6192,6 +6482,34 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
         for (std::int64_t k = g * rd.q.group; k < (g + 1) * rd.q.group; ++k) t += X[m * K + k];
         xsum[m * groups + g] = t;
       }
+    if (affine_dot_rows512_applies(rd)) {
+      if (M > 4) {  // 5-8 rows: two passes over W (each still cheaper than packing it for the GEMM)
+        affine_dot_rows_any(rd, X, Y, 4, N, K, n0, n1, acc);
+        return affine_dot_rows_any(rd, X + 4 * K, Y + 4 * N, M - 4, N, K, n0, n1, acc);
+      }
+      const float* XP = X;
+      if (rd.q.bits == 4) {  // x's 32-value blocks in even-then-odd order (affine_dot_rows512)
+        alignas(64) static thread_local float xp[4 * 8192];
+        for (std::int64_t i = 0; i < M * K; i += 32)
+          for (int l = 0; l < 16; ++l) xp[i + l] = X[i + 2 * l], xp[i + 16 + l] = X[i + 2 * l + 1];
+        XP = xp;
+      }
+      with_code_bits(rd.q.bits, [&]<int BITS>() {
+        // J columns of y at a time while they last (fewer rows: more columns), then one
+        const auto run = [&]<int MM, int J>() {
+          const std::int64_t n_j = n0 + (n1 - n0) / J * J;
+          affine_dot_rows512<MM, J, BITS>(rd, XP, xsum, Y, N, K, n0, n_j, acc);
+          if constexpr (J > 1) affine_dot_rows512<MM, 1, BITS>(rd, XP, xsum, Y, N, K, n_j, n1, acc);
+        };
+        switch (M) {
+          case 1: run.template operator()<1, 4>(); break;
+          case 2: run.template operator()<2, 2>(); break;
+          case 3: run.template operator()<3, 2>(); break;
+          default: run.template operator()<4, 2>(); break;
+        }
+      });
+      return true;
+    }
     with_code_bits(rd.q.bits, [&]<int BITS>() {
       switch (M) {
         case 1: affine_dot_rows<1, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
@@ -6249,8 +6567,9 @@ namespace cpu_kernels {
 template <class = void>
 struct QuantizedKernelsT {
   /// Up to this many rows of x, products stream W once (detail::quantized_rows) instead of
-  /// packing it for the GEMM: x @ W^T computes a dot product per output, x @ W an axpy per
-  /// depth, which holds its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
+  /// packing it for the GEMM: x @ W^T computes a dot product per output (up to twice as many
+  /// rows where the AVX-512 factored dot serves the matrix), x @ W an axpy per depth, which holds
+  /// its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
   static constexpr std::int64_t kFewRows = 4, kFewRowsAxpy = 8;
 
   /// y (M, N) (+)= x (M, K) @ op(W): W^T when a.transpose (W (N, K)), else W (K, N); W given
@@ -6265,7 +6584,12 @@ struct QuantizedKernelsT {
       T* Y = y.data<T>();
       if (M == 0 || N == 0) return;
 #if defined(NN_OWN_GEMM)
-      if (a.transpose ? M <= kFewRows && K <= 8192 : M <= kFewRowsAxpy) {
+#if defined(NN_QUANT_AVX2)
+      const std::int64_t dot_rows = detail::affine_dot_rows512_applies(rd) ? 2 * kFewRows : kFewRows;
+#else
+      const std::int64_t dot_rows = kFewRows;
+#endif
+      if (a.transpose ? M <= dot_rows && K <= 8192 : M <= kFewRowsAxpy) {
         const int threads = gemm::team_threads(M, N, K);
         if (threads > 1)
           gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {

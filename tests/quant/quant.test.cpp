@@ -191,18 +191,50 @@ TEST_CASE("the vector decoder equals the scalar one and MLX's dequantize, bit fo
   }
 }
 
+TEST_CASE("the float32 reader with bfloat16, float16 and float64 scales: the vector runs equal the scalar loop") {
+  // dequantize() rounds to the scales' dtype, QuantReader<float> computes in float32: here the
+  // contiguous runs (decoded 16 or 8 codes a vector, the scales' type fixed at compile time) are
+  // held to the strided runs (one value at a time) of the same reader, bit for bit.
+  for (const DType dt : {DType::bf16, DType::f16, DType::f64}) {
+    for (const Quant q : {Quant::affine(32, 4), Quant::affine(64, 8), Quant::affine(16, 6), Quant::affine(32, 5),
+                          Quant::affine(128, 3), Quant::affine(64, 2)}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(q.group);
+      CAPTURE(q.bits);
+      const QuantizedMatrix m = quantize(nn::test::random_tensor(Shape{3, 384}, DType::f32, 9, -2, 2).to(dt), q);
+      REQUIRE(m.scales.dtype() == dt);
+      const detail::QuantReader<float> rd(m.weight, m.scales, m.biases, q);
+      for (const auto& [c0, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 384}, {5, 370}, {16, 47}, {96, 33}}) {
+        for (std::int64_t r = 0; r < 3; ++r) {
+          std::vector<float> fast(static_cast<std::size_t>(n)), slow(static_cast<std::size_t>(2 * n));
+          rd.run(r, c0, n, fast.data(), 1);
+          rd.run(r, c0, n, slow.data(), 2);
+          int diffs = 0;
+          for (std::int64_t i = 0; i < n; ++i)
+            diffs += std::memcmp(&fast[static_cast<std::size_t>(i)], &slow[static_cast<std::size_t>(2 * i)], 4) != 0;
+          CHECK_MESSAGE(diffs == 0, "row " << r << " from " << c0 << " for " << n);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("quantized_matmul on few rows (streamed W) and many (packed W) equals float64 dequantize-then-matmul") {
   // The 1-8 row products stream W (a dot per output for x @ W^T, an axpy per depth for x @ W);
   // more rows pack it for the GEMM. Both against the float64 product of the dequantized matrix.
+  // 1-8 rows of x @ W^T take the factored dot (AVX-512: J columns at a time, 4-bit codes in
+  // even/odd order, 5-8 rows in two passes; AVX2: 1-4 rows); 203 columns leave ragged J tails,
+  // and 4-bit groups of 16 are not whole steps of the AVX-512 kernel (the AVX2 one serves them).
   for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::mxfp4(), Quant::affine(32, 2), Quant::mxfp8(),
-                        Quant::nvfp4(), Quant::affine(32, 5), Quant::affine(16, 6), Quant::affine(64, 3)}) {
+                        Quant::nvfp4(), Quant::affine(32, 5), Quant::affine(16, 6), Quant::affine(64, 3),
+                        Quant::affine(32, 4), Quant::affine(16, 4)}) {
     for (const bool transpose : {true, false}) {
-      for (const std::int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
+      for (const std::int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 40}) {
         CAPTURE(quant_mode_name(q.mode));
         CAPTURE(q.bits);
         CAPTURE(transpose);
         CAPTURE(M);
-        const std::int64_t rows = 200, cols = 448;  // N ragged against the 32-column splits
+        const std::int64_t rows = 203, cols = 448;  // N ragged against the 32-column splits and J
         const Tensor raw = nn::test::random_tensor(Shape{rows, cols}, DType::f32, 5 + static_cast<std::uint64_t>(M), -2, 2);
         const QuantizedMatrix m = quantize(raw, q);
         const Tensor w64 = dequantize(m).to(DType::f64);

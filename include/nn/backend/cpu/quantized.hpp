@@ -13,6 +13,43 @@ namespace nn {
 #if defined(NN_OWN_GEMM)
 namespace gemm {
 
+#if defined(NN_QUANT_AVX2) && (defined(__x86_64__) || defined(__i386__))
+/// A panel of op(B) = W^T (x @ W^T) from an affine float32 W, on AVX-512: lines j .. j + n of W
+/// (n <= NR; the panel's columns, zero past n) over depths k0 .. k0 + kc (a multiple of 16, whole
+/// 16-code steps of a group), 16 lines x 16 depths at a time decoded into registers (codes16, the
+/// values round(s * q) + b as everywhere) and transposed there (gemm::transpose16_store): the
+/// values never pass through memory before the panel.
+template <int NR, int BITS, DType SDT>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_pack_transposed(const detail::QuantReader<float>& rd, index j, index n,
+                                                                    index k0, index kc, float* dst) {
+  static_assert(NR % 16 == 0);
+  const std::size_t sw = dtype_size(SDT);
+  for (int l0 = 0; l0 < NR; l0 += 16) {
+    const int lines = static_cast<int>(std::clamp<index>(n - l0, 0, 16));
+    for (index k = 0; k < kc; k += 16) {
+      const index g = (k0 + k) / rd.q.group;
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; ++l) {
+        if (l < lines) {
+          const index row = j + l0 + l, si = row * rd.groups_per_row + g;
+          const float s = detail::scale_f32<SDT>(static_cast<const char*>(rd.scales) + si * sw, 0);
+          const float b = detail::scale_f32<SDT>(static_cast<const char*>(rd.biases) + si * sw, 0);
+          __m512 p = _mm512_mul_ps(_mm512_set1_ps(s), _mm512_maskz_cvtepi32_ps(detail::kAll16, detail::codes16<BITS>(
+                                                                                   rd.codes + row * rd.row_bytes,
+                                                                                   static_cast<std::uint64_t>(k0 + k))));
+          asm("" : "+v"(p));
+          r[l] = _mm512_add_ps(p, _mm512_set1_ps(b));
+        } else {
+          r[l] = _mm512_setzero_ps();
+        }
+      }
+      transpose16_store(r, 16, dst + k * NR + l0, NR);
+    }
+  }
+}
+#endif
+
 /// The B packer (DensePackB's contract) of a quantized matrix W read through `rd`: op(B)(k, j) =
 /// W[j0 + j][k] when trans (x @ W^T, a Linear's weight: each panel column is a run of one row of
 /// W), else W[k][j0 + j] (each panel depth is a run of one row). Zero past the edge.
@@ -26,6 +63,35 @@ struct QuantPackB {
     // transposing the runs (pack_panel: 16 x 16 in registers) beats writing the decoded values
     // NR apart, and lets the decoder run eight codes at a time.
     alignas(64) static thread_local unsigned char rows_buf[49152];
+    if (!trans && sizeof(T) * static_cast<std::size_t>(nc) <= sizeof(rows_buf)) {
+      // each depth is a run of one row of W over the block's columns: decoded in one call (one
+      // dispatch, whole vectors), then cut into the NR-wide panels
+      T* run = reinterpret_cast<T*>(rows_buf);
+      for (index k = 0; k < kc; ++k) {
+        rd->run(k0 + k, j_off + j0, nc, run, 1);
+        for (index q = 0; q < nc; q += NR) {
+          const index cols = std::min<index>(NR, nc - q);
+          T* to = dst + q * kc + k * NR;  // panel q / NR starts q * kc values in
+          std::copy_n(run + q, cols, to);
+          std::fill(to + cols, to + NR, T(0));
+        }
+      }
+      return;
+    }
+#if defined(NN_QUANT_AVX2) && (defined(__x86_64__) || defined(__i386__))
+    if constexpr (std::is_same_v<T, float> && NR % 16 == 0) {
+      if (trans && kc % 16 == 0 && rd->q.mode == QuantMode::affine && rd->q.group % 16 == 0 && detail::quant_avx512()) {
+        detail::with_code_bits(rd->q.bits, [&]<int BITS>() {
+          detail::with_scale_dtype(rd->sdt, [&]<DType SDT>() {
+            for (index q = 0; q < nc; q += NR)
+              affine_pack_transposed<NR, BITS, SDT>(*rd, j_off + j0 + q, std::min<index>(NR, nc - q), k0, kc,
+                                                    dst + q * kc);
+          });
+        });
+        return;
+      }
+    }
+#endif
     const bool staged = trans && sizeof(T) * static_cast<std::size_t>(NR * kc) <= sizeof(rows_buf);
     for (index q = 0; q < nc; q += NR, dst += kc * NR) {
       const index cols = std::min<index>(NR, nc - q), j = j_off + j0 + q;
@@ -161,7 +227,94 @@ template <int M, int BITS>
   }
 }
 
-/// affine_dot_rows for M = 1..4 rows; false where it does not apply (another format or dtype, a
+/// affine_dot_rows on AVX-512: the same factored sums, 16 codes a vector, and J columns of y at
+/// once (each load of x serves J rows of W; J * M chains hide the FMA's latency). 4-bit codes go
+/// 32 a step without being put in order: a 16-byte load widened to 16 lanes holds codes 2i in its
+/// low nibbles and 2i + 1 in its high ones, so x is read as XP, each 32 values of x reordered
+/// once per call into their even then odd positions (a group of 4-bit codes is a multiple of 32).
+template <int M, int J, int BITS>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_dot_rows512(const QuantReader<float>& rd, const float* XP,
+                                                                const float* xsum, float* Y, std::int64_t N,
+                                                                std::int64_t K, std::int64_t n0, std::int64_t n1,
+                                                                bool acc) {
+  constexpr std::int64_t step = BITS == 4 ? 32 : 16;
+  const std::int64_t G = rd.q.group, groups = K / G;
+  for (std::int64_t j = n0; j + J <= n1; j += J) {
+    __m512 tot[J][M];
+    float bias[J][M];
+#pragma GCC unroll 4
+    for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) tot[u][m] = _mm512_setzero_ps(), bias[u][m] = 0.0f;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      __m512 a[J][M];
+#pragma GCC unroll 4
+      for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) a[u][m] = _mm512_setzero_ps();
+      for (std::int64_t c = g * G; c < (g + 1) * G; c += step) {
+        if constexpr (BITS == 4) {
+          __m512 x0[M], x1[M];
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) x0[m] = _mm512_loadu_ps(XP + m * K + c), x1[m] = _mm512_loadu_ps(XP + m * K + c + 16);
+#pragma GCC unroll 4
+          for (int u = 0; u < J; ++u) {
+            const __m512i b = _mm512_maskz_cvtepu8_epi32(
+                kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rd.codes + (j + u) * rd.row_bytes + c / 2)));
+            const __m512 lo = _mm512_maskz_cvtepi32_ps(kAll16, _mm512_and_si512(b, _mm512_set1_epi32(15)));
+            const __m512 hi = _mm512_maskz_cvtepi32_ps(kAll16, _mm512_maskz_srli_epi32(kAll16, b, 4));
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) a[u][m] = _mm512_fmadd_ps(hi, x1[m], _mm512_fmadd_ps(lo, x0[m], a[u][m]));
+          }
+        } else {
+          __m512 x0[M];
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) x0[m] = _mm512_loadu_ps(XP + m * K + c);
+#pragma GCC unroll 4
+          for (int u = 0; u < J; ++u) {
+            const __m512 qv =
+                _mm512_maskz_cvtepi32_ps(kAll16, codes16<BITS>(rd.codes + (j + u) * rd.row_bytes, static_cast<std::uint64_t>(c)));
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) a[u][m] = _mm512_fmadd_ps(qv, x0[m], a[u][m]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int u = 0; u < J; ++u) {
+        const std::int64_t si = (j + u) * rd.groups_per_row + g;
+        const __m512 sv = _mm512_set1_ps(widen_scale<float>(rd.scales, rd.sdt, si));
+        const float b = widen_scale<float>(rd.biases, rd.sdt, si);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          tot[u][m] = _mm512_fmadd_ps(sv, a[u][m], tot[u][m]);
+          bias[u][m] += b * xsum[m * groups + g];
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        alignas(64) float l[16];  // a fixed tree (GCC's _mm512_reduce_add_ps: see kAll16)
+        _mm512_store_ps(l, tot[u][m]);
+        float h[8];
+        for (int i = 0; i < 8; ++i) h[i] = l[i] + l[i + 8];
+        const float v = (((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]))) + bias[u][m];
+        float& y = Y[m * N + j + u];
+        y = acc ? y + v : v;
+      }
+  }
+}
+
+/// Whether affine_dot_rows512 serves rd: an affine matrix on a CPU that runs the AVX-512 decoder,
+/// its groups whole steps of the kernel.
+template <class T>
+inline bool affine_dot_rows512_applies(const QuantReader<T>& rd) {
+  return std::is_same_v<T, float> && rd.q.mode == QuantMode::affine && quant_avx512() &&
+         rd.q.group % (rd.q.bits == 4 ? 32 : 16) == 0;
+}
+
+/// affine_dot_rows for M = 1..4 rows (1..8 on AVX-512); false where it does not apply (another format or dtype, a
 /// CPU without AVX2, a group that is not a multiple of 8 codes, more rows).
 template <class T>
 inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N,
@@ -169,7 +322,8 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
   if constexpr (!std::is_same_v<T, float>) {
     return false;
   } else {
-    if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || M > 4 || K > 8192 || !quant_avx2()) return false;
+    if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || K > 8192 || !quant_avx2()) return false;
+    if (M > (affine_dot_rows512_applies(rd) ? 8 : 4)) return false;
     const std::int64_t groups = K / rd.q.group;
     alignas(64) static thread_local float xsum[4 * 1024];  // K <= 8192 and groups >= 8 codes
     for (std::int64_t m = 0; m < M; ++m)
@@ -178,6 +332,34 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
         for (std::int64_t k = g * rd.q.group; k < (g + 1) * rd.q.group; ++k) t += X[m * K + k];
         xsum[m * groups + g] = t;
       }
+    if (affine_dot_rows512_applies(rd)) {
+      if (M > 4) {  // 5-8 rows: two passes over W (each still cheaper than packing it for the GEMM)
+        affine_dot_rows_any(rd, X, Y, 4, N, K, n0, n1, acc);
+        return affine_dot_rows_any(rd, X + 4 * K, Y + 4 * N, M - 4, N, K, n0, n1, acc);
+      }
+      const float* XP = X;
+      if (rd.q.bits == 4) {  // x's 32-value blocks in even-then-odd order (affine_dot_rows512)
+        alignas(64) static thread_local float xp[4 * 8192];
+        for (std::int64_t i = 0; i < M * K; i += 32)
+          for (int l = 0; l < 16; ++l) xp[i + l] = X[i + 2 * l], xp[i + 16 + l] = X[i + 2 * l + 1];
+        XP = xp;
+      }
+      with_code_bits(rd.q.bits, [&]<int BITS>() {
+        // J columns of y at a time while they last (fewer rows: more columns), then one
+        const auto run = [&]<int MM, int J>() {
+          const std::int64_t n_j = n0 + (n1 - n0) / J * J;
+          affine_dot_rows512<MM, J, BITS>(rd, XP, xsum, Y, N, K, n0, n_j, acc);
+          if constexpr (J > 1) affine_dot_rows512<MM, 1, BITS>(rd, XP, xsum, Y, N, K, n_j, n1, acc);
+        };
+        switch (M) {
+          case 1: run.template operator()<1, 4>(); break;
+          case 2: run.template operator()<2, 2>(); break;
+          case 3: run.template operator()<3, 2>(); break;
+          default: run.template operator()<4, 2>(); break;
+        }
+      });
+      return true;
+    }
     with_code_bits(rd.q.bits, [&]<int BITS>() {
       switch (M) {
         case 1: affine_dot_rows<1, BITS>(rd, X, xsum, Y, N, K, n0, n1, acc); break;
@@ -235,8 +417,9 @@ namespace cpu_kernels {
 template <class = void>
 struct QuantizedKernelsT {
   /// Up to this many rows of x, products stream W once (detail::quantized_rows) instead of
-  /// packing it for the GEMM: x @ W^T computes a dot product per output, x @ W an axpy per
-  /// depth, which holds its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
+  /// packing it for the GEMM: x @ W^T computes a dot product per output (up to twice as many
+  /// rows where the AVX-512 factored dot serves the matrix), x @ W an axpy per depth, which holds
+  /// its advantage longer (bench_quantized_matmul's 1-8 token rows decide it).
   static constexpr std::int64_t kFewRows = 4, kFewRowsAxpy = 8;
 
   /// y (M, N) (+)= x (M, K) @ op(W): W^T when a.transpose (W (N, K)), else W (K, N); W given
@@ -251,7 +434,12 @@ struct QuantizedKernelsT {
       T* Y = y.data<T>();
       if (M == 0 || N == 0) return;
 #if defined(NN_OWN_GEMM)
-      if (a.transpose ? M <= kFewRows && K <= 8192 : M <= kFewRowsAxpy) {
+#if defined(NN_QUANT_AVX2)
+      const std::int64_t dot_rows = detail::affine_dot_rows512_applies(rd) ? 2 * kFewRows : kFewRows;
+#else
+      const std::int64_t dot_rows = kFewRows;
+#endif
+      if (a.transpose ? M <= dot_rows && K <= 8192 : M <= kFewRowsAxpy) {
         const int threads = gemm::team_threads(M, N, K);
         if (threads > 1)
           gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
