@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../backend/cpu.hpp"  // the GTape<cpu> the writers record on
 #include "../io/safetensors.hpp"
 #include "../io/weights.hpp"
 #include "../modules/dora.hpp"

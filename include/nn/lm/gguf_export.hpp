@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "../backend/cpu.hpp"  // the GTape<cpu> the writers record on
 #include "../tape.hpp"
 #include "adapters.hpp"
 #include "gguf.hpp"

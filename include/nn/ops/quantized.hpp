@@ -10,6 +10,7 @@
 
 #include "../quant.hpp"
 #include "common.hpp"
+#include "index.hpp"  // detail::require_ids
 
 namespace nn {
 
