@@ -23,7 +23,6 @@ template <int NR, int BITS, DType SDT>
 [[gnu::target(NN_QUANT_AVX512)]] inline void affine_pack_transposed(const detail::QuantReader<float>& rd, index j, index n,
                                                                     index k0, index kc, float* dst) {
   static_assert(NR % 16 == 0);
-  const std::size_t sw = dtype_size(SDT);
   for (int l0 = 0; l0 < NR; l0 += 16) {
     const int lines = static_cast<int>(std::clamp<index>(n - l0, 0, 16));
     for (index k = 0; k < kc; k += 16) {
@@ -33,8 +32,7 @@ template <int NR, int BITS, DType SDT>
       for (int l = 0; l < 16; ++l) {
         if (l < lines) {
           const index row = j + l0 + l, si = row * rd.groups_per_row + g;
-          const float s = detail::scale_f32<SDT>(static_cast<const char*>(rd.scales) + si * sw, 0);
-          const float b = detail::scale_f32<SDT>(static_cast<const char*>(rd.biases) + si * sw, 0);
+          const float s = detail::scale_f32<SDT>(rd.scales, si), b = detail::scale_f32<SDT>(rd.biases, si);
           __m512 p = _mm512_mul_ps(_mm512_set1_ps(s), _mm512_maskz_cvtepi32_ps(detail::kAll16, detail::codes16<BITS>(
                                                                                    rd.codes + row * rd.row_bytes,
                                                                                    static_cast<std::uint64_t>(k0 + k))));
@@ -324,6 +322,10 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
   } else {
     if (rd.q.mode != QuantMode::affine || rd.q.group % 8 != 0 || K > 8192 || !quant_avx2()) return false;
     if (M > (affine_dot_rows512_applies(rd) ? 8 : 4)) return false;
+    if (M > 4) {  // 5-8 rows (AVX-512): two passes over W (each still cheaper than packing it for the GEMM)
+      affine_dot_rows_any(rd, X, Y, 4, N, K, n0, n1, acc);
+      return affine_dot_rows_any(rd, X + 4 * K, Y + 4 * N, M - 4, N, K, n0, n1, acc);
+    }
     const std::int64_t groups = K / rd.q.group;
     alignas(64) static thread_local float xsum[4 * 1024];  // K <= 8192 and groups >= 8 codes
     for (std::int64_t m = 0; m < M; ++m)
@@ -333,10 +335,6 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
         xsum[m * groups + g] = t;
       }
     if (affine_dot_rows512_applies(rd)) {
-      if (M > 4) {  // 5-8 rows: two passes over W (each still cheaper than packing it for the GEMM)
-        affine_dot_rows_any(rd, X, Y, 4, N, K, n0, n1, acc);
-        return affine_dot_rows_any(rd, X + 4 * K, Y + 4 * N, M - 4, N, K, n0, n1, acc);
-      }
       const float* XP = X;
       if (rd.q.bits == 4) {  // x's 32-value blocks in even-then-odd order (affine_dot_rows512)
         alignas(64) static thread_local float xp[4 * 8192];
