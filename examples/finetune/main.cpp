@@ -28,6 +28,7 @@ extern "C" void openblas_set_num_threads(int);
 #include "options.hpp"
 #include "progress.hpp"
 #include "svg.hpp"
+#include "trainer.hpp"
 
 namespace fs = std::filesystem;
 using namespace nn;
@@ -65,6 +66,20 @@ std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string&
   return tok.decode(generate_ids(m, tok, tok.encode(text), max_tokens), true);
 }
 
+/// The trainer --device names. The model must be complete (adapters applied, frozen as it will
+/// train): it moves to the device here.
+std::unique_ptr<finetune::Trainer> make_trainer(const Args& a, CausalLM& model) {
+  if (a.device == "cuda") {
+#if defined(NN_FINETUNE_CUDA)
+    return finetune::make_cuda_trainer(a, model);
+#else
+    nn::detail::fail("finetune", "--device cuda: this finetune was built without CUDA (build the finetune_cuda "
+                     "target: CMake with nvcc found, -DNN_WITH_CUDA=ON)");
+#endif
+  }
+  return std::make_unique<finetune::TrainerOn<cpu>>(a, model);
+}
+
 /// This rank's rows of a global batch: rank, rank + size, ... (mlx-lm's strided shard).
 std::vector<std::size_t> my_rows(std::span<const std::size_t> rows, const nn::distributed::Group& g) {
   std::vector<std::size_t> mine;
@@ -78,7 +93,10 @@ std::vector<std::size_t> my_rows(std::span<const std::size_t> rows, const nn::di
 /// its logits, (T, vocab) in float32, are what an evaluation holds beside the training step's
 /// buffers, so a row at a time keeps the run's peak memory at the step's (the sum is the same up
 /// to rounding). Rows are padded as the training batches are (mlx-lm: to a multiple of 32).
-double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches, int batch, int max_seq,
+/// loss_sum(batch): the batch's summed loss on the device the model is on (Trainer::loss_sum
+/// while training, finetune::batch_loss_sum<cpu> on the host).
+template <class LossSum>
+double evaluate(LossSum&& loss_sum, DType dt, const std::vector<Example>& data, int batches, int batch, int max_seq,
                 const nn::distributed::Group& g) {
   if (data.empty()) return NAN;
   const std::size_t n_batches = batches < 0 ? (data.size() + static_cast<std::size_t>(batch) - 1) / static_cast<std::size_t>(batch)
@@ -92,18 +110,9 @@ double evaluate(const CausalLM& m, const std::vector<Example>& data, int batches
     if (all.empty()) break;
     for (std::size_t row : my_rows(all, g)) {
       const std::size_t one[] = {row};
-      Batch bt = make_batch(data, one, max_seq, 32, m.dtype());
+      Batch bt = make_batch(data, one, max_seq, 32, dt);
       if (bt.tokens == 0) continue;
-      // Recorded with its kernels deferred, then planned forward-only and run: the tape holds
-      // the logits and a layer's transients, not every intermediate (GTape::plan_memory).
-      GTape<cpu> tp;
-      const GVar loss = tp.record_planned(
-          [&] {
-            return cross_entropy(tp, m.logits(tp, tp.constant(bt.inputs)), tp.constant(bt.targets),
-                                 tp.constant(bt.mask), Reduction::sum);
-          },
-          false);
-      sum += tp.value(loss).item();
+      sum += loss_sum(bt);
       count += bt.tokens;
     }
   }
@@ -263,9 +272,10 @@ int run(const Args& a) {
                                                              dopt.template_vars)
                                  : ChatML{}.render({{"user", a.prompt}}, true);
 
-  auto report_test = [&]() {
+  auto report_test = [&]() {  // on the host: after training, or --test alone
     model.train(false);
-    const double t = evaluate(model, test_set, a.test_batches, a.batch, a.max_seq_length, world);
+    const double t = evaluate([&](const Batch& b) { return finetune::batch_loss_sum<cpu>(model, b); }, model.dtype(),
+                              test_set, a.test_batches, a.batch, a.max_seq_length, world);
     std::printf("Test loss %.3f, Test ppl %.3f.\n", t, std::exp(t));
   };
   if (!a.train) {  // --test alone: the adapters in --adapter-path, as mlx-lm
@@ -326,9 +336,18 @@ int run(const Args& a) {
   nn::distributed::broadcast_parameters(model, world, 0, /*trainable_only=*/true);
   if (world.size() > 1) nn::distributed::seed(world, a.seed);
 
-  std::unique_ptr<Optimizer> opt_ptr = finetune::make_optimizer(a);
-  Optimizer& opt = *opt_ptr;
-  opt.init(model);
+  // The model moves to --device here (it stays put on the CPU), the optimizer's slots made there.
+  if (a.device != "cpu" && world.size() > 1)
+    nn::detail::fail("finetune", "--device ", a.device, " trains on one process: under mpirun use --device cpu");
+  if (a.device != "cpu" && a.pack)
+    nn::detail::fail("finetune", "--device ", a.device, " with --pack: packed rows need the flash attention kernels, "
+                     "which only the CPU backend has (use --device cpu, or drop --pack)");
+  if (a.device != "cpu" && a.grad_accum > 1)
+    nn::detail::fail("finetune", "--device ", a.device, " with --grad-accumulation-steps ", a.grad_accum,
+                     ": accumulating runs on the CPU only (use --device cpu, or a larger --batch-size)");
+  const std::unique_ptr<finetune::Trainer> trainer = make_trainer(a, model);
+  Optimizer& opt = trainer->optimizer();
+  std::printf("device: %s\n", trainer->device());
   // mlx-lm's run header, on one line
   std::printf("run: %s on %s layers%s; optimizer %s, learning rate %.3e at step 1%s; batch %d, %d iters, "
               "max seq %d%s\n",
@@ -360,7 +379,7 @@ int run(const Args& a) {
   if (a.resume) {
     if (!fs::exists(ckpt)) nn::detail::fail("finetune", "--resume: no checkpoint at ", ckpt.string());
     try {
-      load_into(ckpt, model, opt, nn::LoadOptions{.allow_new_hyperparameters = a.resume_new_hyper});
+      trainer->resume(ckpt, nn::LoadOptions{.allow_new_hyperparameters = a.resume_new_hyper});
     } catch (const nn::Error& e) {
       nn::detail::fail("finetune", e.what(), "\n(finetune: --resume-new-hyperparameters resumes with these flags on purpose)");
     }
@@ -369,22 +388,14 @@ int run(const Args& a) {
     std::printf("resumed at step %lld\n", static_cast<long long>(opt.step()));
   }
 
-  auto loss_fn = [](GTape<cpu>& tp, const CausalLM& m, GVar ids, GVar targets, GVar mask) {
-    return cross_entropy(tp, m.logits(tp, ids), targets, mask, Reduction::mean);
-  };
-  auto packed_loss_fn = [](GTape<cpu>& tp, const CausalLM& m, GVar ids, GVar targets, GVar mask, GVar starts,
-                           GVar positions) {
-    return cross_entropy(tp, m.logits(tp, ids, Packing{starts, positions}), targets, mask, Reduction::mean);
-  };
-  auto step = compile<3>(model, opt, loss_fn);
-  auto packed_step = compile<5>(model, opt, packed_loss_fn);  // records on its first call only
   nn::distributed::GradientAverager avg(world);  // token-weighted: each rank's weight is its real targets
-  if (world.size() > 1) {
-    step.reduce_gradients(avg);
-    packed_step.reduce_gradients(avg);
-  }
+  if (world.size() > 1) trainer->reduce_gradients(avg);
+  // The savers read host tensors: on a device the model visits the host to be saved (the
+  // optimizer's slots stay on the device; the checkpoint writer copies them), and the compiled
+  // step records again once on its return.
   auto save_all = [&]() {
     if (!lead) return;
+    finetune::OnHost visit(*trainer);
     if (full) {
       save_full(a.adapter_path, model, a);
     } else {
@@ -400,7 +411,8 @@ int run(const Args& a) {
   finetune::Series train_curve, val_curve;
   auto validate = [&](int it) {
     const auto t0 = std::chrono::steady_clock::now();
-    const double v = evaluate(model, data.valid, a.val_batches, a.batch, a.max_seq_length, world);
+    const double v = evaluate([&](const Batch& b) { return trainer->loss_sum(b); }, model.dtype(), data.valid,
+                              a.val_batches, a.batch, a.max_seq_length, world);
     if (std::isnan(v)) return;
     progress.validation(it, v, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     val_curve.emplace_back(it, v);
@@ -415,33 +427,22 @@ int run(const Args& a) {
       const PackedBatch pb = next_batch();
       const Batch& b = pb.batch;
       avg.set_weight(static_cast<double>(b.tokens));
-      const double l = a.pack ? packed_step(b.inputs, b.targets, b.mask, pb.starts, pb.positions).item()
-                              : step(b.inputs, b.targets, b.mask).item();
+      const double l = trainer->step(pb, a.pack);
       loss = nn::distributed::weighted_mean(world, l, static_cast<double>(b.tokens));
       tokens = b.inputs.numel();
       trained += static_cast<std::int64_t>(world.sum(static_cast<double>(b.tokens)));
     } else {  // several micro-batches per update: eager gradients, summed, then one update
-      std::optional<CausalLM> sum;
       for (int k = 0; k < a.grad_accum; ++k) {
         const PackedBatch pb = next_batch();
         const Batch& b = pb.batch;
-        auto [l, g] = value_and_grad(model, [&](GTape<cpu>& tp, const CausalLM& m) {
-          if (a.pack)
-            return packed_loss_fn(tp, m, tp.constant(b.inputs), tp.constant(b.targets), tp.constant(b.mask),
-                                  tp.constant(pb.starts), tp.constant(pb.positions));
-          return loss_fn(tp, m, tp.constant(b.inputs), tp.constant(b.targets), tp.constant(b.mask));
-        });
         // each micro-batch's gradient is the global micro-batch's, as one process computes it
         avg.set_weight(static_cast<double>(b.tokens));
-        if (world.size() > 1) avg.average(g);
-        loss += nn::distributed::weighted_mean(world, l.item(), static_cast<double>(b.tokens)) / a.grad_accum;
+        const double l = trainer->accumulate(pb, a.pack, world.size() > 1 ? &avg : nullptr);
+        loss += nn::distributed::weighted_mean(world, l, static_cast<double>(b.tokens)) / a.grad_accum;
         tokens += b.inputs.numel();
         trained += static_cast<std::int64_t>(world.sum(static_cast<double>(b.tokens)));
-        if (!sum) sum = std::move(g);
-        else nn::tree_add(*sum, g);
       }
-      nn::tree_scale(*sum, 1.0 / a.grad_accum);
-      opt.update(model, *sum);
+      trainer->apply_accumulated(a.grad_accum);
     }
     tokens = static_cast<std::int64_t>(world.sum(static_cast<double>(tokens)));
     train_curve.emplace_back(it, loss);
@@ -449,6 +450,7 @@ int run(const Args& a) {
     if (a.steps_per_eval > 0 ? it % a.steps_per_eval == 0 || it == a.iters : it == a.iters) validate(it);
     if (a.save_every > 0 && it % a.save_every == 0) save_all();
   }
+  trainer->to_host();  // the rest (saving, generation, exports) runs on the host
   save_all();
   if (a.test) report_test();
   if (!lead) return 0;  // the rest (curve, samples, exports) is rank 0's

@@ -52,7 +52,8 @@ struct Options {
   std::optional<LrSchedule> lr_schedule;
   YAML::Node optimizer_config;  // {adam: {...}, adamw: {...}, ...}: keyword arguments per optimizer
   // ---- nn's own ----
-  std::string schedule, prompt, fuse, logits_out, precision = "f32", outtype = "f16", export_adapter, chat_template = "auto";
+  std::string schedule, prompt, fuse, logits_out, precision = "f32", outtype = "f16", export_adapter, chat_template = "auto",
+      device = "cpu";
   int warmup = 0, threads = 0, max_tokens = 40;
   bool resume = false, resume_new_hyper = false, peft = true, dequantize = false, pack = false;
 
@@ -295,6 +296,10 @@ inline Options parse_options(int argc, char** argv) {
   app.add_flag("--dequantize", o.dequantize, "A quantized base in float32 (by default it stays quantized: QLoRA)");
   app.add_option("--precision", o.precision, "f32, or bf16: the frozen base stored in bfloat16")
       ->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
+  app.add_option("--device", o.device,
+                 "Where training runs: cpu, or cuda (the finetune_cuda build; the model, adapters, optimizer state and "
+                 "compiled step on the GPU, batches copied in)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--pack", o.pack, "Pack several examples into each row, each attending only to itself");
   app.add_option("--logits-out", o.logits_out, "After training, the prompt's logits (safetensors)");
   app.config_formatter(std::make_shared<detail::YamlConfig>(app, o));
@@ -477,7 +482,9 @@ inline std::pair<double, double> pair_of(const YAML::Node& n) {
 
 /// The optimizer --optimizer names, on the schedule, with optimizer_config's keyword arguments
 /// for it (MLX's names: betas, eps, weight_decay, bias_correction, momentum, nesterov, ...).
-inline std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o) {
+/// The optimizer the options name, its kernels on backend B (the device the model trains on).
+template <class B = nn::cpu>
+std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o) {
   nn::Schedule s = make_schedule(o);
   const std::string& n = o.optimizer;
   if (n == "adam" || n == "adamw") {
@@ -489,11 +496,11 @@ inline std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o) {
       return true;
     };
     if (n == "adam") {
-      auto opt = std::make_unique<nn::Adam<>>(s);
+      auto opt = std::make_unique<nn::Adam<B>>(s);
       detail::optimizer_keys(o, n, [&](const std::string& k, const YAML::Node& v) { return adam(*opt, k, v); });
       return opt;
     }
-    auto opt = std::make_unique<nn::AdamW<>>(s);
+    auto opt = std::make_unique<nn::AdamW<B>>(s);
     detail::optimizer_keys(o, n, [&](const std::string& k, const YAML::Node& v) {
       if (k == "weight_decay") return opt->weight_decay(v.as<double>()), true;
       return adam(*opt, k, v);
@@ -501,7 +508,7 @@ inline std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o) {
     return opt;
   }
   if (n == "sgd") {
-    auto opt = std::make_unique<nn::Sgd<>>(s);
+    auto opt = std::make_unique<nn::Sgd<B>>(s);
     detail::optimizer_keys(o, n, [&](const std::string& k, const YAML::Node& v) {
       if (k == "momentum") opt->momentum(v.as<double>());
       else if (k == "weight_decay") opt->weight_decay(v.as<double>());
@@ -513,7 +520,7 @@ inline std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o) {
     return opt;
   }
   if (n == "muon") {
-    auto opt = std::make_unique<nn::Muon<>>(s);
+    auto opt = std::make_unique<nn::Muon<B>>(s);
     detail::optimizer_keys(o, n, [&](const std::string& k, const YAML::Node& v) {
       if (k == "momentum") opt->momentum(v.as<double>());
       else if (k == "weight_decay") opt->weight_decay(v.as<double>());
@@ -524,7 +531,7 @@ inline std::unique_ptr<nn::Optimizer> make_optimizer(const Options& o) {
     });
     return opt;
   }
-  auto opt = std::make_unique<nn::Adafactor<>>(s);  // "adafactor" (CLI11 checked the name)
+  auto opt = std::make_unique<nn::Adafactor<B>>(s);  // "adafactor" (CLI11 checked the name)
   detail::optimizer_keys(o, n, [&](const std::string& k, const YAML::Node& v) {
     if (k == "eps") opt->eps(detail::pair_of(v).first, detail::pair_of(v).second);
     else if (k == "clip_threshold") opt->clip_threshold(v.as<double>());

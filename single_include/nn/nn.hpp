@@ -12837,7 +12837,8 @@ int set_precision(X& m, Precision p) {
 //   if (!sum) sum = std::move(g); else nn::tree_add(*sum, g);   // per micro-batch
 //   nn::tree_scale(*sum, 1.0 / n);                              // before the update
 //
-// The leaves are host tensors (value_and_grad's gradients are).
+// The leaves are host tensors (value_and_grad's gradients are), or a device's with the backend
+// named: nn::tree_add<nn::cuda>(sum, g) for value_and_grad<nn::cuda>'s trees.
 
 #include <string>
 #include <vector>
@@ -12871,8 +12872,9 @@ void tree_map(M& out, const M& in, F&& f) {
 }
 
 /// acc += g, leaf by leaf, for the leaves g holds (its empty ones, frozen parameters, are
-/// skipped); an empty leaf of acc takes a copy of g's. Shapes and dtypes must match.
-template <class M>
+/// skipped); an empty leaf of acc takes a copy of g's. Shapes and dtypes must match. B: the
+/// backend whose kernels add (the leaves' device).
+template <class B = cpu, class M>
 void tree_add(M& acc, const M& g) {
   tree_map(acc, g, [](const std::string& path, Param& a, const Param& b) {
     if (!b.value.defined()) return;
@@ -12883,23 +12885,23 @@ void tree_add(M& acc, const M& g) {
     if (a.value.shape() != b.value.shape() || a.value.dtype() != b.value.dtype())
       detail::fail("tree_add", "'", path, "' is ", dtype_name(a.value.dtype()), " ", a.value.shape().str(),
                    " in the sum but ", dtype_name(b.value.dtype()), " ", b.value.shape().str(), " in the addend");
-    cpu::copy(b.value, a.value, true);
+    B::copy(b.value, a.value, true);
   });
 }
 
 /// t *= s for every leaf t holds.
-template <class M>
+template <class B = cpu, class M>
 void tree_scale(M& t, double s) {
   tree_map(t, [s](const std::string&, Param& p) {
-    if (p.value.defined()) cpu::unary(Unary::scale, s, p.value, p.value);
+    if (p.value.defined()) B::unary(Unary::scale, s, p.value, p.value);
   });
 }
 
 /// Every leaf t holds set to zero (in place: storage shared with t stays shared).
-template <class M>
+template <class B = cpu, class M>
 void tree_zero(M& t) {
   tree_map(t, [](const std::string&, Param& p) {
-    if (p.value.defined()) cpu::fill(p.value, 0.0);
+    if (p.value.defined()) B::fill(p.value, 0.0);
   });
 }
 

@@ -5,12 +5,19 @@
 # nlohmann_json and doctest headers carried into the tree, runs every CUDA-vs-CPU check (each
 # primitive and layer, f64 to 1e-12 and f32 to 1e-5, fresh random inputs, NaN-poisoned outputs),
 # the Qwen2 block gate on the GPU, graph replay == eager bit for bit with no device allocation,
-# and full training steps; prints the table of checks last. Sized for under 8 minutes on 16 cores.
+# and full training steps; then the finetune example on --device cuda against --device cpu
+# (finetune_cuda, examples/finetune/cuda_smoke.sh: the same losses to 1e-4 over 10 steps for LoRA,
+# DoRA and a full finetune); prints the table of checks last. Sized for under 8
+# minutes on 16 cores.
 #
 # Header locations (each must exist; the defaults are what tests/cuda/stage_third_party.sh writes):
 #   EIGEN_INCLUDE    dir holding Eigen/Core             default $NN_THIRD_PARTY/eigen3
 #   JSON_INCLUDE     dir holding nlohmann/json.hpp      default $NN_THIRD_PARTY/nlohmann_json
 #   DOCTEST_INCLUDE  dir holding doctest/doctest.h      default $NN_THIRD_PARTY/doctest
+#   CLI11_INCLUDE    dir holding CLI/CLI.hpp            default $NN_THIRD_PARTY/cli11
+#   YAML_INCLUDE     dir holding yaml-cpp/yaml.h        default $NN_THIRD_PARTY/yaml-cpp/include
+#   YAML_LIB         libyaml-cpp.a                      default $NN_THIRD_PARTY/yaml-cpp/lib/libyaml-cpp.a
+#   (finetune_cuda's three are optional: without them the finetune check is reported not run)
 #   NN_THIRD_PARTY   default <repo>/.third_party, else <repo>/shared/third_party, else /usr/include
 # Other knobs: NVCC (nvcc), NN_CUDA_GENCODE (sm_90 + compute_90 PTX), NN_CUDA_BUILD (build dir),
 # NN_CUDA_TEST_SEED (repeat a run's random inputs), NN_CUDA_SANITIZE=1 (also run the kernel
@@ -27,10 +34,16 @@ if [ -n "${NN_THIRD_PARTY:-}" ]; then
   EIGEN_INCLUDE=${EIGEN_INCLUDE:-$NN_THIRD_PARTY/eigen3}
   JSON_INCLUDE=${JSON_INCLUDE:-$NN_THIRD_PARTY/nlohmann_json}
   DOCTEST_INCLUDE=${DOCTEST_INCLUDE:-$NN_THIRD_PARTY/doctest}
+  CLI11_INCLUDE=${CLI11_INCLUDE:-$NN_THIRD_PARTY/cli11}
+  YAML_INCLUDE=${YAML_INCLUDE:-$NN_THIRD_PARTY/yaml-cpp/include}
+  YAML_LIB=${YAML_LIB:-$NN_THIRD_PARTY/yaml-cpp/lib/libyaml-cpp.a}
 else  # a machine with the packages installed
   EIGEN_INCLUDE=${EIGEN_INCLUDE:-/usr/include/eigen3}
   JSON_INCLUDE=${JSON_INCLUDE:-/usr/include}
   DOCTEST_INCLUDE=${DOCTEST_INCLUDE:-/usr/include}
+  CLI11_INCLUDE=${CLI11_INCLUDE:-/usr/include}
+  YAML_INCLUDE=${YAML_INCLUDE:-/usr/include}
+  YAML_LIB=${YAML_LIB:-/usr/lib/x86_64-linux-gnu/libyaml-cpp.a}
 fi
 [ -f "$EIGEN_INCLUDE/Eigen/Core" ] || die "Eigen not found: no $EIGEN_INCLUDE/Eigen/Core (set EIGEN_INCLUDE, or run tests/cuda/stage_third_party.sh where Eigen is installed and carry .third_party)"
 [ -f "$JSON_INCLUDE/nlohmann/json.hpp" ] || die "nlohmann_json not found: no $JSON_INCLUDE/nlohmann/json.hpp (set JSON_INCLUDE)"
@@ -71,6 +84,22 @@ for s in "${srcs[@]}"; do
   ( "$NVCC" "${flags[@]}" -c "$s" -o "$o" > "$o.log" 2>&1 || { echo "gpu_check: compiling $s failed:"; cat "$o.log"; exit 1; } ) &
   pids+=($!)
 done
+# finetune_cuda beside them: main.cpp by the host compiler, cuda_trainer.cu by nvcc (the CMake
+# target's split), linked with yaml-cpp's static library.
+ft=""
+if [ -f "$CLI11_INCLUDE/CLI/CLI.hpp" ] && [ -f "$YAML_INCLUDE/yaml-cpp/yaml.h" ] && [ -f "$YAML_LIB" ]; then
+  ft="$build/finetune_cuda"
+  rm -f "$ft"
+  ftinc=(-I"$root/include" -I"$EIGEN_INCLUDE" -I"$JSON_INCLUDE" -I"$CLI11_INCLUDE" -I"$YAML_INCLUDE" -DNN_FINETUNE_CUDA)
+  ( "${CXX:-g++}" -std=c++20 -O2 -fopenmp "${ftinc[@]}" -c "$root/examples/finetune/main.cpp" -o "$build/ft_main.o" > "$build/ft_main.o.log" 2>&1 &&
+    "$NVCC" -std=c++20 -O2 $gencode --threads 2 --expt-relaxed-constexpr --diag-suppress=20012 -Xcompiler=-fopenmp "${ftinc[@]}" \
+      -c "$root/examples/finetune/cuda_trainer.cu" -o "$build/ft_cuda.o" > "$build/ft_cuda.o.log" 2>&1 &&
+    "$NVCC" $gencode -o "$ft" "$build/ft_main.o" "$build/ft_cuda.o" "$YAML_LIB" -lcublas -Xcompiler=-fopenmp > "$build/ft_link.log" 2>&1 ) \
+    || { echo "gpu_check: building finetune_cuda failed:"; cat "$build"/ft_*.log | tail -40; ft="failed"; } &
+  ftpid=$!
+else
+  echo "== finetune_cuda not built: no CLI11 / yaml-cpp (tests/cuda/stage_third_party.sh stages them)"
+fi
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
 [ $ok = 1 ] || die "build failed"
@@ -89,8 +118,25 @@ echo "== running test_cuda"
 "$build/test_cuda" > "$logs/test_cuda.log" 2>&1
 rc=$?
 t2=$(date +%s)
+# The finetune example: --device cuda against --device cpu (its own tiny model and data).
+ft_line="finetune --device cuda vs cpu: not run (finetune_cuda not built)"
+if [ -n "$ft" ]; then
+  wait "$ftpid" 2>/dev/null || true
+  if [ -x "$ft" ]; then
+    bash "$root/examples/finetune/cuda_smoke.sh" "$ft" "$build/ft_smoke" > "$logs/finetune_cuda.log" 2>&1
+    ft_rc=$?
+    case $ft_rc in 0) verdict=pass ;; 77) verdict="skipped, no GPU" ;; *) verdict=FAIL; rc=1 ;; esac
+    ft_line="finetune --device cuda vs cpu: exit $ft_rc ($verdict; log $logs/finetune_cuda.log)"
+  else
+    ft_line="finetune --device cuda vs cpu: FAIL (finetune_cuda did not build; logs $build/ft_*.log)"
+    rc=1
+  fi
+fi
+t3=$(date +%s)
 # doctest's report (failures, if any, and its summary), then the table of checks last.
 sed '/^check  /,$d' "$logs/test_cuda.log" | tail -n 80
+[ -f "$logs/finetune_cuda.log" ] && grep "^finetune cuda smoke" "$logs/finetune_cuda.log"
 sed -n '/^check  /,$p' "$logs/test_cuda.log"
-echo "gpu_check: test_cuda exit code $rc (77 = no GPU found, skipped); build $((t1 - t0)) s, run $((t2 - t1)) s; log $logs/test_cuda.log"
+echo "$ft_line"
+echo "gpu_check: exit code $rc (77 = no GPU found, skipped); build $((t1 - t0)) s, test_cuda $((t2 - t1)) s, finetune $((t3 - t2)) s; log $logs/test_cuda.log"
 exit "$rc"

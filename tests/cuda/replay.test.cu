@@ -261,3 +261,38 @@ TEST_CASE("cuda training: every optimizer on device parameters equals the CPU's 
     record("clip_grad_norm global norm CUDA vs CPU", dn, std::abs(nc - ng) / nc, dt == DType::f64 ? 1e-12 : 1e-5);
   }
 }
+
+TEST_CASE("cuda training: gradient accumulation (tree_add<cuda>, tree_scale<cuda>) equals the CPU's, then one update") {
+  // What finetune's --grad-accumulation-steps does per micro-batch, on device gradient trees.
+  for (DType dt : float_dtypes()) {
+    const std::string dn = dtype_name(dt);
+    Net cn = make_net(dt, 51), gn = cn;
+    gn.to(Device::cuda);
+    cn.drop = Dropout(0.0);
+    gn.drop = Dropout(0.0);
+    std::optional<Net> sc, sg;
+    for (int k = 0; k < 3; ++k) {
+      Tensor x = ids({2, 5}, DType::i32, 0, 24), y = ids({2, 5}, DType::i64, 0, 24), dx = dev(x), dy = dev(y);
+      auto [lc, gc] = value_and_grad<cpu>(cn, [&](GTape<cpu>& tp, const Net& m) { return loss_fn(tp, m, tp.constant(x), tp.constant(y)); });
+      auto [lg, gg] = value_and_grad<cuda>(gn, [&](GTape<cuda>& tp, const Net& m) { return loss_fn(tp, m, tp.constant(dx), tp.constant(dy)); });
+      if (!sc) sc = std::move(gc);
+      else tree_add(*sc, gc);
+      if (!sg) sg = std::move(gg);
+      else tree_add<cuda>(*sg, gg);
+    }
+    tree_scale(*sc, 1.0 / 3);
+    tree_scale<cuda>(*sg, 1.0 / 3);
+    const auto gc = params_of(*sc), gg = params_of(*sg);
+    double worst = 0;
+    for (std::size_t i = 0; i < gc.size(); ++i) worst = std::max(worst, err_of(gc[i], gg[i]));
+    record("tree_add/tree_scale<cuda> over 3 micro-batches: grads CUDA vs CPU", dn, worst, dt == DType::f64 ? 1e-12 : 1e-5);
+    AdamW<cpu> oc(1e-2);
+    AdamW<cuda> og(1e-2);
+    oc.update(cn, *sc);
+    og.update(gn, *sg);
+    const auto pc = params_of(cn), pg = params_of(gn);
+    worst = 0;
+    for (std::size_t i = 0; i < pc.size(); ++i) worst = std::max(worst, err_of(pc[i], pg[i]));
+    record("accumulated AdamW update: params CUDA vs CPU", dn, worst, dt == DType::f64 ? 1e-12 : 1e-5);
+  }
+}
