@@ -5,7 +5,11 @@
 # timed on the same token stream; bench/run_decoder.sh runs both sides.
 #
 #   python3 bench/decoder_torch.py [--mode full|lora|forward] [--threads N] [--steps N] [--warmup N]
-#                                  [--attn eager|sdpa] [--compile]
+#                                  [--attn eager|sdpa] [--compile] [--device cpu|cuda] [--size small|gpu]
+#
+# --device cuda --size gpu is bench/decoder_cuda.cu's GPU workload (d 1024, 12 layers, 16/4 heads
+# of 64, SwiGLU 2816, vocab 32000; pass --batch 8 --seq 1024), with TF32 off (nn's f32 products
+# are full float32) and bf16 under torch.autocast('cuda'); bench/run_decoder_cuda.sh runs it.
 #
 # --compile runs the model under torch.compile (Inductor, its default mode): the stronger anchor
 # for a compiled step. Compilation happens in the warm-up steps (at least 3 with --compile), which
@@ -79,6 +83,9 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
     ap.add_argument("--compile", action="store_true", help="the model under torch.compile (warm-up compiles)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--size", choices=("small", "gpu"), default="small",
+                    help="gpu: the decoder scaled to a GPU (bench/decoder_model.hpp's Config::gpu)")
     ap.add_argument("--precision", choices=("f32", "bf16"), default="f32",
                     help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = ap.parse_args()
@@ -94,6 +101,12 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     c = dict(vocab=8192, dim=256, layers=4, heads=8, kv=2, hd=32, ff=704, eps=1e-5, base=10000.0, rank=8, scale=2.0)
+    if args.size == "gpu":
+        c.update(vocab=32000, dim=1024, layers=12, heads=16, kv=4, hd=64, ff=2816)
+    dev = torch.device(args.device)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     B, T = args.batch, args.seq
 
     class RMSNorm(nn.Module):  # HF LlamaRMSNorm
@@ -199,16 +212,17 @@ def main():
             a = layer.self_attn
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 setattr(a, name, LoRALinear(getattr(a, name), c["rank"], c["scale"]))
+    model.to(dev)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if args.compile:
         model = torch.compile(model)
         args.warmup = max(args.warmup, 3)
     opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01) if trainable else None
-    data = [tuple(torch.tensor(t, dtype=torch.long) for t in batch(i, B, T, c["vocab"])) for i in range(4)]
+    data = [tuple(torch.tensor(t, dtype=torch.long, device=dev) for t in batch(i, B, T, c["vocab"])) for i in range(4)]
 
     def run(i):
         ids, tg = data[i % len(data)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             if args.mode == "forward":
                 with torch.no_grad():
                     return model(ids, tg).item()
@@ -239,7 +253,10 @@ def main():
           f"gflops={flops / (med / 1e3) / 1e9:.1f} rss_peak_mb={peak_kb / 1024:.1f} rss_start_mb={rss_start / 1024:.1f} "
           f"rss_import_mb={rss_import / 1024:.1f} "
           f"loss_first={first:.4f} loss_last={last:.4f} params={sum(p.numel() for p in model.parameters())} "
-          f"trainable={sum(p.numel() for p in trainable)} attn={args.attn} version={torch.__version__}", flush=True)
+          f"trainable={sum(p.numel() for p in trainable)} attn={args.attn} version={torch.__version__} "
+          f"device={args.device} precision={args.precision} compile={int(args.compile)} "
+          f"tflops={flops / (med / 1e3) / 1e12:.2f}"
+          + (f" gpu_peak_gb={torch.cuda.max_memory_allocated() / 1e9:.2f}" if args.device == "cuda" else ""), flush=True)
 
 
 if __name__ == "__main__":

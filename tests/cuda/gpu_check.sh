@@ -7,8 +7,10 @@
 # the Qwen2 block gate on the GPU, graph replay == eager bit for bit with no device allocation,
 # and full training steps; then the finetune example on --device cuda against --device cpu
 # (finetune_cuda, examples/finetune/cuda_smoke.sh: the same losses to 1e-4 over 10 steps for LoRA,
-# DoRA and a full finetune); prints the table of checks last. Sized for under 8
-# minutes on 16 cores.
+# DoRA and a full finetune); then the reference decoder scaled to the GPU, nn's compiled step
+# against PyTorch eager and torch.compile (bench/run_decoder_cuda.sh; NN_CUDA_BENCH=0 skips it,
+# NN_CUDA_BENCH_STEPS sets its timed steps, default 5); prints the table of checks last. Sized
+# for under 8 minutes on 16 cores.
 #
 # Header locations (each must exist; the defaults are what tests/cuda/stage_third_party.sh writes):
 #   EIGEN_INCLUDE    dir holding Eigen/Core             default $NN_THIRD_PARTY/eigen3
@@ -100,6 +102,14 @@ if [ -f "$CLI11_INCLUDE/CLI/CLI.hpp" ] && [ -f "$YAML_INCLUDE/yaml-cpp/yaml.h" ]
 else
   echo "== finetune_cuda not built: no CLI11 / yaml-cpp (tests/cuda/stage_third_party.sh stages them)"
 fi
+# bench_decoder_cuda beside them (the speed table)
+bench="$build/bench_decoder_cuda"
+rm -f "$bench"
+if [ "${NN_CUDA_BENCH:-1}" != 0 ]; then
+  ( "$NVCC" "${flags[@]}" -o "$bench" "$root/bench/decoder_cuda.cu" "${libs[@]}" -Xcompiler=-fopenmp > "$build/bench.log" 2>&1 ||
+    { echo "gpu_check: building bench_decoder_cuda failed:"; tail -40 "$build/bench.log"; } ) &
+  benchpid=$!
+fi
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
 [ $ok = 1 ] || die "build failed"
@@ -133,10 +143,26 @@ if [ -n "$ft" ]; then
   fi
 fi
 t3=$(date +%s)
+# The speed table: only where test_cuda found a GPU.
+bench_line="decoder bench: not run (NN_CUDA_BENCH=0)"
+if [ "${NN_CUDA_BENCH:-1}" != 0 ]; then
+  wait "$benchpid" 2>/dev/null || true
+  if [ "$rc" = 77 ]; then
+    bench_line="decoder bench: not run (no GPU)"
+  elif [ -x "$bench" ]; then
+    bash "$root/bench/run_decoder_cuda.sh" "$bench" --steps "${NN_CUDA_BENCH_STEPS:-5}" > "$logs/bench_decoder_cuda.log" 2>&1
+    bench_line="decoder bench: exit $? (log $logs/bench_decoder_cuda.log)"
+  else
+    bench_line="decoder bench: bench_decoder_cuda did not build (log $build/bench.log)"
+  fi
+fi
+t4=$(date +%s)
 # doctest's report (failures, if any, and its summary), then the table of checks last.
 sed '/^check  /,$d' "$logs/test_cuda.log" | tail -n 80
 [ -f "$logs/finetune_cuda.log" ] && grep "^finetune cuda smoke" "$logs/finetune_cuda.log"
+[ -f "$logs/bench_decoder_cuda.log" ] && cat "$logs/bench_decoder_cuda.log"
 sed -n '/^check  /,$p' "$logs/test_cuda.log"
 echo "$ft_line"
-echo "gpu_check: exit code $rc (77 = no GPU found, skipped); build $((t1 - t0)) s, test_cuda $((t2 - t1)) s, finetune $((t3 - t2)) s; log $logs/test_cuda.log"
+echo "$bench_line"
+echo "gpu_check: exit code $rc (77 = no GPU found, skipped); build $((t1 - t0)) s, test_cuda $((t2 - t1)) s, finetune $((t3 - t2)) s, bench $((t4 - t3)) s; log $logs/test_cuda.log"
 exit "$rc"
