@@ -130,9 +130,10 @@ class CompiledStep {
   /// Elementwise fusion (nn::fuse_elementwise, ops/fused.hpp): the recording's chains of unary
   /// and binary nodes run as one fused node each, forward and backward, one pass over memory
   /// instead of one per node, with results equal bit for bit. CPU tapes with memory planning
-  /// only (its intermediates are unreadable anyway). Off by default; NN_FUSION=1 in the
-  /// environment turns it on for steps made afterwards, and NN_FUSION_LOG=1 prints each
-  /// recording's groups (nn::fusion_report) to stderr. Changing it records the step again.
+  /// only (its intermediates are unreadable anyway), and CUDA tapes (one kernel per group). Off
+  /// by default; NN_FUSION=1 in the environment turns it on for steps made afterwards, and
+  /// NN_FUSION_LOG=1 prints each recording's groups (nn::fusion_report) to stderr. Changing it
+  /// records the step again.
   CompiledStep& fuse(bool on) {
     if (on != fuse_) recorded_ = false;
     fuse_ = on;
@@ -183,7 +184,8 @@ class CompiledStep {
       loss_ = plan ? tp_.record_deferred(build) : build();
     }
     fusion_ = {};
-    if (plan && fuse_) {
+    // (a CUDA tape is recorded eagerly, unplanned: its groups are fused after their unfused first run)
+    if (fuse_ && (plan || B::device != Device::cpu)) {
       fusion_ = fuse_elementwise(tp_, loss_);
       if (detail::env_flag("NN_FUSION_LOG")) std::fputs(fusion_report(tp_).c_str(), stderr);
     }

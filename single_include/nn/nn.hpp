@@ -3012,7 +3012,8 @@ template <class F>
 inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
 #if defined(_OPENMP)
   if (const int threads = wide && n > 1 ? free_threads() : 1; threads > 1) {
-    const std::int64_t share = uneven ? 1 : (n + threads - 1) / threads;
+    // (maybe_unused: nvcc's front end sees _OPENMP but not the pragma that reads it)
+    [[maybe_unused]] const std::int64_t share = uneven ? 1 : (n + threads - 1) / threads;
     team(threads, [&](int, int) {
 #pragma omp for schedule(dynamic, share)
       for (std::int64_t i = 0; i < n; ++i) f(i);
@@ -9441,10 +9442,11 @@ GVar quantized_gather(GTape<B>& tp, GVar ids, GVar wq, GVar scales, std::optiona
 }  // namespace nn
 // ---- end nn/ops/quantized.hpp ----
 // ---- begin nn/ops/fused.hpp ----
-// Fusion of elementwise chains on a recorded tape (the first seed's gpfuse, CPU part): a pass
-// over the tape finds groups of unary and binary nodes whose intermediate values nothing else
-// reads, and turns each group into one `fused` node that runs the group per element in one
-// loop (backend/cpu/fused.hpp), forward and vjp. The fused node is the group's last node (its
+// Fusion of elementwise chains on a recorded tape (the first seed's gpfuse): a pass over the
+// tape finds groups of unary and binary nodes whose intermediate values nothing else reads, and
+// turns each group into one `fused` node that runs the group per element in one loop, forward
+// and vjp: backend/cpu/fused.hpp on the CPU, one CUDA kernel per direction (k_fused,
+// k_fused_vjp in backend/cuda/kernels.cuh) on nn::cuda, both interpreting the same FusedProgram. The fused node is the group's last node (its
 // index, its value buffer, its GVar); the others are absorbed (Node::fused_into) and hold no
 // buffers. Values and gradients equal the unfused tape's bit for bit: each element goes through
 // the same functors (backend/math.hpp) in the same order, and each contribution to an input's
@@ -9574,135 +9576,132 @@ struct FusionStats {
 /// is left unfused where fusing would reorder a gradient's sum: an input of the group that a
 /// node outside it also reads, between the group's first and last node, would get its
 /// contributions added in another order. No fusion on a tape in anomaly mode (its errors name
-/// the node that made a NaN), nor on another backend than the CPU (yet: the pass returns
-/// nothing fused). Intermediates of a fused group cannot be read afterwards (an nn::Error says
-/// so), as with plan_memory: fuse only a tape whose intermediates nobody reads.
+/// the node that made a NaN). Intermediates of a fused group cannot be read afterwards (an
+/// nn::Error says so), as with plan_memory: fuse only a tape whose intermediates nobody reads.
+/// On an eagerly recorded tape (a CUDA one) the group's nodes already ran unfused; their
+/// buffers are released here and replays run the fused node.
 template <class B>
 FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
   FusionStats stats;
   tp.node(out);  // validates the handle
-  if constexpr (B::device != Device::cpu) {
-    return stats;
-  } else {
-    if (tp.detect_anomaly()) return stats;
-    const auto N = static_cast<std::int32_t>(tp.size());
-    std::vector<std::vector<std::int32_t>> readers(static_cast<std::size_t>(N));  // every node reading each node, per use
-    for (std::int32_t i = 0; i < N; ++i)
-      for (std::int32_t in : tp.at(i).inputs) readers[static_cast<std::size_t>(in)].push_back(i);
-    std::vector<char> taken(static_cast<std::size_t>(N), 0);
-    std::vector<std::int32_t> group, stack, ext;
-    for (std::int32_t r = N - 1; r >= 0; --r) {
-      if (taken[static_cast<std::size_t>(r)] || !detail::fusable(tp, r)) continue;
-      const Node<B>& root = tp.at(r);
-      group.assign(1, r);
-      stack.assign(1, r);
-      while (!stack.empty()) {
-        const std::int32_t j = stack.back();
-        stack.pop_back();
-        for (std::int32_t in : tp.at(j).inputs) {
-          const auto u = static_cast<std::size_t>(in);
-          if (group.size() >= static_cast<std::size_t>(kMaxFusedSteps)) break;
-          if (in == out.index || taken[u] || readers[u].size() != 1 || !detail::fusable(tp, in)) continue;
-          const Node<B>& m = tp.at(in);
-          if (m.def->prim == Prim::unary && !detail::recompute_is_cheap(detail::attrs_of<UnaryAttrs>(m).op)) continue;
-          if (!(m.value.shape() == root.value.shape()) || m.value.dtype() != root.value.dtype()) continue;
-          group.push_back(in);
-          stack.push_back(in);
-        }
+  if (tp.detect_anomaly()) return stats;
+  const auto N = static_cast<std::int32_t>(tp.size());
+  std::vector<std::vector<std::int32_t>> readers(static_cast<std::size_t>(N));  // every node reading each node, per use
+  for (std::int32_t i = 0; i < N; ++i)
+    for (std::int32_t in : tp.at(i).inputs) readers[static_cast<std::size_t>(in)].push_back(i);
+  std::vector<char> taken(static_cast<std::size_t>(N), 0);
+  std::vector<std::int32_t> group, stack, ext;
+  for (std::int32_t r = N - 1; r >= 0; --r) {
+    if (taken[static_cast<std::size_t>(r)] || !detail::fusable(tp, r)) continue;
+    const Node<B>& root = tp.at(r);
+    group.assign(1, r);
+    stack.assign(1, r);
+    while (!stack.empty()) {
+      const std::int32_t j = stack.back();
+      stack.pop_back();
+      for (std::int32_t in : tp.at(j).inputs) {
+        const auto u = static_cast<std::size_t>(in);
+        if (group.size() >= static_cast<std::size_t>(kMaxFusedSteps)) break;
+        if (in == out.index || taken[u] || readers[u].size() != 1 || !detail::fusable(tp, in)) continue;
+        const Node<B>& m = tp.at(in);
+        if (m.def->prim == Prim::unary && !detail::recompute_is_cheap(detail::attrs_of<UnaryAttrs>(m).op)) continue;
+        if (!(m.value.shape() == root.value.shape()) || m.value.dtype() != root.value.dtype()) continue;
+        group.push_back(in);
+        stack.push_back(in);
       }
-      if (group.size() < 2) continue;
-      std::sort(group.begin(), group.end());  // the tape's order is a topological one
-      auto member = [&](std::int32_t i) { return std::binary_search(group.begin(), group.end(), i); };
-      // the group's inputs, in order of first use; each a register
-      ext.clear();
-      for (std::int32_t j : group)
-        for (std::int32_t in : tp.at(j).inputs)
-          if (!member(in) && std::find(ext.begin(), ext.end(), in) == ext.end()) ext.push_back(in);
-      if (ext.size() > static_cast<std::size_t>(kMaxFusedInputs)) continue;
-      bool reorders = false;
-      for (std::int32_t x : ext) {
-        if (!tp.at(x).requires_grad) continue;
-        for (std::int32_t c : readers[static_cast<std::size_t>(x)])
-          reorders = reorders || (!member(c) && c > group.front() && c < r);
-      }
-      if (reorders) continue;
-
-      FusedProgram p;
-      p.inputs = static_cast<int>(ext.size());
-      p.steps = static_cast<int>(group.size());
-      auto reg = [&](std::int32_t i) -> std::int8_t {
-        if (member(i)) return static_cast<std::int8_t>(p.inputs + (std::lower_bound(group.begin(), group.end(), i) - group.begin()));
-        return static_cast<std::int8_t>(std::find(ext.begin(), ext.end(), i) - ext.begin());
-      };
-      for (std::size_t s = 0; s < group.size(); ++s) {
-        const Node<B>& n = tp.at(group[s]);
-        FusedStep& st = p.step[s];
-        st.binary = n.def->prim == Prim::binary;
-        if (st.binary) {
-          st.op = static_cast<std::uint8_t>(detail::attrs_of<BinaryAttrs>(n).op);
-        } else {
-          const UnaryAttrs& a = detail::attrs_of<UnaryAttrs>(n);
-          st.op = static_cast<std::uint8_t>(a.op);
-          st.arg = a.arg;
-        }
-        st.a = reg(n.inputs[0]);
-        st.grad_a = tp.at(n.inputs[0]).requires_grad;
-        if (st.binary) {
-          st.b = reg(n.inputs[1]);
-          st.grad_b = tp.at(n.inputs[1]).requires_grad;
-        }
-        st.grad = n.requires_grad;
-        st.node = group[s];
-      }
-      // what the vjp reads: the derivatives' operands, then (from the last step down) what each
-      // recomputed intermediate is computed from; the last step's value comes from the output
-      std::uint32_t need = 0;
-      for (int s = 0; s < p.steps; ++s) {
-        const FusedStep& st = p.step[static_cast<std::size_t>(s)];
-        if (!st.grad) continue;
-        const std::uint32_t self = 1u << (p.inputs + s), a = 1u << st.a, b = st.binary ? 1u << st.b : 0u;
-        if (!st.binary) {
-          const unsigned rd = st.grad_a ? detail::unary_df_reads(static_cast<Unary>(st.op)) : 0u;
-          need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? self : 0u);
-        } else {
-          for (int which = 0; which < 2; ++which) {
-            if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
-            const unsigned rd = detail::binary_df_reads(static_cast<Binary>(st.op), which);
-            need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? b : 0u);
-          }
-        }
-      }
-      for (int s = p.steps - 2; s >= 0; --s) {
-        const FusedStep& st = p.step[static_cast<std::size_t>(s)];
-        if ((need >> (p.inputs + s)) & 1u) need |= (1u << st.a) | (st.binary ? 1u << st.b : 0u);
-      }
-      p.vjp_need = need;
-      const std::int32_t id = tp.add_fused_program(p);
-      const std::int64_t bytes = root.value.numel() * static_cast<std::int64_t>(dtype_size(root.value.dtype()));
-      for (std::int32_t j : group) {
-        taken[static_cast<std::size_t>(j)] = 1;
-        if (j == r) continue;
-        Node<B>& n = tp.at(j);
-        stats.bytes_saved += bytes * (n.requires_grad ? 4 : 2);
-        n.def = nullptr;
-        n.fused_into = r;
-        n.inputs.clear();
-        n.requires_grad = false;
-        n.value = Tensor();
-        n.grad = Tensor();
-        n.saved.clear();
-        n.deferred = false;
-      }
-      Node<B>& f = tp.at(r);
-      f.def = &detail::FusedPrim<B>::def;
-      f.inputs = ext;
-      f.attrs.set(FusedAttrs{id});
-      f.saved.clear();
-      ++stats.groups;
-      stats.absorbed += static_cast<int>(group.size()) - 1;
     }
-    return stats;
+    if (group.size() < 2) continue;
+    std::sort(group.begin(), group.end());  // the tape's order is a topological one
+    auto member = [&](std::int32_t i) { return std::binary_search(group.begin(), group.end(), i); };
+    // the group's inputs, in order of first use; each a register
+    ext.clear();
+    for (std::int32_t j : group)
+      for (std::int32_t in : tp.at(j).inputs)
+        if (!member(in) && std::find(ext.begin(), ext.end(), in) == ext.end()) ext.push_back(in);
+    if (ext.size() > static_cast<std::size_t>(kMaxFusedInputs)) continue;
+    bool reorders = false;
+    for (std::int32_t x : ext) {
+      if (!tp.at(x).requires_grad) continue;
+      for (std::int32_t c : readers[static_cast<std::size_t>(x)])
+        reorders = reorders || (!member(c) && c > group.front() && c < r);
+    }
+    if (reorders) continue;
+
+    FusedProgram p;
+    p.inputs = static_cast<int>(ext.size());
+    p.steps = static_cast<int>(group.size());
+    auto reg = [&](std::int32_t i) -> std::int8_t {
+      if (member(i)) return static_cast<std::int8_t>(p.inputs + (std::lower_bound(group.begin(), group.end(), i) - group.begin()));
+      return static_cast<std::int8_t>(std::find(ext.begin(), ext.end(), i) - ext.begin());
+    };
+    for (std::size_t s = 0; s < group.size(); ++s) {
+      const Node<B>& n = tp.at(group[s]);
+      FusedStep& st = p.step[s];
+      st.binary = n.def->prim == Prim::binary;
+      if (st.binary) {
+        st.op = static_cast<std::uint8_t>(detail::attrs_of<BinaryAttrs>(n).op);
+      } else {
+        const UnaryAttrs& a = detail::attrs_of<UnaryAttrs>(n);
+        st.op = static_cast<std::uint8_t>(a.op);
+        st.arg = a.arg;
+      }
+      st.a = reg(n.inputs[0]);
+      st.grad_a = tp.at(n.inputs[0]).requires_grad;
+      if (st.binary) {
+        st.b = reg(n.inputs[1]);
+        st.grad_b = tp.at(n.inputs[1]).requires_grad;
+      }
+      st.grad = n.requires_grad;
+      st.node = group[s];
+    }
+    // what the vjp reads: the derivatives' operands, then (from the last step down) what each
+    // recomputed intermediate is computed from; the last step's value comes from the output
+    std::uint32_t need = 0;
+    for (int s = 0; s < p.steps; ++s) {
+      const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+      if (!st.grad) continue;
+      const std::uint32_t self = 1u << (p.inputs + s), a = 1u << st.a, b = st.binary ? 1u << st.b : 0u;
+      if (!st.binary) {
+        const unsigned rd = st.grad_a ? detail::unary_df_reads(static_cast<Unary>(st.op)) : 0u;
+        need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? self : 0u);
+      } else {
+        for (int which = 0; which < 2; ++which) {
+          if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
+          const unsigned rd = detail::binary_df_reads(static_cast<Binary>(st.op), which);
+          need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? b : 0u);
+        }
+      }
+    }
+    for (int s = p.steps - 2; s >= 0; --s) {
+      const FusedStep& st = p.step[static_cast<std::size_t>(s)];
+      if ((need >> (p.inputs + s)) & 1u) need |= (1u << st.a) | (st.binary ? 1u << st.b : 0u);
+    }
+    p.vjp_need = need;
+    const std::int32_t id = tp.add_fused_program(p);
+    const std::int64_t bytes = root.value.numel() * static_cast<std::int64_t>(dtype_size(root.value.dtype()));
+    for (std::int32_t j : group) {
+      taken[static_cast<std::size_t>(j)] = 1;
+      if (j == r) continue;
+      Node<B>& n = tp.at(j);
+      stats.bytes_saved += bytes * (n.requires_grad ? 4 : 2);
+      n.def = nullptr;
+      n.fused_into = r;
+      n.inputs.clear();
+      n.requires_grad = false;
+      n.value = Tensor();
+      n.grad = Tensor();
+      n.saved.clear();
+      n.deferred = false;
+    }
+    Node<B>& f = tp.at(r);
+    f.def = &detail::FusedPrim<B>::def;
+    f.inputs = ext;
+    f.attrs.set(FusedAttrs{id});
+    f.saved.clear();
+    ++stats.groups;
+    stats.absorbed += static_cast<int>(group.size()) - 1;
   }
+  return stats;
 }
 
 /// One line per fused node of the tape, then the totals: its index and scope, its steps' ops
@@ -14765,9 +14764,10 @@ class CompiledStep {
   /// Elementwise fusion (nn::fuse_elementwise, ops/fused.hpp): the recording's chains of unary
   /// and binary nodes run as one fused node each, forward and backward, one pass over memory
   /// instead of one per node, with results equal bit for bit. CPU tapes with memory planning
-  /// only (its intermediates are unreadable anyway). Off by default; NN_FUSION=1 in the
-  /// environment turns it on for steps made afterwards, and NN_FUSION_LOG=1 prints each
-  /// recording's groups (nn::fusion_report) to stderr. Changing it records the step again.
+  /// only (its intermediates are unreadable anyway), and CUDA tapes (one kernel per group). Off
+  /// by default; NN_FUSION=1 in the environment turns it on for steps made afterwards, and
+  /// NN_FUSION_LOG=1 prints each recording's groups (nn::fusion_report) to stderr. Changing it
+  /// records the step again.
   CompiledStep& fuse(bool on) {
     if (on != fuse_) recorded_ = false;
     fuse_ = on;
@@ -14818,7 +14818,8 @@ class CompiledStep {
       loss_ = plan ? tp_.record_deferred(build) : build();
     }
     fusion_ = {};
-    if (plan && fuse_) {
+    // (a CUDA tape is recorded eagerly, unplanned: its groups are fused after their unfused first run)
+    if (fuse_ && (plan || B::device != Device::cpu)) {
       fusion_ = fuse_elementwise(tp_, loss_);
       if (detail::env_flag("NN_FUSION_LOG")) std::fputs(fusion_report(tp_).c_str(), stderr);
     }

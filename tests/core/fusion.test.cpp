@@ -10,92 +10,17 @@
 
 #include "support/check.hpp"
 #include "support/error_of.hpp"
+#include "support/fusion_graph.hpp"
 
 using namespace nn;
 
 namespace {
 
+using nn::test::FusionGraph;
+
 bool same_bytes(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
-
-// One random graph: leaves of the full shape and of broadcast shapes (a trailing suffix, one
-// element, a middle dimension of 1), some frozen, then `ops` unary and binary nodes over random
-// earlier values (so values fan out), then loss = sum(out * w) over the last one.
-struct Graph {
-  Shape full;
-  std::vector<Tensor> leaves;
-  std::vector<bool> trainable;
-  Tensor w;
-  struct Op {
-    bool binary;
-    int op, a, b;
-    double arg;
-  };
-  std::vector<Op> ops;
-
-  Graph(std::uint64_t seed, DType dt) {
-    std::mt19937_64 rng(seed);
-    auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<std::uint64_t>(n)); };
-    const bool big = seed % 25 == 0;  // some past the parallel threshold and many tiles
-    full = big ? Shape{3, 200, 70} : Shape{3, 5, 7};
-    const Shape shapes[] = {full, Shape{full[2]}, Shape{1}, Shape{full[0], 1, full[2]}};
-    const int n_leaves = 2 + pick(3);
-    for (int k = 0; k < n_leaves; ++k) {
-      leaves.push_back(nn::test::random_tensor(k == 0 ? full : shapes[pick(4)], dt, rng(), -1.5, 1.5));
-      trainable.push_back(k == 0 || pick(4) != 0);
-    }
-    const int n_ops = 2 + pick(9);
-    for (int i = 0; i < n_ops; ++i) {
-      const int avail = n_leaves + i;
-      // mostly the newest values, so chains form; sometimes any earlier one, so values fan out
-      auto operand = [&] { return pick(3) ? avail - 1 - pick(std::min(avail, 2)) : pick(avail); };
-      if (pick(2)) {
-        ops.push_back({true, pick(6), operand(), operand(), 0});
-      } else {
-        // the unary ops with a domain (log, sqrt, rsqrt, pow) get a positive operand: the
-        // graph adds abs and add_scalar first, as nodes of their own
-        static const Unary safe[] = {Unary::neg,  Unary::tanh, Unary::sigmoid,     Unary::relu,      Unary::abs,
-                                     Unary::silu, Unary::gelu, Unary::gelu_approx, Unary::gelu_fast, Unary::scale,
-                                     Unary::add_scalar, Unary::exp, Unary::log, Unary::sqrt, Unary::rsqrt, Unary::pow};
-        const Unary u = safe[pick(16)];
-        int a = operand();
-        if (u == Unary::log || u == Unary::sqrt || u == Unary::rsqrt || u == Unary::pow) {
-          ops.push_back({false, static_cast<int>(Unary::abs), a, 0, 0});
-          ops.push_back({false, static_cast<int>(Unary::add_scalar), n_leaves + static_cast<int>(ops.size()) - 1, 0, 0.5});
-          a = n_leaves + static_cast<int>(ops.size()) - 1;
-        }
-        if (u == Unary::exp) {  // bounded first, so no value overflows
-          ops.push_back({false, static_cast<int>(Unary::tanh), a, 0, 0});
-          a = n_leaves + static_cast<int>(ops.size()) - 1;
-        }
-        const double arg = u == Unary::scale ? -1.25 : u == Unary::add_scalar ? 0.75 : u == Unary::pow ? 1.5 : 0.0;
-        ops.push_back({false, static_cast<int>(u), a, 0, arg});
-      }
-      i = static_cast<int>(ops.size()) - 1;
-    }
-    w = nn::test::random_tensor(full, dt, rng());
-  }
-
-  // Records the graph on tp; returns the loss, and the last op's value as *out.
-  GVar record(GTape<cpu>& tp, std::vector<GVar>& params, GVar* out) const {
-    std::vector<GVar> v;
-    params.clear();
-    for (std::size_t k = 0; k < leaves.size(); ++k) {
-      v.push_back(tp.param(leaves[k], trainable[k]));
-      params.push_back(v.back());
-    }
-    for (const Op& o : ops) {
-      // a binary op of two broadcast leaves may be smaller than full; that is fine
-      v.push_back(o.binary ? binary(tp, static_cast<Binary>(o.op), v[static_cast<std::size_t>(o.a)], v[static_cast<std::size_t>(o.b)])
-                           : unary(tp, static_cast<Unary>(o.op), v[static_cast<std::size_t>(o.a)], o.arg));
-    }
-    *out = v.back();
-    // w is broadcast against the last value when that one is smaller than full
-    // (+ the sum of leaf 0, trainable always, so every graph's loss has a gradient)
-    return add(tp, sum(tp, mul(tp, add(tp, v.back(), tp.constant(w)), v.back())), sum(tp, v[0]));
-  }
-};
 
 struct Result {
   Tensor out;
@@ -104,12 +29,12 @@ struct Result {
 
 // Records g, optionally fuses (and plans), runs it forward and backward twice, and returns the loss and the leaves'
 // gradients (copies). `stats` receives what the pass did.
-Result run(const Graph& g, bool fuse, bool plan, FusionStats* stats = nullptr) {
+Result run(const FusionGraph& g, bool fuse, bool plan, FusionStats* stats = nullptr) {
   GTape<cpu> tp;
   std::vector<GVar> params;
   GVar last, loss;
-  if (plan) loss = tp.record_deferred([&] { return g.record(tp, params, &last); });
-  else loss = g.record(tp, params, &last);
+  if (plan) loss = tp.record_deferred([&] { return g.record(tp, g.leaves, params, &last); });
+  else loss = g.record(tp, g.leaves, params, &last);
   FusionStats s;
   if (fuse) s = fuse_elementwise(tp, loss);
   if (stats) *stats = s;
@@ -142,7 +67,7 @@ TEST_CASE("fusion: 200 random elementwise graphs fused equal unfused bit for bit
       CAPTURE(seed);
       const std::string dtype = dtype_name(dt);
       CAPTURE(dtype);
-      const Graph g(seed, dt);
+      const FusionGraph g(seed, dt);
       for (bool plan : {false, true}) {
         FusionStats st;
         const Result a = run(g, false, plan), b = run(g, true, plan, &st);

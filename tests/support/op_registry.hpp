@@ -243,8 +243,8 @@ std::vector<OpCase<B>> cases() {
        [](T tp, V v) { return fused_swiglu(tp, v[0], v[1]); }, true, "",
        [](T tp, V v) { return reference::swiglu(tp, v[0], v[1]); }});
   // An elementwise chain (bias add with broadcasting, scale, silu, a product that reads an input
-  // twice) run as one fused node (nn::fuse_elementwise; on a backend without fusion the pass
-  // leaves the chain as it is): equal to the chain unfused, bit for bit.
+  // twice) run as one fused node (nn::fuse_elementwise: the CPU's tiled loop, or one CUDA kernel
+  // per direction): equal to the chain unfused, bit for bit.
   auto chain = [](T tp, V v) { return mul(tp, silu(tp, scale(tp, nn::add(tp, v[0], v[1]), 0.5)), v[0]); };
   add({Prim::fused, "fused", {real({3, 8}, -3, 3), real({8})},
        [chain](T tp, V v) {

@@ -585,6 +585,42 @@ struct cuda {
     cu::check_launch("cross_entropy_vjp");
   }
 
+  // ---- fused elementwise groups (ops/fused.hpp): one thread per element runs the program ------
+
+  /// y = the program's output; ins: its inputs, each of y's shape or broadcast to it.
+  static void fused(const FusedProgram& p, std::span<const Tensor* const> ins, Tensor& y) {
+    namespace cu = detail::cu;
+    const std::int64_t n = y.numel();
+    if (n == 0) return;
+    detail::dispatch_float(y.dtype(), "fused", [&]<class T>() {
+      cu::FusedInputs<T> in;
+      auto s = fused_strides<T>(p, ins, y.shape(), in);
+      cu::k_fused<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(p, in, cu::ptr<T>(y), n, s);
+    });
+    cu::check_launch("fused");
+  }
+  /// The program's vjp (backend/cpu/fused.hpp's contract): dest[c] receives contribution c, the
+  /// contributions numbered as the steps are walked in reverse, operand a before b.
+  static void fused_vjp(const FusedProgram& p, std::span<const Tensor* const> ins, const Tensor& y, const Tensor& g,
+                        std::span<const FusedGradDest> dest) {
+    namespace cu = detail::cu;
+    const std::int64_t n = g.numel();
+    if (n == 0) return;
+    if (dest.size() > static_cast<std::size_t>(2 * kMaxFusedSteps))
+      detail::fail("fused", "a program with ", dest.size(), " gradient contributions (at most ", 2 * kMaxFusedSteps, ")");
+    detail::dispatch_float(g.dtype(), "fused", [&]<class T>() {
+      cu::FusedInputs<T> in;
+      auto s = fused_strides<T>(p, ins, g.shape(), in);
+      cu::FusedDests<T> d;
+      for (std::size_t c = 0; c < dest.size(); ++c) {
+        d.p[c] = static_cast<T*>(dest[c].g->raw());
+        d.acc[c] = dest[c].acc;
+      }
+      cu::k_fused_vjp<T><<<cu::grid_for(n), cu::kBlock, 0, stream()>>>(p, in, cu::ptr<T>(y), cu::ptr<T>(g), d, n, s);
+    });
+    cu::check_launch("fused_vjp");
+  }
+
   // ---- fused primitives (ops/norm, rope, attention, glu.hpp): cpu.hpp's math, CUDA kernels ----
 
   /// y = x * rstd (* w), rstd = 1 / sqrt(mean(x^2) + eps) per row (kept for the vjp): a block a row.
@@ -927,6 +963,20 @@ struct cuda {
         }
     }
   };
+
+  /// A fused program's inputs as device pointers, and the strides reading each at an output
+  /// element (0 along its broadcast dimensions).
+  template <class T>
+  static detail::cu::Strided<kMaxFusedInputs> fused_strides(const FusedProgram& p, std::span<const Tensor* const> ins,
+                                                            const Shape& out, detail::cu::FusedInputs<T>& in) {
+    std::array<std::array<std::int64_t, kMaxRank>, kMaxFusedInputs> st{};
+    for (int k = 0; k < p.inputs; ++k) {
+      const Tensor& x = *ins[static_cast<std::size_t>(k)];
+      in.p[k] = detail::cu::ptr<T>(x);
+      st[static_cast<std::size_t>(k)] = detail::broadcast_strides(x.shape(), out);
+    }
+    return detail::cu::make_strided<kMaxFusedInputs>(out, st);
+  }
 
   /// Blocks for a one-block-per-row kernel (rows past the grid are taken in a block-stride loop).
   static unsigned rows_grid(std::int64_t rows) { return static_cast<unsigned>(std::clamp<std::int64_t>(rows, 1, 65536)); }

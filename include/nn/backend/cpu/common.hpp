@@ -108,7 +108,8 @@ template <class F>
 inline void parallel_for(std::int64_t n, bool wide, F&& f, bool uneven = false) {
 #if defined(_OPENMP)
   if (const int threads = wide && n > 1 ? free_threads() : 1; threads > 1) {
-    const std::int64_t share = uneven ? 1 : (n + threads - 1) / threads;
+    // (maybe_unused: nvcc's front end sees _OPENMP but not the pragma that reads it)
+    [[maybe_unused]] const std::int64_t share = uneven ? 1 : (n + threads - 1) / threads;
     team(threads, [&](int, int) {
 #pragma omp for schedule(dynamic, share)
       for (std::int64_t i = 0; i < n; ++i) f(i);

@@ -274,6 +274,74 @@ __global__ void k_where_vjp(const void* m, DType mt, const T* g, int which, T* d
   }
 }
 
+// ---- fused elementwise groups (ops/fused.hpp's FusedProgram; backend/cpu/fused.hpp's math) --
+// One thread per output element runs the whole program in registers: the inputs read through
+// their broadcast strides, each step through the functors the unfused kernels call (unary_f,
+// binary_f; their derivatives in the vjp), so a fused step computes what the unfused nodes did,
+// element by element. The vjp recomputes the intermediates it needs (FusedProgram::vjp_need),
+// reads the last step's value from the output, and walks the steps in reverse as the backward
+// sweep walks the nodes, adding each contribution to an input in the sweep's order.
+template <class T>
+struct FusedInputs {
+  const T* p[kMaxFusedInputs] = {};
+};
+template <class T>
+struct FusedDests {
+  T* p[2 * kMaxFusedSteps] = {};
+  bool acc[2 * kMaxFusedSteps] = {};
+};
+template <class T>
+__device__ inline T fused_step_value(const FusedStep& st, const T* r) {
+  return st.binary ? binary_f(static_cast<Binary>(st.op), r[st.a], r[st.b])
+                   : unary_f(static_cast<Unary>(st.op), r[st.a], static_cast<T>(st.arg));
+}
+template <class T>
+__global__ void k_fused(FusedProgram p, FusedInputs<T> in, T* y, i64 n, Strided<kMaxFusedInputs> s) {
+  NN_CU_FOR(i, n) {
+    i64 o[kMaxFusedInputs];
+    offsets(s, i, o);
+    T r[kMaxFusedInputs + kMaxFusedSteps];
+    for (int k = 0; k < p.inputs; ++k) r[k] = in.p[k][o[k]];
+    for (int st = 0; st < p.steps; ++st) r[p.inputs + st] = fused_step_value(p.step[st], r);
+    y[i] = r[p.inputs + p.steps - 1];
+  }
+}
+template <class T>
+__global__ void k_fused_vjp(FusedProgram p, FusedInputs<T> in, const T* y, const T* g, FusedDests<T> d, i64 n,
+                            Strided<kMaxFusedInputs> s) {
+  NN_CU_FOR(i, n) {
+    i64 o[kMaxFusedInputs];
+    offsets(s, i, o);
+    auto need = [&](int reg) { return ((p.vjp_need >> reg) & 1u) != 0; };
+    T r[kMaxFusedInputs + kMaxFusedSteps];
+    for (int k = 0; k < p.inputs; ++k) r[k] = need(k) ? in.p[k][o[k]] : T(0);
+    const int last = p.inputs + p.steps - 1;
+    for (int st = 0; st + 1 < p.steps; ++st) r[p.inputs + st] = need(p.inputs + st) ? fused_step_value(p.step[st], r) : T(0);
+    r[last] = need(last) ? y[i] : T(0);
+    T gr[kMaxFusedSteps];  // d loss / d (step s's value), s < steps - 1
+    int c = 0;             // the next contribution to an input
+    auto give = [&](int reg, T v) {
+      if (reg >= p.inputs) {
+        gr[reg - p.inputs] = v;  // an intermediate: its one consumer's gradient, written once
+      } else {
+        put(d.p[c], i, v, d.acc[c]);
+        ++c;
+      }
+    };
+    for (int st = p.steps - 1; st >= 0; --st) {
+      const FusedStep& f = p.step[st];
+      if (!f.grad) continue;
+      const T go = st == p.steps - 1 ? g[i] : gr[st];
+      if (!f.binary) {
+        if (f.grad_a) give(f.a, go * unary_df(static_cast<Unary>(f.op), r[f.a], r[p.inputs + st], static_cast<T>(f.arg)));
+        continue;
+      }
+      if (f.grad_a) give(f.a, go * binary_df(static_cast<Binary>(f.op), 0, r[f.a], r[f.b]));
+      if (f.grad_b) give(f.b, go * binary_df(static_cast<Binary>(f.op), 1, r[f.a], r[f.b]));
+    }
+  }
+}
+
 // ---- sums: deterministic (fixed order per output) --------------------------------------------
 
 /// One block per contiguous row: y[o] (+)= sc * sum(x[o, :]).
