@@ -7,10 +7,13 @@
 # the Qwen2 block gate on the GPU, graph replay == eager bit for bit with no device allocation,
 # and full training steps; then the finetune example on --device cuda against --device cpu
 # (finetune_cuda, examples/finetune/cuda_smoke.sh: the same losses to 1e-4 over 10 steps for LoRA,
-# DoRA and a full finetune); then the reference decoder scaled to the GPU, nn's compiled step
-# against PyTorch eager and torch.compile (bench/run_decoder_cuda.sh; NN_CUDA_BENCH=0 skips it,
-# NN_CUDA_BENCH_STEPS sets its timed steps, default 5); prints the table of checks last. Sized
-# for under 8 minutes on 16 cores.
+# DoRA and a full finetune); compute-sanitizer memcheck over the kernel tests where the tool is;
+# prints the table of checks last. Sized for under 8 minutes on 16 cores. It also builds
+# bench_decoder_cuda, the speed table's nn side (the reference decoder scaled to the GPU, beside
+# PyTorch eager and torch.compile), which a second call in the same lease runs (about 4 minutes;
+# the build folder is kept between calls):
+#   bash bench/run_decoder_cuda.sh .cuda-build/bench_decoder_cuda --steps 5
+# (NN_CUDA_BENCH=1 runs it at the end of this script instead, where one call has the time.)
 #
 # Header locations (each must exist; the defaults are what tests/cuda/stage_third_party.sh writes):
 #   EIGEN_INCLUDE    dir holding Eigen/Core             default $NN_THIRD_PARTY/eigen3
@@ -21,9 +24,11 @@
 #   YAML_LIB         libyaml-cpp.a                      default $NN_THIRD_PARTY/yaml-cpp/lib/libyaml-cpp.a
 #   (finetune_cuda's three are optional: without them the finetune check is reported not run)
 #   NN_THIRD_PARTY   default <repo>/.third_party, else <repo>/shared/third_party, else /usr/include
-# Other knobs: NVCC (nvcc), NN_CUDA_GENCODE (sm_90 + compute_90 PTX), NN_CUDA_BUILD (build dir),
-# NN_CUDA_TEST_SEED (repeat a run's random inputs), NN_CUDA_SANITIZE=1 (also run the kernel
-# tests under compute-sanitizer memcheck), OUT (where logs go; the device tool's output folder).
+# Other knobs: NVCC (nvcc), NN_CUDA_GENCODE (sm_90 + compute_90 PTX), NN_CUDA_BUILD (build dir,
+# default <repo>/.cuda-build, git-ignored), NN_CUDA_TEST_SEED (repeat a run's random inputs),
+# NN_CUDA_SANITIZE=0 (skip compute-sanitizer memcheck on the kernel tests), NN_CUDA_BENCH=1 (the
+# speed table too), NN_CUDA_BENCH_STEPS (its timed steps, default 5), OUT (where logs go; the
+# device tool's output folder).
 set -uo pipefail
 t0=$(date +%s)
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -55,7 +60,7 @@ if ! command -v "$NVCC" >/dev/null; then
   [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc || die "nvcc not found (set NVCC)"
 fi
 gencode=${NN_CUDA_GENCODE:-"-gencode arch=compute_90,code=[sm_90,compute_90]"}
-build=${NN_CUDA_BUILD:-/tmp/nn-cuda-check}
+build=${NN_CUDA_BUILD:-$root/.cuda-build}
 logs=${OUT:-$build}
 mkdir -p "$build" "$logs"
 rm -f "$build"/*.o "$build"/*.o.log
@@ -102,14 +107,12 @@ if [ -f "$CLI11_INCLUDE/CLI/CLI.hpp" ] && [ -f "$YAML_INCLUDE/yaml-cpp/yaml.h" ]
 else
   echo "== finetune_cuda not built: no CLI11 / yaml-cpp (tests/cuda/stage_third_party.sh stages them)"
 fi
-# bench_decoder_cuda beside them (the speed table)
+# bench_decoder_cuda beside them (the speed table's nn side)
 bench="$build/bench_decoder_cuda"
 rm -f "$bench"
-if [ "${NN_CUDA_BENCH:-1}" != 0 ]; then
-  ( "$NVCC" "${flags[@]}" -o "$bench" "$root/bench/decoder_cuda.cu" "${libs[@]}" -Xcompiler=-fopenmp > "$build/bench.log" 2>&1 ||
-    { echo "gpu_check: building bench_decoder_cuda failed:"; tail -40 "$build/bench.log"; } ) &
-  benchpid=$!
-fi
+( "$NVCC" "${flags[@]}" -o "$bench" "$root/bench/decoder_cuda.cu" "${libs[@]}" -Xcompiler=-fopenmp > "$build/bench.log" 2>&1 ||
+  { echo "gpu_check: building bench_decoder_cuda failed:"; tail -40 "$build/bench.log"; } ) &
+benchpid=$!
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
 [ $ok = 1 ] || die "build failed"
@@ -118,15 +121,18 @@ for p in "${pids[@]}"; do wait "$p" || ok=0; done
 t1=$(date +%s)
 echo "== built test_cuda in $((t1 - t0)) s"
 
-if [ "${NN_CUDA_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+if [ "${NN_CUDA_SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 0 ]; then
   echo "== compute-sanitizer memcheck on the kernel tests"
   compute-sanitizer --tool memcheck --error-exitcode 9 "$build/test_cuda" -tc="cuda kernels*" > "$logs/sanitizer.log" 2>&1
-  echo "compute-sanitizer exit code $? (log: $logs/sanitizer.log)"; tail -3 "$logs/sanitizer.log"
+  san_rc=$?
+  echo "compute-sanitizer exit code $san_rc (log: $logs/sanitizer.log)"; tail -3 "$logs/sanitizer.log"
 fi
 
 echo "== running test_cuda"
 "$build/test_cuda" > "$logs/test_cuda.log" 2>&1
 rc=$?
+# memcheck's findings fail the check too
+if [ "${san_rc:-0}" != 0 ] && [ "$rc" != 77 ]; then echo "gpu_check: compute-sanitizer memcheck failed (exit $san_rc)"; rc=1; fi
 t2=$(date +%s)
 # The finetune example: --device cuda against --device cpu (its own tiny model and data).
 ft_line="finetune --device cuda vs cpu: not run (finetune_cuda not built)"
@@ -144,9 +150,10 @@ if [ -n "$ft" ]; then
 fi
 t3=$(date +%s)
 # The speed table: only where test_cuda found a GPU.
-bench_line="decoder bench: not run (NN_CUDA_BENCH=0)"
-if [ "${NN_CUDA_BENCH:-1}" != 0 ]; then
-  wait "$benchpid" 2>/dev/null || true
+wait "$benchpid" 2>/dev/null || true
+bench_line="decoder bench: not run here (NN_CUDA_BENCH=1 runs it; or: bash bench/run_decoder_cuda.sh $bench --steps 5)"
+[ -x "$bench" ] || bench_line="decoder bench: bench_decoder_cuda did not build (log $build/bench.log)"
+if [ "${NN_CUDA_BENCH:-0}" = 1 ]; then
   if [ "$rc" = 77 ]; then
     bench_line="decoder bench: not run (no GPU)"
   elif [ -x "$bench" ]; then
