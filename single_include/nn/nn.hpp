@@ -1033,15 +1033,18 @@ struct QuantMatmulAttrs {
 
 /// A fused elementwise group's program (ops/fused.hpp makes it; backend/cpu/fused.hpp runs it):
 /// registers 0..inputs-1 hold the group's inputs at each element, register inputs + s step s's
-/// result, and the last step's result is the output. Each step is a unary or binary primitive
-/// that was a node of the tape, kept with its attributes, so the fused loop computes exactly what
-/// the nodes did, element by element, with the same functors (backend/math.hpp).
+/// result, and the last step's result is the output. Each step is a unary or binary primitive,
+/// or a where, that was a node of the tape, kept with its attributes, so the fused loop computes
+/// exactly what the nodes did, element by element, with the same functors (backend/math.hpp).
+/// An input of another dtype than the group's is a where's mask: it is loaded as 1 where it is
+/// nonzero and 0 elsewhere (where's own test).
 inline constexpr int kMaxFusedSteps = 16;
 inline constexpr int kMaxFusedInputs = 8;
 struct FusedStep {
-  bool binary = false;  // else unary
+  bool binary = false;  // else unary (or a where)
+  bool select = false;  // where(mask register m, a, b): a where the mask is nonzero, else b
   std::uint8_t op = 0;  // the Unary or Binary enumerator
-  std::int8_t a = 0, b = 0;  // operand registers (b: binary only)
+  std::int8_t a = 0, b = 0, m = 0;  // operand registers (b: binary and where; m: where only)
   bool grad = false;         // the step's value wants a gradient (its node's requires_grad)
   bool grad_a = false, grad_b = false;  // the gradient flows into operand a / b
   double arg = 0.0;          // a unary's scalar (pow's exponent, scale's factor)
@@ -5936,7 +5939,7 @@ using GluKernels = GluKernelsT<>;
 // ---- end nn/backend/cpu/glu.hpp ----
 // ---- begin nn/backend/cpu/fused.hpp ----
 // nn::cpu's fused elementwise kernel: a FusedProgram (backend/policy.hpp; ops/fused.hpp makes it
-// from a group of the tape's unary and binary nodes) run over the output in tiles of kTile
+// from a group of the tape's unary, binary and where nodes) run over the output in tiles of kTile
 // elements. Each step of the program runs over the whole tile before the next (one dispatch per
 // step and tile, a loop the compiler vectorises as it does the unfused kernels'), and the tile's
 // registers stay in L1: one pass over memory for the group instead of one per node.
@@ -6010,6 +6013,17 @@ struct FusedKernelsT {
           if (!st.grad) continue;
           const T* go = s == p.steps - 1 ? gs + i0 : gbuf[s];
           const T* a = r[st.a];
+          if (st.select) {  // where's vjp: the cotangent where the branch was taken, else 0
+            const T* m = r[st.m];
+            for (int which = 0; which < 2; ++which) {
+              if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
+              const int reg = which == 0 ? st.a : st.b;
+              T* out = target<T>(p, reg, gbuf, dest, c, i0);
+              const bool acc = reg < p.inputs && dest[c - 1].acc;
+              for (std::int64_t j = 0; j < len; ++j) detail::put(out, j, (m[j] != T(0)) == (which == 0) ? go[j] : T(0), acc);
+            }
+            continue;
+          }
           if (!st.binary) {
             if (!st.grad_a) continue;
             const T* yv = r[p.inputs + s];
@@ -6069,6 +6083,11 @@ struct FusedKernelsT {
   static void run_step(const FusedProgram& p, int s, const T* const* r, T* y, std::int64_t len) {
     const FusedStep& st = p.step[static_cast<std::size_t>(s)];
     const T* a = r[st.a];
+    if (st.select) {
+      const T *b = r[st.b], *m = r[st.m];
+      for (std::int64_t j = 0; j < len; ++j) y[j] = m[j] != T(0) ? a[j] : b[j];
+      return;
+    }
     if (!st.binary) {
       const T arg = static_cast<T>(st.arg);
       detail::dispatch_unary(static_cast<Unary>(st.op), [&]<Unary Op>() {
@@ -6089,6 +6108,7 @@ struct FusedKernelsT {
     enum class Mode : std::uint8_t { same, scalar, suffix, strided };
     struct In {
       const void* data = nullptr;
+      DType dt = DType::f32;  // another than the group's: a where's mask, loaded as 0 / 1
       Mode mode = Mode::same;
       std::int64_t size = 0;
       std::array<std::int64_t, kMaxRank> st{};
@@ -6102,6 +6122,7 @@ struct FusedKernelsT {
         const Tensor& x = *ins[static_cast<std::size_t>(k)];
         In& r = in[static_cast<std::size_t>(k)];
         r.data = x.raw();
+        r.dt = x.dtype();
         r.size = x.numel();
         if (x.shape() == o) r.mode = Mode::same;
         else if (x.numel() == 1) r.mode = Mode::scalar;
@@ -6124,6 +6145,16 @@ struct FusedKernelsT {
         const T* s = static_cast<const T*>(x.data);
         T* d = buf[k];
         r[k] = d;
+        if (x.dt != detail::dtype_of<T>()) {  // a mask: nonzero -> 1, as where tests it
+          for (std::int64_t j = 0; j < len; ++j) {
+            const std::int64_t o = x.mode == Mode::same     ? i0 + j
+                                   : x.mode == Mode::scalar ? 0
+                                   : x.mode == Mode::suffix ? (i0 + j) % x.size
+                                                            : offset(x.st, i0 + j);
+            d[j] = detail::load_as_double(x.data, x.dt, o) != 0.0 ? T(1) : T(0);
+          }
+          continue;
+        }
         switch (x.mode) {
           case Mode::same: r[k] = s + i0; break;
           case Mode::scalar: std::fill_n(d, len, s[0]); break;
@@ -9443,14 +9474,15 @@ GVar quantized_gather(GTape<B>& tp, GVar ids, GVar wq, GVar scales, std::optiona
 // ---- end nn/ops/quantized.hpp ----
 // ---- begin nn/ops/fused.hpp ----
 // Fusion of elementwise chains on a recorded tape (the first seed's gpfuse): a pass over the
-// tape finds groups of unary and binary nodes whose intermediate values nothing else reads, and
-// turns each group into one `fused` node that runs the group per element in one loop, forward
-// and vjp: backend/cpu/fused.hpp on the CPU, one CUDA kernel per direction (k_fused,
-// k_fused_vjp in backend/cuda/kernels.cuh) on nn::cuda, both interpreting the same FusedProgram. The fused node is the group's last node (its
-// index, its value buffer, its GVar); the others are absorbed (Node::fused_into) and hold no
-// buffers. Values and gradients equal the unfused tape's bit for bit: each element goes through
-// the same functors (backend/math.hpp) in the same order, and each contribution to an input's
-// gradient is added in the order the backward sweep adds it unfused.
+// tape finds groups of unary, binary and where nodes whose intermediate values nothing else
+// reads, and turns each group into one `fused` node that runs the group per element in one loop,
+// forward and vjp: backend/cpu/fused.hpp on the CPU, one CUDA kernel per direction (k_fused,
+// k_fused_vjp in backend/cuda/kernels.cuh) on nn::cuda, both interpreting the same FusedProgram.
+// The fused node is the group's last node (its index, its value buffer, its GVar); the others
+// are absorbed (Node::fused_into) and hold no buffers. Values and gradients equal the unfused
+// tape's bit for bit: each element goes through the same functors (backend/math.hpp) in the same
+// order, and each contribution to an input's gradient is added in the order the backward sweep
+// adds it unfused.
 
 #include <algorithm>
 #include <cstdio>
@@ -9478,7 +9510,7 @@ void for_each_fused_contribution(const FusedProgram& p, F&& f) {
     const FusedStep& st = p.step[static_cast<std::size_t>(s)];
     if (!st.grad) continue;
     if (st.grad_a && st.a < p.inputs) f(s, 0, st.a);
-    if (st.binary && st.grad_b && st.b < p.inputs) f(s, 1, st.b);
+    if ((st.binary || st.select) && st.grad_b && st.b < p.inputs) f(s, 1, st.b);
   }
 }
 
@@ -9546,12 +9578,12 @@ inline bool recompute_is_cheap(Unary op) {
   }
 }
 
-// Whether node i may join a fused group: a unary or binary node of a float dtype, outside
+// Whether node i may join a fused group: a unary, binary or where node of a float dtype, outside
 // checkpoint segments (their nodes are recomputed by the sweep), not already planned or fused.
 template <class B>
 bool fusable(GTape<B>& tp, std::int32_t i) {
   const Node<B>& n = tp.at(i);
-  if (!n.def || (n.def->prim != Prim::unary && n.def->prim != Prim::binary)) return false;
+  if (!n.def || (n.def->prim != Prim::unary && n.def->prim != Prim::binary && n.def->prim != Prim::where)) return false;
   const DType t = n.value.dtype();
   return (t == DType::f32 || t == DType::f64) && !n.pooled && !n.planned && n.segment < 0 && n.fused_into < 0;
 }
@@ -9568,9 +9600,10 @@ struct FusionStats {
 };
 
 /// The fusion pass, run on a recorded tape before it is planned (nn::compile runs it when
-/// asked: CompiledStep::fuse). From the last node back, each unary or binary node roots a group
-/// that takes in every operand that is itself such a node of the same shape and dtype, read by
-/// nothing but its one consumer in the group, and not `out` (up to kMaxFusedSteps nodes and
+/// asked: CompiledStep::fuse). From the last node back, each unary, binary or where node roots
+/// a group that takes in every operand that is itself such a node of the same shape and dtype
+/// (a where's mask is always an input), read by nothing but its one consumer in the group, and
+/// not `out` (up to kMaxFusedSteps nodes and
 /// kMaxFusedInputs distinct inputs); a transcendental op only as a group's last node (the cost
 /// rule: detail::recompute_is_cheap). Groups of two or more nodes become one fused node. A group
 /// is left unfused where fusing would reorder a gradient's sum: an input of the group that a
@@ -9599,7 +9632,9 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
     while (!stack.empty()) {
       const std::int32_t j = stack.back();
       stack.pop_back();
-      for (std::int32_t in : tp.at(j).inputs) {
+      const bool select = tp.at(j).def->prim == Prim::where;
+      for (std::size_t q = select ? 1 : 0; q < tp.at(j).inputs.size(); ++q) {  // a where's mask stays an input
+        const std::int32_t in = tp.at(j).inputs[q];
         const auto u = static_cast<std::size_t>(in);
         if (group.size() >= static_cast<std::size_t>(kMaxFusedSteps)) break;
         if (in == out.index || taken[u] || readers[u].size() != 1 || !detail::fusable(tp, in)) continue;
@@ -9638,6 +9673,17 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
       const Node<B>& n = tp.at(group[s]);
       FusedStep& st = p.step[s];
       st.binary = n.def->prim == Prim::binary;
+      st.select = n.def->prim == Prim::where;
+      if (st.select) {  // where(mask, a, b): registers m, a, b
+        st.m = reg(n.inputs[0]);
+        st.a = reg(n.inputs[1]);
+        st.b = reg(n.inputs[2]);
+        st.grad_a = tp.at(n.inputs[1]).requires_grad;
+        st.grad_b = tp.at(n.inputs[2]).requires_grad;
+        st.grad = n.requires_grad;
+        st.node = group[s];
+        continue;
+      }
       if (st.binary) {
         st.op = static_cast<std::uint8_t>(detail::attrs_of<BinaryAttrs>(n).op);
       } else {
@@ -9661,7 +9707,9 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
       const FusedStep& st = p.step[static_cast<std::size_t>(s)];
       if (!st.grad) continue;
       const std::uint32_t self = 1u << (p.inputs + s), a = 1u << st.a, b = st.binary ? 1u << st.b : 0u;
-      if (!st.binary) {
+      if (st.select) {  // where's vjp reads the mask alone
+        if (st.grad_a || st.grad_b) need |= 1u << st.m;
+      } else if (!st.binary) {
         const unsigned rd = st.grad_a ? detail::unary_df_reads(static_cast<Unary>(st.op)) : 0u;
         need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? self : 0u);
       } else {
@@ -9674,7 +9722,8 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
     }
     for (int s = p.steps - 2; s >= 0; --s) {
       const FusedStep& st = p.step[static_cast<std::size_t>(s)];
-      if ((need >> (p.inputs + s)) & 1u) need |= (1u << st.a) | (st.binary ? 1u << st.b : 0u);
+      if ((need >> (p.inputs + s)) & 1u)
+        need |= (1u << st.a) | (st.binary || st.select ? 1u << st.b : 0u) | (st.select ? 1u << st.m : 0u);
     }
     p.vjp_need = need;
     const std::int32_t id = tp.add_fused_program(p);
@@ -9724,8 +9773,8 @@ std::string fusion_report(const GTape<B>& tp) {
     os << ":";
     for (int k = 0; k < p.steps; ++k) {
       const FusedStep& st = p.step[static_cast<std::size_t>(k)];
-      os << ' ' << (st.binary ? binary_name(static_cast<Binary>(st.op)) : unary_name(static_cast<Unary>(st.op))) << '#'
-         << st.node;
+      os << ' ' << (st.select ? "where" : st.binary ? binary_name(static_cast<Binary>(st.op)) : unary_name(static_cast<Unary>(st.op)))
+         << '#' << st.node;
       if (k + 1 < p.steps) s += bytes * (st.grad ? 4 : 2);
     }
     os << ", " << p.inputs << " inputs, " << n.value.numel() << ' ' << dtype_name(n.value.dtype()) << ", " << s

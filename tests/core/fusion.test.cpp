@@ -28,8 +28,8 @@ struct Result {
 };
 
 // Records g, optionally fuses (and plans), runs it forward and backward twice, and returns the loss and the leaves'
-// gradients (copies). `stats` receives what the pass did.
-Result run(const FusionGraph& g, bool fuse, bool plan, FusionStats* stats = nullptr) {
+// gradients (copies). `stats` receives what the pass did; `wheres`, the where steps it fused.
+Result run(const FusionGraph& g, bool fuse, bool plan, FusionStats* stats = nullptr, int* wheres = nullptr) {
   GTape<cpu> tp;
   std::vector<GVar> params;
   GVar last, loss;
@@ -38,6 +38,12 @@ Result run(const FusionGraph& g, bool fuse, bool plan, FusionStats* stats = null
   FusionStats s;
   if (fuse) s = fuse_elementwise(tp, loss);
   if (stats) *stats = s;
+  for (std::size_t i = 0; wheres && i < tp.size(); ++i) {
+    const Node<cpu>& n = tp.at(static_cast<std::int32_t>(i));
+    if (!n.def || n.def->prim != Prim::fused) continue;
+    const FusedProgram& p = detail::FusedPrim<cpu>::program(tp, n);
+    for (int k = 0; k < p.steps; ++k) *wheres += p.step[static_cast<std::size_t>(k)].select;
+  }
   if (plan) tp.plan_memory(loss);
   tp.replay_forward();
   tp.backward(loss);
@@ -61,7 +67,7 @@ struct FuseMlp {
 }  // namespace
 
 TEST_CASE("fusion: 200 random elementwise graphs fused equal unfused bit for bit (f32, f64; eager and planned)") {
-  int groups = 0, absorbed = 0, graphs_fused = 0;
+  int groups = 0, absorbed = 0, graphs_fused = 0, wheres = 0;
   for (std::uint64_t seed = 1; seed <= 200; ++seed) {
     for (DType dt : {DType::f32, DType::f64}) {
       CAPTURE(seed);
@@ -70,7 +76,7 @@ TEST_CASE("fusion: 200 random elementwise graphs fused equal unfused bit for bit
       const FusionGraph g(seed, dt);
       for (bool plan : {false, true}) {
         FusionStats st;
-        const Result a = run(g, false, plan), b = run(g, true, plan, &st);
+        const Result a = run(g, false, plan), b = run(g, true, plan, &st, plan && dt == DType::f32 ? &wheres : nullptr);
         CHECK(same_bytes(a.out, b.out));
         for (std::size_t k = 0; k < a.grads.size(); ++k)
           if (a.grads[k].defined()) CHECK_MESSAGE(same_bytes(a.grads[k], b.grads[k]), "gradient of leaf " << k);
@@ -82,10 +88,12 @@ TEST_CASE("fusion: 200 random elementwise graphs fused equal unfused bit for bit
       }
     }
   }
-  MESSAGE(graphs_fused << " of 200 graphs fused: " << groups << " groups absorbing " << absorbed << " nodes");
+  MESSAGE(graphs_fused << " of 200 graphs fused: " << groups << " groups absorbing " << absorbed << " nodes, "
+                       << wheres << " of them wheres");
   // the loss's own (out + w) * out is one group in every graph; the random chains make the rest
   CHECK(graphs_fused == 200);
   CHECK(groups > 300);
+  CHECK(wheres > 20);
 }
 
 TEST_CASE("fusion: a chain becomes one node; its intermediates are unreadable, the report lists it") {
@@ -119,6 +127,28 @@ TEST_CASE("fusion: a chain becomes one node; its intermediates are unreadable, t
   for (std::size_t i = 0; i < gx.size(); ++i) {
     const double sv = 0.5 * (xs[i] + bs[i % 6]), sg = 1 / (1 + std::exp(-sv));
     CHECK(gx[i] == doctest::Approx(0.5 * sg * (1 + sv * (1 - sg))).epsilon(1e-14));
+  }
+}
+
+TEST_CASE("fusion: a where joins a group, its mask (u8, broadcast) an input; gradients as where routes them") {
+  GTape<cpu> tp;
+  const Tensor X = nn::test::random_tensor({4, 6}, DType::f64, 5);
+  const Tensor M = Tensor::from_doubles({6}, {1, 0, 1, 1, 0, 0}, DType::u8);
+  GVar x = tp.param(X);
+  GVar y = where(tp, tp.constant(M), scale(tp, x, 2.0), neg(tp, x));  // 2x where the mask is set, else -x
+  GVar loss = sum(tp, y);
+  const FusionStats st = fuse_elementwise(tp, loss);
+  CHECK(st.groups == 1);
+  CHECK(st.absorbed == 2);
+  CHECK(tp.node(y).def->prim == Prim::fused);
+  CHECK(fusion_report(tp).find("where#" + std::to_string(y.index)) != std::string::npos);
+  tp.replay_forward();
+  tp.backward(loss);
+  const auto xs = X.to_doubles(), ys = tp.value(y).to_doubles(), gx = tp.grad(x).to_doubles();
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const bool set = M.item(static_cast<std::int64_t>(i % 6)) != 0;
+    CHECK(ys[i] == (set ? 2 * xs[i] : -xs[i]));
+    CHECK(gx[i] == (set ? 2.0 : -1.0));
   }
 }
 

@@ -12,17 +12,20 @@
 namespace nn::test {
 
 // One random graph: leaves of the full shape and of broadcast shapes (a trailing suffix, one
-// element, a middle dimension of 1), some frozen, then `ops` unary and binary nodes over random
-// earlier values (so values fan out), then loss = sum(out * w) over the last one.
+// element, a middle dimension of 1), some frozen, then `ops` unary, binary and where nodes over
+// random earlier values (so values fan out; a where's mask is a constant of u8 or the graph's
+// dtype, of any of those shapes), then loss = sum(out * w) over the last one.
 struct FusionGraph {
   Shape full;
   std::vector<Tensor> leaves;
   std::vector<bool> trainable;
   Tensor w;
+  std::vector<Tensor> masks;  // the wheres' masks (constants)
   struct Op {
     bool binary;
-    int op, a, b;
+    int op, a, b;  // a where: op is its mask's index in masks
     double arg;
+    bool select = false;
   };
   std::vector<Op> ops;
 
@@ -43,7 +46,16 @@ struct FusionGraph {
       // mostly the newest values, so chains form; sometimes any earlier one, so values fan out
       auto operand = [&] { return pick(3) ? avail - 1 - pick(std::min(avail, 2)) : pick(avail); };
       if (pick(2)) {
-        ops.push_back({true, pick(6), operand(), operand(), 0});
+        const int k = pick(8);  // a quarter of them a where
+        if (k < 6) {
+          ops.push_back({true, k, operand(), operand(), 0});
+        } else {  // where(mask, a, b)
+          const Shape ms = shapes[pick(4)];
+          std::vector<double> mv(static_cast<std::size_t>(ms.numel()));
+          for (double& x : mv) x = pick(2);
+          masks.push_back(Tensor::from_doubles(ms, mv, pick(2) ? DType::u8 : dt));
+          ops.push_back({false, static_cast<int>(masks.size()) - 1, operand(), operand(), 0, true});
+        }
       } else {
         // the unary ops with a domain (log, sqrt, rsqrt, pow) get a positive operand: the
         // graph adds abs and add_scalar first, as nodes of their own
@@ -82,8 +94,13 @@ struct FusionGraph {
     }
     for (const Op& o : ops) {
       // a binary op of two broadcast leaves may be smaller than full; that is fine
-      v.push_back(o.binary ? binary(tp, static_cast<Binary>(o.op), v[static_cast<std::size_t>(o.a)], v[static_cast<std::size_t>(o.b)])
-                           : unary(tp, static_cast<Unary>(o.op), v[static_cast<std::size_t>(o.a)], o.arg));
+      const GVar a = v[static_cast<std::size_t>(o.a)];
+      if (o.select)
+        v.push_back(where(tp, tp.constant(nn::detail::on_backend<B>(masks[static_cast<std::size_t>(o.op)])), a,
+                          v[static_cast<std::size_t>(o.b)]));
+      else
+        v.push_back(o.binary ? binary(tp, static_cast<Binary>(o.op), a, v[static_cast<std::size_t>(o.b)])
+                             : unary(tp, static_cast<Unary>(o.op), a, o.arg));
     }
     *out = v.back();
     // w is broadcast against the last value when that one is smaller than full

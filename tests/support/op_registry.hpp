@@ -253,6 +253,15 @@ std::vector<OpCase<B>> cases() {
          return y;
        },
        true, "", chain, Tol{.composite64 = 0, .composite32 = 0}});
+  // A where inside a group: its mask (u8, broadcast along the rows) stays an input of the group.
+  auto chain_where = [](T tp, V v) { return where(tp, v[2], scale(tp, v[0], 0.5), neg(tp, nn::add(tp, v[0], v[1]))); };
+  add({Prim::fused, "fused_where", {real({3, 8}, -3, 3), real({8}), mask({8})},
+       [chain_where](T tp, V v) {
+         const GVar y = chain_where(tp, v);
+         fuse_elementwise(tp, y);
+         return y;
+       },
+       true, "", chain_where, Tol{.composite64 = 0, .composite32 = 0}});
 
   // ---- quantized matrices: against matmul / gather_rows of the dequantized matrix ---------------
   // W (48, 64) drawn once, quantized in x's dtype (affine 32/4, or mxfp4), on B's device.

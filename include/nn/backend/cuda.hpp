@@ -972,7 +972,8 @@ struct cuda {
     std::array<std::array<std::int64_t, kMaxRank>, kMaxFusedInputs> st{};
     for (int k = 0; k < p.inputs; ++k) {
       const Tensor& x = *ins[static_cast<std::size_t>(k)];
-      in.p[k] = detail::cu::ptr<T>(x);
+      in.p[k] = x.raw();
+      in.dt[k] = x.dtype();
       st[static_cast<std::size_t>(k)] = detail::broadcast_strides(x.shape(), out);
     }
     return detail::cu::make_strided<kMaxFusedInputs>(out, st);

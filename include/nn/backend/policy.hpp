@@ -171,15 +171,18 @@ struct QuantMatmulAttrs {
 
 /// A fused elementwise group's program (ops/fused.hpp makes it; backend/cpu/fused.hpp runs it):
 /// registers 0..inputs-1 hold the group's inputs at each element, register inputs + s step s's
-/// result, and the last step's result is the output. Each step is a unary or binary primitive
-/// that was a node of the tape, kept with its attributes, so the fused loop computes exactly what
-/// the nodes did, element by element, with the same functors (backend/math.hpp).
+/// result, and the last step's result is the output. Each step is a unary or binary primitive,
+/// or a where, that was a node of the tape, kept with its attributes, so the fused loop computes
+/// exactly what the nodes did, element by element, with the same functors (backend/math.hpp).
+/// An input of another dtype than the group's is a where's mask: it is loaded as 1 where it is
+/// nonzero and 0 elsewhere (where's own test).
 inline constexpr int kMaxFusedSteps = 16;
 inline constexpr int kMaxFusedInputs = 8;
 struct FusedStep {
-  bool binary = false;  // else unary
+  bool binary = false;  // else unary (or a where)
+  bool select = false;  // where(mask register m, a, b): a where the mask is nonzero, else b
   std::uint8_t op = 0;  // the Unary or Binary enumerator
-  std::int8_t a = 0, b = 0;  // operand registers (b: binary only)
+  std::int8_t a = 0, b = 0, m = 0;  // operand registers (b: binary and where; m: where only)
   bool grad = false;         // the step's value wants a gradient (its node's requires_grad)
   bool grad_a = false, grad_b = false;  // the gradient flows into operand a / b
   double arg = 0.0;          // a unary's scalar (pow's exponent, scale's factor)

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // Fusion of elementwise chains on a recorded tape (the first seed's gpfuse): a pass over the
-// tape finds groups of unary and binary nodes whose intermediate values nothing else reads, and
-// turns each group into one `fused` node that runs the group per element in one loop, forward
-// and vjp: backend/cpu/fused.hpp on the CPU, one CUDA kernel per direction (k_fused,
-// k_fused_vjp in backend/cuda/kernels.cuh) on nn::cuda, both interpreting the same FusedProgram. The fused node is the group's last node (its
-// index, its value buffer, its GVar); the others are absorbed (Node::fused_into) and hold no
-// buffers. Values and gradients equal the unfused tape's bit for bit: each element goes through
-// the same functors (backend/math.hpp) in the same order, and each contribution to an input's
-// gradient is added in the order the backward sweep adds it unfused.
+// tape finds groups of unary, binary and where nodes whose intermediate values nothing else
+// reads, and turns each group into one `fused` node that runs the group per element in one loop,
+// forward and vjp: backend/cpu/fused.hpp on the CPU, one CUDA kernel per direction (k_fused,
+// k_fused_vjp in backend/cuda/kernels.cuh) on nn::cuda, both interpreting the same FusedProgram.
+// The fused node is the group's last node (its index, its value buffer, its GVar); the others
+// are absorbed (Node::fused_into) and hold no buffers. Values and gradients equal the unfused
+// tape's bit for bit: each element goes through the same functors (backend/math.hpp) in the same
+// order, and each contribution to an input's gradient is added in the order the backward sweep
+// adds it unfused.
 #pragma once
 
 #include <algorithm>
@@ -39,7 +40,7 @@ void for_each_fused_contribution(const FusedProgram& p, F&& f) {
     const FusedStep& st = p.step[static_cast<std::size_t>(s)];
     if (!st.grad) continue;
     if (st.grad_a && st.a < p.inputs) f(s, 0, st.a);
-    if (st.binary && st.grad_b && st.b < p.inputs) f(s, 1, st.b);
+    if ((st.binary || st.select) && st.grad_b && st.b < p.inputs) f(s, 1, st.b);
   }
 }
 
@@ -107,12 +108,12 @@ inline bool recompute_is_cheap(Unary op) {
   }
 }
 
-// Whether node i may join a fused group: a unary or binary node of a float dtype, outside
+// Whether node i may join a fused group: a unary, binary or where node of a float dtype, outside
 // checkpoint segments (their nodes are recomputed by the sweep), not already planned or fused.
 template <class B>
 bool fusable(GTape<B>& tp, std::int32_t i) {
   const Node<B>& n = tp.at(i);
-  if (!n.def || (n.def->prim != Prim::unary && n.def->prim != Prim::binary)) return false;
+  if (!n.def || (n.def->prim != Prim::unary && n.def->prim != Prim::binary && n.def->prim != Prim::where)) return false;
   const DType t = n.value.dtype();
   return (t == DType::f32 || t == DType::f64) && !n.pooled && !n.planned && n.segment < 0 && n.fused_into < 0;
 }
@@ -129,9 +130,10 @@ struct FusionStats {
 };
 
 /// The fusion pass, run on a recorded tape before it is planned (nn::compile runs it when
-/// asked: CompiledStep::fuse). From the last node back, each unary or binary node roots a group
-/// that takes in every operand that is itself such a node of the same shape and dtype, read by
-/// nothing but its one consumer in the group, and not `out` (up to kMaxFusedSteps nodes and
+/// asked: CompiledStep::fuse). From the last node back, each unary, binary or where node roots
+/// a group that takes in every operand that is itself such a node of the same shape and dtype
+/// (a where's mask is always an input), read by nothing but its one consumer in the group, and
+/// not `out` (up to kMaxFusedSteps nodes and
 /// kMaxFusedInputs distinct inputs); a transcendental op only as a group's last node (the cost
 /// rule: detail::recompute_is_cheap). Groups of two or more nodes become one fused node. A group
 /// is left unfused where fusing would reorder a gradient's sum: an input of the group that a
@@ -160,7 +162,9 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
     while (!stack.empty()) {
       const std::int32_t j = stack.back();
       stack.pop_back();
-      for (std::int32_t in : tp.at(j).inputs) {
+      const bool select = tp.at(j).def->prim == Prim::where;
+      for (std::size_t q = select ? 1 : 0; q < tp.at(j).inputs.size(); ++q) {  // a where's mask stays an input
+        const std::int32_t in = tp.at(j).inputs[q];
         const auto u = static_cast<std::size_t>(in);
         if (group.size() >= static_cast<std::size_t>(kMaxFusedSteps)) break;
         if (in == out.index || taken[u] || readers[u].size() != 1 || !detail::fusable(tp, in)) continue;
@@ -199,6 +203,17 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
       const Node<B>& n = tp.at(group[s]);
       FusedStep& st = p.step[s];
       st.binary = n.def->prim == Prim::binary;
+      st.select = n.def->prim == Prim::where;
+      if (st.select) {  // where(mask, a, b): registers m, a, b
+        st.m = reg(n.inputs[0]);
+        st.a = reg(n.inputs[1]);
+        st.b = reg(n.inputs[2]);
+        st.grad_a = tp.at(n.inputs[1]).requires_grad;
+        st.grad_b = tp.at(n.inputs[2]).requires_grad;
+        st.grad = n.requires_grad;
+        st.node = group[s];
+        continue;
+      }
       if (st.binary) {
         st.op = static_cast<std::uint8_t>(detail::attrs_of<BinaryAttrs>(n).op);
       } else {
@@ -222,7 +237,9 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
       const FusedStep& st = p.step[static_cast<std::size_t>(s)];
       if (!st.grad) continue;
       const std::uint32_t self = 1u << (p.inputs + s), a = 1u << st.a, b = st.binary ? 1u << st.b : 0u;
-      if (!st.binary) {
+      if (st.select) {  // where's vjp reads the mask alone
+        if (st.grad_a || st.grad_b) need |= 1u << st.m;
+      } else if (!st.binary) {
         const unsigned rd = st.grad_a ? detail::unary_df_reads(static_cast<Unary>(st.op)) : 0u;
         need |= ((rd & 1u) ? a : 0u) | ((rd & 2u) ? self : 0u);
       } else {
@@ -235,7 +252,8 @@ FusionStats fuse_elementwise(GTape<B>& tp, GVar out) {
     }
     for (int s = p.steps - 2; s >= 0; --s) {
       const FusedStep& st = p.step[static_cast<std::size_t>(s)];
-      if ((need >> (p.inputs + s)) & 1u) need |= (1u << st.a) | (st.binary ? 1u << st.b : 0u);
+      if ((need >> (p.inputs + s)) & 1u)
+        need |= (1u << st.a) | (st.binary || st.select ? 1u << st.b : 0u) | (st.select ? 1u << st.m : 0u);
     }
     p.vjp_need = need;
     const std::int32_t id = tp.add_fused_program(p);
@@ -285,8 +303,8 @@ std::string fusion_report(const GTape<B>& tp) {
     os << ":";
     for (int k = 0; k < p.steps; ++k) {
       const FusedStep& st = p.step[static_cast<std::size_t>(k)];
-      os << ' ' << (st.binary ? binary_name(static_cast<Binary>(st.op)) : unary_name(static_cast<Unary>(st.op))) << '#'
-         << st.node;
+      os << ' ' << (st.select ? "where" : st.binary ? binary_name(static_cast<Binary>(st.op)) : unary_name(static_cast<Unary>(st.op)))
+         << '#' << st.node;
       if (k + 1 < p.steps) s += bytes * (st.grad ? 4 : 2);
     }
     os << ", " << p.inputs << " inputs, " << n.value.numel() << ' ' << dtype_name(n.value.dtype()) << ", " << s

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // nn::cpu's fused elementwise kernel: a FusedProgram (backend/policy.hpp; ops/fused.hpp makes it
-// from a group of the tape's unary and binary nodes) run over the output in tiles of kTile
+// from a group of the tape's unary, binary and where nodes) run over the output in tiles of kTile
 // elements. Each step of the program runs over the whole tile before the next (one dispatch per
 // step and tile, a loop the compiler vectorises as it does the unfused kernels'), and the tile's
 // registers stay in L1: one pass over memory for the group instead of one per node.
@@ -76,6 +76,17 @@ struct FusedKernelsT {
           if (!st.grad) continue;
           const T* go = s == p.steps - 1 ? gs + i0 : gbuf[s];
           const T* a = r[st.a];
+          if (st.select) {  // where's vjp: the cotangent where the branch was taken, else 0
+            const T* m = r[st.m];
+            for (int which = 0; which < 2; ++which) {
+              if (!(which == 0 ? st.grad_a : st.grad_b)) continue;
+              const int reg = which == 0 ? st.a : st.b;
+              T* out = target<T>(p, reg, gbuf, dest, c, i0);
+              const bool acc = reg < p.inputs && dest[c - 1].acc;
+              for (std::int64_t j = 0; j < len; ++j) detail::put(out, j, (m[j] != T(0)) == (which == 0) ? go[j] : T(0), acc);
+            }
+            continue;
+          }
           if (!st.binary) {
             if (!st.grad_a) continue;
             const T* yv = r[p.inputs + s];
@@ -135,6 +146,11 @@ struct FusedKernelsT {
   static void run_step(const FusedProgram& p, int s, const T* const* r, T* y, std::int64_t len) {
     const FusedStep& st = p.step[static_cast<std::size_t>(s)];
     const T* a = r[st.a];
+    if (st.select) {
+      const T *b = r[st.b], *m = r[st.m];
+      for (std::int64_t j = 0; j < len; ++j) y[j] = m[j] != T(0) ? a[j] : b[j];
+      return;
+    }
     if (!st.binary) {
       const T arg = static_cast<T>(st.arg);
       detail::dispatch_unary(static_cast<Unary>(st.op), [&]<Unary Op>() {
@@ -155,6 +171,7 @@ struct FusedKernelsT {
     enum class Mode : std::uint8_t { same, scalar, suffix, strided };
     struct In {
       const void* data = nullptr;
+      DType dt = DType::f32;  // another than the group's: a where's mask, loaded as 0 / 1
       Mode mode = Mode::same;
       std::int64_t size = 0;
       std::array<std::int64_t, kMaxRank> st{};
@@ -168,6 +185,7 @@ struct FusedKernelsT {
         const Tensor& x = *ins[static_cast<std::size_t>(k)];
         In& r = in[static_cast<std::size_t>(k)];
         r.data = x.raw();
+        r.dt = x.dtype();
         r.size = x.numel();
         if (x.shape() == o) r.mode = Mode::same;
         else if (x.numel() == 1) r.mode = Mode::scalar;
@@ -190,6 +208,16 @@ struct FusedKernelsT {
         const T* s = static_cast<const T*>(x.data);
         T* d = buf[k];
         r[k] = d;
+        if (x.dt != detail::dtype_of<T>()) {  // a mask: nonzero -> 1, as where tests it
+          for (std::int64_t j = 0; j < len; ++j) {
+            const std::int64_t o = x.mode == Mode::same     ? i0 + j
+                                   : x.mode == Mode::scalar ? 0
+                                   : x.mode == Mode::suffix ? (i0 + j) % x.size
+                                                            : offset(x.st, i0 + j);
+            d[j] = detail::load_as_double(x.data, x.dt, o) != 0.0 ? T(1) : T(0);
+          }
+          continue;
+        }
         switch (x.mode) {
           case Mode::same: r[k] = s + i0; break;
           case Mode::scalar: std::fill_n(d, len, s[0]); break;

@@ -283,8 +283,13 @@ __global__ void k_where_vjp(const void* m, DType mt, const T* g, int which, T* d
 // sweep walks the nodes, adding each contribution to an input in the sweep's order.
 template <class T>
 struct FusedInputs {
-  const T* p[kMaxFusedInputs] = {};
+  const void* p[kMaxFusedInputs] = {};
+  DType dt[kMaxFusedInputs] = {};  // another than T's: a where's mask, loaded as 0 / 1
 };
+template <class T>
+__device__ inline T fused_input(const FusedInputs<T>& in, int k, i64 o) {
+  return in.dt[k] == nn::detail::dtype_of<T>() ? static_cast<const T*>(in.p[k])[o] : (mask_at(in.p[k], in.dt[k], o) ? T(1) : T(0));
+}
 template <class T>
 struct FusedDests {
   T* p[2 * kMaxFusedSteps] = {};
@@ -292,6 +297,7 @@ struct FusedDests {
 };
 template <class T>
 __device__ inline T fused_step_value(const FusedStep& st, const T* r) {
+  if (st.select) return r[st.m] != T(0) ? r[st.a] : r[st.b];
   return st.binary ? binary_f(static_cast<Binary>(st.op), r[st.a], r[st.b])
                    : unary_f(static_cast<Unary>(st.op), r[st.a], static_cast<T>(st.arg));
 }
@@ -301,7 +307,7 @@ __global__ void k_fused(FusedProgram p, FusedInputs<T> in, T* y, i64 n, Strided<
     i64 o[kMaxFusedInputs];
     offsets(s, i, o);
     T r[kMaxFusedInputs + kMaxFusedSteps];
-    for (int k = 0; k < p.inputs; ++k) r[k] = in.p[k][o[k]];
+    for (int k = 0; k < p.inputs; ++k) r[k] = fused_input(in, k, o[k]);
     for (int st = 0; st < p.steps; ++st) r[p.inputs + st] = fused_step_value(p.step[st], r);
     y[i] = r[p.inputs + p.steps - 1];
   }
@@ -314,7 +320,7 @@ __global__ void k_fused_vjp(FusedProgram p, FusedInputs<T> in, const T* y, const
     offsets(s, i, o);
     auto need = [&](int reg) { return ((p.vjp_need >> reg) & 1u) != 0; };
     T r[kMaxFusedInputs + kMaxFusedSteps];
-    for (int k = 0; k < p.inputs; ++k) r[k] = need(k) ? in.p[k][o[k]] : T(0);
+    for (int k = 0; k < p.inputs; ++k) r[k] = need(k) ? fused_input(in, k, o[k]) : T(0);
     const int last = p.inputs + p.steps - 1;
     for (int st = 0; st + 1 < p.steps; ++st) r[p.inputs + st] = need(p.inputs + st) ? fused_step_value(p.step[st], r) : T(0);
     r[last] = need(last) ? y[i] : T(0);
@@ -332,6 +338,12 @@ __global__ void k_fused_vjp(FusedProgram p, FusedInputs<T> in, const T* y, const
       const FusedStep& f = p.step[st];
       if (!f.grad) continue;
       const T go = st == p.steps - 1 ? g[i] : gr[st];
+      if (f.select) {  // where's vjp: the cotangent where the branch was taken, else 0
+        const bool take_a = r[f.m] != T(0);
+        if (f.grad_a) give(f.a, take_a ? go : T(0));
+        if (f.grad_b) give(f.b, take_a ? T(0) : go);
+        continue;
+      }
       if (!f.binary) {
         if (f.grad_a) give(f.a, go * unary_df(static_cast<Unary>(f.op), r[f.a], r[p.inputs + st], static_cast<T>(f.arg)));
         continue;
