@@ -7,7 +7,9 @@
 // settings); and errors that name the construct.
 #include <doctest/doctest.h>
 
+#include <ctime>
 #include <fstream>
+#include <iomanip>
 #include <sstream>
 #include <string>
 
@@ -37,6 +39,20 @@ using test::error_of;
 
 std::string render(const std::string& src, const Json& ctx = Json::object()) { return ChatTemplate(src, "t.jinja").render(ctx); }
 
+// "2026-12-05T12:00:00" (the fixture's "now": the local time its renders were recorded at).
+std::tm parse_local_time(const std::string& iso) {
+  std::tm tm{};
+  std::istringstream in(iso);
+  in >> std::get_time(&tm, "%Y-%m-%dT%H:%M:%S");
+  REQUIRE_MESSAGE(!in.fail(), "bad time ", iso);
+  tm.tm_isdst = -1;
+  std::tm norm = tm;
+  std::mktime(&norm);  // fills the weekday and the day of the year that %a and %j print
+  tm.tm_wday = norm.tm_wday;
+  tm.tm_yday = norm.tm_yday;
+  return tm;
+}
+
 }  // namespace
 
 TEST_CASE("chat templates: SmolLM2, Qwen2.5, Qwen3, Llama 3.1 and 3.2 render as transformers renders them") {
@@ -46,7 +62,11 @@ TEST_CASE("chat templates: SmolLM2, Qwen2.5, Qwen3, Llama 3.1 and 3.2 render as 
   int rendered = 0, refused = 0;
   for (const Json& c : exp["cases"]) {
     const std::string name = c["template"].get<std::string>();
-    if (!templates.count(name)) templates.emplace(name, ChatTemplate(read_file(kDir + name + ".jinja"), name + ".jinja"));
+    if (!templates.count(name)) {
+      ChatTemplate t(read_file(kDir + name + ".jinja"), name + ".jinja");
+      t.now = parse_local_time(exp["now"].get<std::string>());  // Llama 3's "Today Date" as recorded
+      templates.emplace(name, std::move(t));
+    }
     const ChatTemplate& t = templates.at(name);
     INFO(name, " conversation ", c["case"].get<int>());
     if (c.contains("error")) {
@@ -71,6 +91,22 @@ TEST_CASE("chat templates: SmolLM2, Qwen2.5, Qwen3, Llama 3.1 and 3.2 render as 
   }
   MESSAGE(rendered, " renders identical, ", refused, " refused as transformers refuses them");
   CHECK(rendered + refused == 100);
+}
+
+TEST_CASE("chat templates: strftime_now formats ChatTemplate::now when set, else the clock") {
+  ChatTemplate t("{{ strftime_now('%d %b %Y') }}|{{ strftime_now('%A %j %H:%M') }}|{{ strftime_now() }}", "t.jinja");
+  t.now = parse_local_time("2026-12-05T12:00:00");
+  CHECK(t.render(Json::object()) == "05 Dec 2026|Saturday 339 12:00|2026-12-05");
+  t.now = parse_local_time("2027-01-31T23:59:00");
+  CHECK(t.render(Json::object()) == "31 Jan 2027|Sunday 031 23:59|2027-01-31");
+  // Unset: today, as the C library formats it (the year at least cannot drift inside one render).
+  t.now.reset();
+  const std::time_t clock = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&clock, &local);
+  char year[8];
+  std::strftime(year, sizeof year, "%Y", &local);
+  CHECK(contains(t.render(Json::object()), year));
 }
 
 TEST_CASE("chat templates: Jinja's whitespace control, trim_blocks and lstrip_blocks") {

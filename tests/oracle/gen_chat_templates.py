@@ -27,8 +27,25 @@ import sys
 import tarfile
 import tempfile
 
+import datetime
+
 import transformers
+from transformers.utils import chat_template_utils
 from transformers.utils.chat_template_utils import render_jinja_template
+
+# strftime_now() (Llama 3's "Today Date") reads the clock: the renders are recorded at a fixed
+# local time, written into the fixture as "now", and the test sets nn's clock (ChatTemplate::now)
+# to it, so the fixture does not expire with the day it was recorded on.
+NOW = datetime.datetime(2026, 12, 5, 12, 0, 0)
+
+
+class FixedClock(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return NOW
+
+
+chat_template_utils.datetime = FixedClock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "fixtures", "lm", "chat_templates")
@@ -151,7 +168,7 @@ def main():
                 rec["error"] = str(e)
             cases.append(rec)
     with open(os.path.join(OUT, "expected.json"), "w", encoding="utf-8") as f:
-        json.dump({"transformers_version": transformers.__version__, "cases": cases}, f, ensure_ascii=False, indent=0)
+        json.dump({"transformers_version": transformers.__version__, "now": NOW.isoformat(), "cases": cases}, f, ensure_ascii=False, indent=0)
     n_err = sum("error" in c for c in cases)
     print(f"{len(templates)} templates x {len(conversations())} conversations: {len(cases)} renders, {n_err} raise", file=sys.stderr)
 

@@ -1044,6 +1044,10 @@ class ChatTemplate {
   /// says which bound it passed).
   std::size_t max_steps = 20'000'000;            // statements run plus loop turns
   std::size_t max_output = std::size_t{256} << 20;  // bytes of rendered text
+  /// The local time strftime_now() formats (Llama 3's "Today Date"); unset, the clock's now, as
+  /// transformers does. Set it for renders that must not change with the day (tests, recorded
+  /// prompts).
+  std::optional<std::tm> now;
   const std::string& source() const { return source_; }
 
   /// Renders with the variables of `context` (an object: messages, tools, add_generation_prompt,
@@ -1582,13 +1586,17 @@ class ChatTemplate {
       }
       if (name == "strftime_now") {
         const std::string fmt = a.empty() ? "%Y-%m-%d" : str_arg(a[0], "strftime_now");
-        const std::time_t now = std::time(nullptr);
         std::tm tm{};
+        if (t.now) {
+          tm = *t.now;
+        } else {
+          const std::time_t clock = std::time(nullptr);
 #if defined(_WIN32)
-        localtime_s(&tm, &now);
+          localtime_s(&tm, &clock);
 #else
-        localtime_r(&now, &tm);
+          localtime_r(&clock, &tm);
 #endif
+        }
         char buf[256];
         const std::size_t len = std::strftime(buf, sizeof buf, fmt.c_str(), &tm);
         return Value::of(std::string(buf, len));
