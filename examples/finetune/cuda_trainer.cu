@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // --device cuda: the finetune's Trainer (trainer.hpp) on GTape<nn::cuda>. The one translation
-// unit of finetune_cuda that nvcc compiles; main.cpp, built by the host compiler with
-// NN_FINETUNE_CUDA defined, reaches it through make_cuda_trainer alone.
+// unit of finetune_cuda that nvcc compiles; main.cpp (the object finetune shares, built by the
+// host compiler) reaches it through make_cuda_trainer alone, as finetune reaches no_cuda.cpp's.
 #include <nn/cuda.hpp>
 
 #include "trainer.hpp"

@@ -69,14 +69,8 @@ std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string&
 /// The trainer --device names. The model must be complete (adapters applied, frozen as it will
 /// train): it moves to the device here.
 std::unique_ptr<finetune::Trainer> make_trainer(const Args& a, CausalLM& model) {
-  if (a.device == "cuda") {
-#if defined(NN_FINETUNE_CUDA)
-    return finetune::make_cuda_trainer(a, model);
-#else
-    nn::detail::fail("finetune", "--device cuda: this finetune was built without CUDA (build the finetune_cuda "
-                     "target: CMake with nvcc found, -DNN_WITH_CUDA=ON)");
-#endif
-  }
+  // cuda_trainer.cu in finetune_cuda; no_cuda.cpp (an error that says how to get it) in finetune
+  if (a.device == "cuda") return finetune::make_cuda_trainer(a, model);
   return std::make_unique<finetune::TrainerOn<cpu>>(a, model);
 }
 

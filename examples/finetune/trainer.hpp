@@ -179,8 +179,8 @@ class TrainerOn final : public Trainer {
   bool on_device_ = B::device != nn::Device::cpu;
 };
 
-/// cuda_trainer.cu (finetune_cuda): a TrainerOn<nn::cuda>; an nn::Error when no CUDA device
-/// is present.
+/// cuda_trainer.cu (finetune_cuda): a TrainerOn<nn::cuda>, or an nn::Error when no CUDA device
+/// is present; no_cuda.cpp (finetune): an nn::Error saying the program was built without CUDA.
 std::unique_ptr<Trainer> make_cuda_trainer(const Options& a, nn::lm::CausalLM& model);
 
 }  // namespace finetune

@@ -86,18 +86,21 @@ else
 fi
 srcs=("$root/tests/cuda/cuda_main.cu" "$root"/tests/cuda/*.test.cu)
 pids=()
+objs=()
 for s in "${srcs[@]}"; do
   o="$build/$(basename "$s" .cu).o"
+  objs+=("$o")
   ( "$NVCC" "${flags[@]}" -c "$s" -o "$o" > "$o.log" 2>&1 || { echo "gpu_check: compiling $s failed:"; cat "$o.log"; exit 1; } ) &
   pids+=($!)
 done
 # finetune_cuda beside them: main.cpp by the host compiler, cuda_trainer.cu by nvcc (the CMake
-# target's split), linked with yaml-cpp's static library.
+# target's split), linked with yaml-cpp's static library. (test_cuda links its own objects by
+# name: ft_main.o holds a main() too.)
 ft=""
 if [ -f "$CLI11_INCLUDE/CLI/CLI.hpp" ] && [ -f "$YAML_INCLUDE/yaml-cpp/yaml.h" ] && [ -f "$YAML_LIB" ]; then
   ft="$build/finetune_cuda"
   rm -f "$ft"
-  ftinc=(-I"$root/include" -I"$EIGEN_INCLUDE" -I"$JSON_INCLUDE" -I"$CLI11_INCLUDE" -I"$YAML_INCLUDE" -DNN_FINETUNE_CUDA)
+  ftinc=(-I"$root/include" -I"$EIGEN_INCLUDE" -I"$JSON_INCLUDE" -I"$CLI11_INCLUDE" -I"$YAML_INCLUDE")
   ( "${CXX:-g++}" -std=c++20 -O2 -fopenmp "${ftinc[@]}" -c "$root/examples/finetune/main.cpp" -o "$build/ft_main.o" > "$build/ft_main.o.log" 2>&1 &&
     "$NVCC" -std=c++20 -O2 $gencode --threads 2 --expt-relaxed-constexpr --diag-suppress=20012 -Xcompiler=-fopenmp "${ftinc[@]}" \
       -c "$root/examples/finetune/cuda_trainer.cu" -o "$build/ft_cuda.o" > "$build/ft_cuda.o.log" 2>&1 &&
@@ -116,7 +119,7 @@ benchpid=$!
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
 [ $ok = 1 ] || die "build failed"
-"$NVCC" $gencode -o "$build/test_cuda" "$build"/*.o "${libs[@]}" -Xcompiler=-fopenmp > "$build/link.log" 2>&1 \
+"$NVCC" $gencode -o "$build/test_cuda" "${objs[@]}" "${libs[@]}" -Xcompiler=-fopenmp > "$build/link.log" 2>&1 \
   || { cat "$build/link.log"; die "link failed"; }
 t1=$(date +%s)
 echo "== built test_cuda in $((t1 - t0)) s"
