@@ -6551,13 +6551,165 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
     return true;
   }
 }
+
+/// Whether affine_axpy_rows512 serves rd (x @ W): an affine float32 matrix on a CPU that runs the
+/// AVX-512 decoder, its groups a power of two of 16 codes or more (a vector of y has one scale per
+/// depth, and a block of 2^i vectors holds whole groups or lies inside one).
+/// Rows: 1-8 for 4- and 8-bit codes (a plain load a vector), 1-2 for the bit-stream widths, whose
+/// decode (a masked load, a shuffle and a shift) the buffered loop, decoding each depth once for
+/// all rows, beats at 3-8 rows on a 49152-deep matrix (bench_quantized_matmul 1 5 5 32, AMD Zen 4).
+template <class T>
+inline bool affine_axpy_rows512_applies(const QuantReader<T>& rd, std::int64_t M) {
+  const std::int64_t G = rd.q.group;
+  return std::is_same_v<T, float> && rd.q.mode == QuantMode::affine && quant_avx512() && G >= 16 && (G & (G - 1)) == 0 &&
+         M <= (rd.q.bits == 4 || rd.q.bits == 8 ? 8 : 2);
+}
+
+/// x @ W on 1-4 rows, W (K, N) affine, over depths [k0, k1): R vectors of y per row of x stay in
+/// registers across those depths; each depth's codes are decoded into registers as the values
+/// round(s q) + b that dequantize() gives (bit for bit: the product kept out of an FMA), and every
+/// row of x takes them by an FMA -- no buffer written and read back, y not reloaded per depth.
+/// (The factored form sum_k (x s) q + sum_k x b, which the dot of x @ W^T uses within a group,
+/// would here carry the bias sum across all K depths: its partial sums outgrow y's and float32
+/// loses digits, 5e-4 at K = 5000 against the 1e-5 of this form.) sc, bi: the depths' scales and
+/// biases as float32, `groups` a depth from group g0. Columns [c0, c1), c0 a multiple of 16 R;
+/// SV = min(R, G / 16) vectors share a group. add: y += the sums, else y = them.
+template <int M, int R, int SV, int BITS>
+[[gnu::target(NN_QUANT_AVX512)]] inline void affine_axpy_rows512(const QuantReader<float>& rd, const float* X,
+                                                                 const float* sc, const float* bi, std::int64_t groups,
+                                                                 std::int64_t g0, float* Y, std::int64_t N,
+                                                                 std::int64_t K, std::int64_t k0, std::int64_t k1,
+                                                                 std::int64_t c0, std::int64_t c1, bool add) {
+  static_assert(R % SV == 0);
+  // 4-bit codes 32 at a time where a group holds 32 or more: 16 bytes widened to 16 lanes hold the
+  // even columns in their low nibbles and the odd ones in their high, so a[.][2i] sums the even
+  // columns of its 32 and a[.][2i + 1] the odd ones, put back in order once, at the store.
+  constexpr bool kPairs = BITS == 4 && SV % 2 == 0;
+  for (std::int64_t cb = c0; cb + 16 * R <= c1; cb += 16 * R) {
+    __m512 a[M][R];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[m][r] = _mm512_setzero_ps();
+    const std::int64_t first = cb / rd.q.group - g0;  // the block's first group; R / SV groups follow
+    for (std::int64_t k = k0; k < k1; ++k) {
+      const std::uint8_t* row = rd.codes + k * rd.row_bytes;
+      const float* sk = sc + (k - k0) * groups + first;
+      const float* bk = bi + (k - k0) * groups + first;
+      __m512 xk[M];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) xk[m] = _mm512_set1_ps(X[m * K + k]);
+#pragma GCC unroll 8
+      for (int h = 0; h < R / SV; ++h) {
+        const __m512 sv = _mm512_set1_ps(sk[h]), bv = _mm512_set1_ps(bk[h]);
+#pragma GCC unroll 8
+        for (int v = 0; v < SV; ++v) {
+          const int r = h * SV + v;
+          __m512 q;
+          if constexpr (kPairs) {
+            const __m512i b = _mm512_maskz_cvtepu8_epi32(
+                kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (cb + 16 * (r & ~1)) / 2)));
+            q = _mm512_maskz_cvtepi32_ps(kAll16, r % 2 == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(15))
+                                                            : _mm512_maskz_srli_epi32(kAll16, b, 4));
+          } else {
+            q = _mm512_maskz_cvtepi32_ps(kAll16, codes16<BITS>(row, static_cast<std::uint64_t>(cb + 16 * r)));
+          }
+          __m512 w = _mm512_mul_ps(sv, q);  // round(s q) + b, as dequantize()
+          asm("" : "+v"(w));
+          w = _mm512_add_ps(w, bv);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) a[m][r] = _mm512_fmadd_ps(xk[m], w, a[m][r]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        float* y = Y + m * N + cb + 16 * r;
+        __m512 v = a[m][r];
+        if constexpr (kPairs) {  // back from (even, odd) columns to their order
+          const __m512i idx = r % 2 == 0 ? _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+                                         : _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+          v = r % 2 == 0 ? _mm512_maskz_permutex2var_ps(kAll16, a[m][r], idx, a[m][r + 1])
+                         : _mm512_maskz_permutex2var_ps(kAll16, a[m][r - 1], idx, a[m][r]);
+        }
+        _mm512_storeu_ps(y, add ? _mm512_add_ps(_mm512_loadu_ps(y), v) : v);
+      }
+  }
+}
+
+/// y (M, N) (+)= x (M, K) @ W over columns [c0, c1) (multiples of 16), 1-8 rows, by
+/// affine_axpy_rows512. Depths go in chunks whose codes (256 KB) stay in L2 across every column
+/// block and both passes of 4 rows (5-8 rows), their scales and biases widened once to float32; each chunk
+/// adds to y. Blocks of 128 columns (1-2 rows) or 64 (3-4) while they last, single vectors at the
+/// ends.
+inline void affine_axpy_rows_any(const QuantReader<float>& rd, const float* X, float* Y, std::int64_t M,
+                                 std::int64_t N, std::int64_t K, std::int64_t c0, std::int64_t c1, bool acc) {
+  const std::int64_t G = rd.q.group, g0 = c0 / G, groups = (c1 - 1) / G + 1 - g0;
+  const std::int64_t KC = std::min(K, std::clamp<std::int64_t>((std::int64_t{256} << 10) / rd.row_bytes, 16, 4096));
+  static thread_local std::vector<float> buf;
+  buf.resize(static_cast<std::size_t>(2 * KC * groups));
+  float* sc = buf.data();       // (KC, groups) scales of the chunk
+  float* bi = sc + KC * groups;  // (KC, groups) biases of the chunk
+  for (std::int64_t k0 = 0; k0 < K; k0 += KC) {
+    const std::int64_t k1 = std::min(K, k0 + KC);
+    with_scale_dtype(rd.sdt, [&]<DType SDT>() {
+      for (std::int64_t k = k0; k < k1; ++k)
+        for (std::int64_t g = 0; g < groups; ++g) {
+          const std::int64_t si = k * rd.groups_per_row + g0 + g;
+          sc[(k - k0) * groups + g] = scale_f32<SDT>(rd.scales, si);
+          bi[(k - k0) * groups + g] = scale_f32<SDT>(rd.biases, si);
+        }
+    });
+    const bool add = acc || k0 > 0;
+    with_code_bits(rd.q.bits, [&]<int BITS>() {
+      const auto run = [&]<int MM, int RR>(const float* Xm, float* Ym, std::int64_t from, std::int64_t to) {
+        const std::int64_t vpg = G / 16;  // 16-code vectors a group
+        const auto kern = [&]<int SV>() {
+          affine_axpy_rows512<MM, RR, SV, BITS>(rd, Xm, sc, bi, groups, g0, Ym, N, K, k0, k1, from, to, add);
+        };
+        if constexpr (RR == 1) {
+          kern.template operator()<1>();
+        } else {  // SV = min(RR, vpg)
+          if (vpg == 1) kern.template operator()<1>();
+          else if (vpg == 2 || RR == 2) kern.template operator()<2>();
+          else if constexpr (RR >= 4) {
+            if (vpg == 4 || RR == 4) kern.template operator()<4>();
+            else if constexpr (RR == 8) kern.template operator()<8>();
+          }
+        }
+      };
+      const auto rows = [&]<int MM, int RR>(const float* Xm, float* Ym) {
+        // blocks of 16 RR columns from a multiple of 16 RR: whole groups, or inside one
+        const std::int64_t a = std::min(c1, (c0 + 16 * RR - 1) / (16 * RR) * (16 * RR));
+        const std::int64_t b = a + (c1 - a) / (16 * RR) * (16 * RR);
+        run.template operator()<MM, 1>(Xm, Ym, c0, a);
+        run.template operator()<MM, RR>(Xm, Ym, a, b);
+        run.template operator()<MM, 1>(Xm, Ym, b, c1);
+      };
+      for (std::int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* Xm = X + m0 * K;
+        float* Ym = Y + m0 * N;
+        switch (std::min<std::int64_t>(4, M - m0)) {
+          case 1: rows.template operator()<1, 8>(Xm, Ym); break;
+          case 2: rows.template operator()<2, 8>(Xm, Ym); break;
+          case 3: rows.template operator()<3, 4>(Xm, Ym); break;
+          default: rows.template operator()<4, 4>(Xm, Ym); break;
+        }
+      }
+    });
+  }
+}
 #endif
 
 /// y (M, N) (+)= x (M, K) @ op(W) for few rows of x (a decode step, a short prompt), columns
 /// [n0, n1) of y: W is streamed once, a row (x @ W^T: one output column) or a row segment (x @ W:
-/// one depth) at a time, decoded into a small buffer that every row of x then reads. No packing,
-/// and no padding of x to the micro-kernel's MR rows. False when a row does not fit the buffer
-/// (the caller takes the GEMM path).
+/// one depth) at a time, decoded into a small buffer that every row of x then reads -- or, for
+/// affine float32 on AVX-512, into registers (affine_dot_rows512: x @ W^T, factored within each
+/// group; affine_axpy_rows512: x @ W, y held in registers over the depths). No packing, and no
+/// padding of x to the micro-kernel's MR rows. False when a row does not fit the buffer (the
+/// caller takes the GEMM path).
 template <class T>
 inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N, std::int64_t K,
                            std::int64_t n0, std::int64_t n1, bool transpose, bool acc) {
@@ -6577,6 +6729,19 @@ inline bool quantized_rows(const QuantReader<T>& rd, const T* X, T* Y, std::int6
     }
     return true;
   }
+#if defined(NN_QUANT_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    if (affine_axpy_rows512_applies(rd, M)) {  // whole vectors of y in registers; the ragged ends as below
+      const std::int64_t a = std::min(n1, (n0 + 15) / 16 * 16), b = std::max(a, n1 / 16 * 16);
+      if (a < b) {
+        affine_axpy_rows_any(rd, X, Y, M, N, K, a, b, acc);
+        if (n0 < a) quantized_rows(rd, X, Y, M, N, K, n0, a, false, acc);  // not affine_axpy's: a - n0 < 16
+        if (b < n1) quantized_rows(rd, X, Y, M, N, K, b, n1, false, acc);
+        return true;
+      }
+    }
+  }
+#endif
   for (std::int64_t c0 = n0; c0 < n1; c0 += cap) {  // a block of y's columns stays in cache over all of K
     const std::int64_t nc = std::min(cap, n1 - c0);
     if (!acc)
