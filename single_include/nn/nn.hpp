@@ -6641,9 +6641,9 @@ template <int M, int R, int SV, int BITS>
 
 /// y (M, N) (+)= x (M, K) @ W over columns [c0, c1) (multiples of 16), 1-8 rows, by
 /// affine_axpy_rows512. Depths go in chunks whose codes (256 KB) stay in L2 across every column
-/// block and both passes of 4 rows (5-8 rows), their scales and biases widened once to float32; each chunk
-/// adds to y. Blocks of 128 columns (1-2 rows) or 64 (3-4) while they last, single vectors at the
-/// ends.
+/// block and both passes of 4 rows (5-8 rows), their scales and biases widened once to float32;
+/// each chunk adds to y. Blocks of 128 columns (1-2 rows) or 64 (3-4) while they last, single
+/// vectors at the ends.
 inline void affine_axpy_rows_any(const QuantReader<float>& rd, const float* X, float* Y, std::int64_t M,
                                  std::int64_t N, std::int64_t K, std::int64_t c0, std::int64_t c1, bool acc) {
   const std::int64_t G = rd.q.group, g0 = c0 / G, groups = (c1 - 1) / G + 1 - g0;
