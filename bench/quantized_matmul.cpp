@@ -4,7 +4,9 @@
 // forward and x's gradient), at batches of 1, 2, 4, 8, 64 and 256 tokens, affine GROUP/BITS (64/4:
 // MLX's default; 32/5 and 16/6 are what a Q4_K_M GGUF's Q5_0 and Q6_K blocks become), both through
 // the tape's kernels (B::quantized_matmul, B::matmul) on the same threads. Prints the ratio
-// f32 time / quantized time (> 1: the quantized product is faster).
+// f32 time / quantized time (> 1: the quantized product is faster). Where the opt-in int8
+// activations apply (nn::set_int8_activations: x @ W^T on 1-8 rows, 4 or 8 bits, a CPU with
+// AVX512-VNNI), two more columns time that path too.
 //
 //   bench_quantized_matmul [threads=1] [repeats=5] [bits=4] [group=64]
 #include <chrono>
@@ -39,7 +41,8 @@ int main(int argc, char** argv) {
   bench::set_threads(threads);
   bench::print_cpu_info();
   std::printf("# threads %d, best of %d, affine group %d bits %d, float32 x\n", threads, repeats, group, bits);
-  std::printf("| W (out, in) | product | tokens | f32 GEMM ms | quantized ms | f32 / quantized |\n|---|---|---|---|---|---|\n");
+  std::printf("| W (out, in) | product | tokens | f32 GEMM ms | quantized ms | f32 / quantized | int8-x ms | f32 / int8-x "
+              "|\n|---|---|---|---|---|---|---|---|\n");
   const std::int64_t shapes[][2] = {{576, 576}, {1536, 576}, {49152, 576}};
   for (const auto& s : shapes) {
     const std::int64_t out = s[0], in = s[1];
@@ -52,12 +55,20 @@ int main(int argc, char** argv) {
         const nn::Tensor x = nn::random::normal({M, K});
         nn::Tensor y = nn::Tensor::zeros({M, N});
         const double tf = best_seconds(repeats, [&] { nn::cpu::matmul(x, false, wd, transpose, y, false); });
-        const double tq = best_seconds(repeats, [&] {
+        const auto quantized = [&] {
           nn::cpu::quantized_matmul(x, q.weight, q.scales, q.biases, nn::QuantMatmulAttrs{q.q, transpose}, y, false);
-        });
-        std::printf("| (%lld, %lld) | %s | %lld | %.3f | %.3f | %.2fx |\n", static_cast<long long>(out),
+        };
+        const double tq = best_seconds(repeats, quantized);
+        char int8[64] = "- | -";
+        if (transpose && M <= 8 && (bits == 4 || bits == 8) && nn::detail::quant_vnni()) {
+          nn::set_int8_activations(true);
+          const double ti = best_seconds(repeats, quantized);
+          nn::set_int8_activations(false);
+          std::snprintf(int8, sizeof int8, "%.3f | %.2fx", ti * 1e3, tf / ti);
+        }
+        std::printf("| (%lld, %lld) | %s | %lld | %.3f | %.3f | %.2fx | %s |\n", static_cast<long long>(out),
                     static_cast<long long>(in), transpose ? "x @ W^T" : "x @ W", static_cast<long long>(M), tf * 1e3,
-                    tq * 1e3, tf / tq);
+                    tq * 1e3, tf / tq, int8);
       }
     }
   }

@@ -18,6 +18,7 @@
 // nvfp4:   w = E4M3[s] * E2M1[q]                                      (group 16, 4 bits)
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +46,27 @@ struct QuantizedMatrix {
   /// Bytes held: codes, scales and biases.
   std::size_t nbytes() const { return weight.nbytes() + scales.nbytes() + (biases.defined() ? biases.nbytes() : 0); }
 };
+
+namespace detail {
+inline std::atomic<bool>& int8_activations_flag() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+}  // namespace detail
+
+/// Opt-in, off by default: int8 activations for quantized products on few rows (generation).
+/// While on, x @ W^T with 1-8 rows of float32 x and an affine 4- or 8-bit W (a power-of-two
+/// group of 32 or more: MLX's 32/64/128, GGUF's Q4_0/Q4_1/Q8_0) rounds x to int8 in blocks of 32
+/// values -- llama.cpp's Q8_0 rule: d = max|x| / 127, q = nearbyint(x * (127 / max|x|)) -- and
+/// multiplies the codes on the integer units (AVX512-VNNI `vpdpbusd`, 64 products an instruction,
+/// where float32 takes 16), each 32-block's sum then scaled by s * d; the biases still meet the
+/// exact sums of x. This is what llama.cpp does on every CPU product. It changes results (x
+/// keeps about 8 bits: ~1e-3 relative on a logit), so it is off by default and meant for
+/// generation, not for training or for matching MLX's quantized_matmul (which the default path
+/// does to 1e-6). Where it does not apply (no AVX512-VNNI, NN_CPU_ISA=avx2 or generic, another
+/// format, more rows) the float32 path runs unchanged. Process-wide; safe to flip between calls.
+inline void set_int8_activations(bool on) { detail::int8_activations_flag().store(on, std::memory_order_relaxed); }
+inline bool int8_activations() { return detail::int8_activations_flag().load(std::memory_order_relaxed); }
 
 namespace detail {
 
@@ -215,6 +237,13 @@ inline decltype(auto) with_code_bits(int bits, F&& f) {
 /// it off with the GEMM's AVX-512 kernels).
 inline bool quant_avx512() {
   static const bool yes = choose_isa(detect_cpu_features()) == Isa::avx512;
+  return yes;
+}
+
+/// Whether this CPU runs the int8-activation kernel (set_int8_activations): the AVX-512 decoders
+/// and AVX512-VNNI.
+inline bool quant_vnni() {
+  static const bool yes = quant_avx512() && detect_cpu_features().avx512_vnni;
   return yes;
 }
 

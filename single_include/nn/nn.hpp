@@ -655,6 +655,7 @@ inline std::ostream& operator<<(std::ostream& os, const Tensor& t) {
 // mxfp8:   w = 2^(e - 127) * E4M3[q]                                  (group 32, 8 bits)
 // nvfp4:   w = E4M3[s] * E2M1[q]                                      (group 16, 4 bits)
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1709,6 +1710,27 @@ struct QuantizedMatrix {
 };
 
 namespace detail {
+inline std::atomic<bool>& int8_activations_flag() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+}  // namespace detail
+
+/// Opt-in, off by default: int8 activations for quantized products on few rows (generation).
+/// While on, x @ W^T with 1-8 rows of float32 x and an affine 4- or 8-bit W (a power-of-two
+/// group of 32 or more: MLX's 32/64/128, GGUF's Q4_0/Q4_1/Q8_0) rounds x to int8 in blocks of 32
+/// values -- llama.cpp's Q8_0 rule: d = max|x| / 127, q = nearbyint(x * (127 / max|x|)) -- and
+/// multiplies the codes on the integer units (AVX512-VNNI `vpdpbusd`, 64 products an instruction,
+/// where float32 takes 16), each 32-block's sum then scaled by s * d; the biases still meet the
+/// exact sums of x. This is what llama.cpp does on every CPU product. It changes results (x
+/// keeps about 8 bits: ~1e-3 relative on a logit), so it is off by default and meant for
+/// generation, not for training or for matching MLX's quantized_matmul (which the default path
+/// does to 1e-6). Where it does not apply (no AVX512-VNNI, NN_CPU_ISA=avx2 or generic, another
+/// format, more rows) the float32 path runs unchanged. Process-wide; safe to flip between calls.
+inline void set_int8_activations(bool on) { detail::int8_activations_flag().store(on, std::memory_order_relaxed); }
+inline bool int8_activations() { return detail::int8_activations_flag().load(std::memory_order_relaxed); }
+
+namespace detail {
 
 /// Refuses a format MLX does not define: affine groups 32/64/128 with bits 2/3/4/5/6/8 (and the
 /// GGUF-style groups 16 and 256), mxfp4 and mxfp8 with group 32 (4 and 8 bits), nvfp4 with
@@ -1877,6 +1899,13 @@ inline decltype(auto) with_code_bits(int bits, F&& f) {
 /// it off with the GEMM's AVX-512 kernels).
 inline bool quant_avx512() {
   static const bool yes = choose_isa(detect_cpu_features()) == Isa::avx512;
+  return yes;
+}
+
+/// Whether this CPU runs the int8-activation kernel (set_int8_activations): the AVX-512 decoders
+/// and AVX512-VNNI.
+inline bool quant_vnni() {
+  static const bool yes = quant_avx512() && detect_cpu_features().avx512_vnni;
   return yes;
 }
 
@@ -6494,6 +6523,177 @@ inline bool affine_dot_rows512_applies(const QuantReader<T>& rd) {
          rd.q.group % (rd.q.bits == 4 ? 32 : 16) == 0;
 }
 
+/// Whether affine_dot_rows_int8 serves rd (set_int8_activations): on, an affine 4- or 8-bit
+/// matrix whose group is a power of two of 32 or more (a 64-byte chunk of codes then holds whole
+/// groups or lies inside one), on a CPU with AVX512-VNNI.
+template <class T>
+inline bool affine_dot_int8_applies(const QuantReader<T>& rd) {
+  const std::int64_t G = rd.q.group;
+  return std::is_same_v<T, float> && int8_activations() && rd.q.mode == QuantMode::affine &&
+         (rd.q.bits == 4 || rd.q.bits == 8) && G >= 32 && (G & (G - 1)) == 0 && quant_vnni();
+}
+
+/// The sums of the 16 lanes of a, b, c and d, in that order (one tree of adds, the same for all).
+// (both halves by masked extracts: GCC 12's _mm512_castps512_ps256 passes an undefined operand; see kAll16)
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m256 hsum_half(__m512 x) {
+  return _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, x, 0), _mm512_maskz_extractf32x8_ps(0xff, x, 1));
+}
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m256 ab = _mm256_hadd_ps(hsum_half(a), hsum_half(b)), cd = _mm256_hadd_ps(hsum_half(c), hsum_half(d));
+  // ab: [a01 a23 b01 b23 | a45 a67 b45 b67]
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/// out[0, n) = scales (or biases) i0 .. i0 + n of storage type t as float32, 16 at a time.
+[[gnu::target(NN_QUANT_AVX512)]] inline void widen_scales(const void* p, DType t, std::int64_t i0, std::int64_t n,
+                                                         float* out) {
+  std::int64_t i = 0;
+  if (t == DType::f16 || t == DType::bf16) {
+    const auto* h = static_cast<const std::uint16_t*>(p) + i0;
+    for (; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? kAll16 : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m256i v = _mm256_maskz_loadu_epi16(m, h + i);
+      const __m512 f = t == DType::f16 ? _mm512_maskz_cvtph_ps(kAll16, v)
+                                       : _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll16, _mm512_maskz_cvtepu16_epi32(kAll16, v), 16));
+      _mm512_mask_storeu_ps(out + i, m, f);
+    }
+  } else {
+    for (; i < n; ++i) out[i] = widen_scale<float>(p, t, i0 + i);
+  }
+}
+
+/// x rounded to int8 for affine_dot_rows_int8, M rows of K (K a multiple of 32) in blocks of 32
+/// values: d = max|x| / 127, q = nearbyint(x * (127 / max|x|)), q = 0 and d = 0 for a block of
+/// zeros (set_int8_activations). Laid out as the kernel reads: byte i of a row of 4-bit codes
+/// holds codes 2i and 2i + 1, so XQ holds x's even positions (K / 2 bytes) then its odd ones; for
+/// 8-bit codes x in order. DL: d per int32 lane of a 64-byte chunk of codes (one lane: 4 bytes of
+/// codes, 8 (4-bit) or 4 (8-bit) depths, all in one block). Rows padded with zeros to whole
+/// chunks (XQ: stride xs bytes; DL: stride ds floats).
+struct Int8Rows {
+  static constexpr std::int64_t kMaxK = 8192;
+  alignas(64) std::int8_t xq[4 * (kMaxK + 64)];
+  alignas(64) float dl[4 * (kMaxK / 4 + 16)];
+  std::int64_t xs = 0, ds = 0;
+
+  void set(const float* X, std::int64_t M, std::int64_t K, int bits) {
+    const std::int64_t bytes = K * bits / 8, chunks = (bytes + 63) / 64;
+    xs = bits == 4 ? 2 * chunks * 64 : chunks * 64;  // 4 bits: even then odd positions, each padded
+    ds = chunks * 16;
+    std::fill_n(xq, M * xs, std::int8_t{0});
+    std::fill_n(dl, M * ds, 0.0f);
+    for (std::int64_t m = 0; m < M; ++m) {
+      const float* x = X + m * K;
+      std::int8_t* q = xq + m * xs;
+      for (std::int64_t b = 0; b < K / 32; ++b) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < 32; ++i) {
+          const std::int64_t k = 32 * b + i;
+          const auto v = static_cast<std::int8_t>(std::nearbyint(x[k] * id));
+          if (bits == 4) q[(k % 2) * chunks * 64 + k / 2] = v;
+          else q[k] = v;
+        }
+        const std::int64_t lanes = bits == 4 ? 4 : 8;  // int32 lanes a 32-block covers
+        std::fill_n(dl + m * ds + b * lanes, lanes, amax / 127.0f);
+      }
+    }
+  }
+};
+
+/// y[m, j] (+)= x[m] . W[j] for j in [n0, n1) (x @ W^T), M <= 4 rows, with x as int8 (Int8Rows)
+/// and W's codes multiplied in int32 by vpdpbusd (u8 codes x s8 x): per 64-byte chunk of a row of
+/// W (128 4-bit or 64 8-bit codes), each int32 lane sums 8 or 4 products of one 32-block (exact,
+/// far below 2^24), is turned float and scaled by s * d of its block into a float accumulator;
+/// xsum[m * groups + g]: sum_k x[m, k] over group g in float32, which the biases multiply
+/// (sum_g b_g xsum_g, 16 groups a vector into the same accumulator). J rows of W share each
+/// load of x.
+template <int M, int J, int BITS>
+[[gnu::target(NN_QUANT_AVX512 ",avx512vnni")]] inline void affine_dot_rows_int8(const QuantReader<float>& rd,
+                                                                               const Int8Rows& xr, const float* xsum,
+                                                                               float* Y, std::int64_t N, std::int64_t K,
+                                                                               std::int64_t n0, std::int64_t n1, bool acc) {
+  const std::int64_t G = rd.q.group, groups = K / G, bytes = K * BITS / 8, chunks = (bytes + 63) / 64;
+  constexpr std::int64_t cpc = 64 * 8 / BITS;  // codes a chunk
+  // Lane l of a chunk -> its group, counted from the chunk's first (0 where a group spans chunks).
+  alignas(64) std::int32_t gl[16];
+  for (int l = 0; l < 16; ++l) gl[l] = G < cpc ? static_cast<std::int32_t>(l * 4 * (8 / BITS) / G) : 0;
+  const __m512i gidx = _mm512_load_si512(gl);
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  alignas(64) float sf[J][Int8Rows::kMaxK / 32 + 16], bf[Int8Rows::kMaxK / 32 + 16];  // as float32
+  const bool f32 = rd.sdt == DType::f32;
+  for (std::int64_t j = n0; j + J <= n1; j += J) {
+    __m512 tot[J][M];
+    const float* sp[J];
+#pragma GCC unroll 4
+    for (int u = 0; u < J; ++u) {
+      // W's scales and biases as float32 (read in place, or widened 16 at a time); the biases
+      // meet x's group sums here (the bias term, sum_g b_g xsum_g, joins the accumulator's lanes)
+      const std::int64_t s0 = (j + u) * rd.groups_per_row;
+      const float* bp = bf;
+      if (f32) {
+        sp[u] = static_cast<const float*>(rd.scales) + s0, bp = static_cast<const float*>(rd.biases) + s0;
+      } else {
+        widen_scales(rd.scales, rd.sdt, s0, groups, sf[u]), widen_scales(rd.biases, rd.sdt, s0, groups, bf);
+        sp[u] = sf[u];
+      }
+      for (int m = 0; m < M; ++m) tot[u][m] = _mm512_setzero_ps();
+      for (std::int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 gm = groups - g >= 16 ? kAll16 : static_cast<__mmask16>((1u << (groups - g)) - 1);
+        const __m512 bv = _mm512_maskz_loadu_ps(gm, bp + g);
+        for (int m = 0; m < M; ++m) tot[u][m] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(gm, xsum + m * groups + g), tot[u][m]);
+      }
+    }
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t o = 64 * c, left = bytes - o;
+      const __mmask64 bm = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+      const std::int64_t g0 = o * (8 / BITS) / G;  // the chunk's first group
+      const std::int64_t ng = G < cpc ? std::min<std::int64_t>(cpc, left * (8 / BITS)) / G : 1;
+      const __mmask16 sm = static_cast<__mmask16>((1u << ng) - 1);
+      __m512 dv[M];
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) dv[m] = _mm512_load_ps(xr.dl + m * xr.ds + 16 * c);
+#pragma GCC unroll 4
+      for (int u = 0; u < J; ++u) {
+        const __m512i v = _mm512_maskz_loadu_epi8(bm, rd.codes + (j + u) * rd.row_bytes + o);
+        const __m512 sv = _mm512_maskz_permutexvar_ps(kAll16, gidx, _mm512_maskz_loadu_ps(sm, sp[u] + g0));
+        if constexpr (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const std::int8_t* q = xr.xq + m * xr.xs;
+            const __m512i xe = _mm512_load_si512(q + o), xo = _mm512_load_si512(q + chunks * 64 + o);
+            const __m512i is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+            tot[u][m] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(kAll16, is), _mm512_mul_ps(sv, dv[m]), tot[u][m]);
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const __m512i is = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_load_si512(xr.xq + m * xr.xs + o));
+            tot[u][m] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(kAll16, is), _mm512_mul_ps(sv, dv[m]), tot[u][m]);
+          }
+        }
+      }
+    }
+    // Four accumulators summed at once (a fixed order), the rest one by one.
+    constexpr int A = J * M;
+    alignas(16) float v[A + 3];
+#pragma GCC unroll 4
+    for (int i = 0; i + 4 <= A; i += 4)
+      _mm_store_ps(v + i, hsum4(tot[i / M][i % M], tot[(i + 1) / M][(i + 1) % M], tot[(i + 2) / M][(i + 2) % M],
+                                tot[(i + 3) / M][(i + 3) % M]));
+    for (int i = A / 4 * 4; i < A; ++i) _mm_store_ss(v + i, hsum4(tot[i / M][i % M], tot[i / M][i % M], tot[i / M][i % M], tot[i / M][i % M]));
+#pragma GCC unroll 4
+    for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        float& y = Y[m * N + j + u];
+        y = acc ? y + v[u * M + m] : v[u * M + m];
+      }
+  }
+}
+
 /// affine_dot_rows for M = 1..4 rows (1..8 on AVX-512); false where it does not apply (another format or dtype, a
 /// CPU without AVX2, a group that is not a multiple of 8 codes, more rows).
 template <class T>
@@ -6516,6 +6716,26 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
         for (std::int64_t k = g * rd.q.group; k < (g + 1) * rd.q.group; ++k) t += X[m * K + k];
         xsum[m * groups + g] = t;
       }
+    if (affine_dot_int8_applies(rd)) {  // opt-in (set_int8_activations): x rounded to int8
+      alignas(64) static thread_local Int8Rows xr;
+      xr.set(X, M, K, rd.q.bits);
+      const auto run = [&]<int BITS, int MM, int J>() {
+        const std::int64_t n_j = n0 + (n1 - n0) / J * J;
+        affine_dot_rows_int8<MM, J, BITS>(rd, xr, xsum, Y, N, K, n0, n_j, acc);
+        if constexpr (J > 1) affine_dot_rows_int8<MM, 1, BITS>(rd, xr, xsum, Y, N, K, n_j, n1, acc);
+      };
+      const auto rows = [&]<int BITS>() {
+        switch (M) {
+          case 1: run.template operator()<BITS, 1, 4>(); break;
+          case 2: run.template operator()<BITS, 2, 2>(); break;
+          case 3: run.template operator()<BITS, 3, 2>(); break;
+          default: run.template operator()<BITS, 4, 2>(); break;
+        }
+      };
+      if (rd.q.bits == 4) rows.template operator()<4>();
+      else rows.template operator()<8>();
+      return true;
+    }
     if (affine_dot_rows512_applies(rd)) {
       const float* XP = X;
       if (rd.q.bits == 4) {  // x's 32-value blocks in even-then-odd order (affine_dot_rows512)

@@ -289,6 +289,84 @@ TEST_CASE("quantized_matmul x @ W on few rows: depths past one chunk, accumulati
   }
 }
 
+TEST_CASE("set_int8_activations: x @ W^T on 1-8 rows with x as int8 per 32 values (llama.cpp's Q8_0 rule)") {
+  // The opt-in integer path (AVX512-VNNI) against its definition in float64: each 32-block of x
+  // rounded by d = max|x| / 127, q = nearbyint(x * (127 / max|x|)); each output
+  // sum_g s_g sum_{k in g} d_k xq_k code_k + b_g sum_{k in g} x_k. Depths chosen so that the
+  // last 64-byte chunk of codes is partial; a block of zeros and an outlier in x; 203 columns
+  // leave J tails; 5-8 rows run as two passes. Formats it does not serve (and CPUs without VNNI)
+  // must give the float32 path's bits unchanged.
+  struct Off {
+    ~Off() { set_int8_activations(false); }
+  } off;
+  const bool vnni = detail::quant_vnni();
+  if (!vnni) MESSAGE("no AVX512-VNNI (or NN_CPU_ISA below avx512): only the unchanged float32 path is checked");
+  for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 4), Quant::affine(128, 4), Quant::affine(32, 8),
+                        Quant::affine(64, 8), Quant::affine(16, 4), Quant::affine(32, 5), Quant::mxfp4()}) {
+    const bool serves = vnni && q.mode == QuantMode::affine && (q.bits == 4 || q.bits == 8) && q.group >= 32;
+    const std::int64_t K = q.group == 128 ? 640 : q.group == 64 ? 704 : 736, N = 203;
+    const QuantizedMatrix m = quantize(nn::test::random_tensor(Shape{N, K}, DType::f32, 41, -2, 2), q);
+    for (const std::int64_t M : {1, 2, 3, 4, 5, 8}) {
+      CAPTURE(quant_mode_name(q.mode));
+      CAPTURE(q.group);
+      CAPTURE(q.bits);
+      CAPTURE(M);
+      Tensor x = nn::test::random_tensor(Shape{M, K}, DType::f32, 42 + static_cast<std::uint64_t>(M), -1, 1);
+      float* xp = x.data<float>();
+      std::fill_n(xp + 64, 32, 0.0f);  // a block of zeros: d = 0
+      xp[M * K - 5] = 40.0f;           // an outlier: its block's other values round to few levels
+      const Tensor y0 = nn::test::random_tensor(Shape{M, N}, DType::f32, 43);
+      const auto product = [&](bool int8, bool acc) {
+        set_int8_activations(int8);
+        Tensor y = y0.clone();
+        cpu::quantized_matmul(x, m.weight, m.scales, m.biases, QuantMatmulAttrs{q, true}, y, acc);
+        set_int8_activations(false);
+        return y;
+      };
+      const Tensor yf = product(false, false), yi = product(true, false), yia = product(true, true);
+      if (!serves) {
+        CHECK(first_diff(yi, yf) < 0);
+        continue;
+      }
+      // The definition, in float64 (x's rounding in float32, as specified).
+      const auto* codes = static_cast<const std::uint8_t*>(m.weight.raw());
+      const std::int64_t row_bytes = m.weight.dim(1) * 4;
+      bool differs = false;
+      for (std::int64_t i = 0; i < M; ++i) {
+        std::vector<double> xq(static_cast<std::size_t>(K)), d(static_cast<std::size_t>(K));
+        for (std::int64_t b = 0; b < K / 32; ++b) {
+          float amax = 0.0f;
+          for (std::int64_t k = 32 * b; k < 32 * b + 32; ++k) amax = std::max(amax, std::fabs(xp[i * K + k]));
+          const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+          for (std::int64_t k = 32 * b; k < 32 * b + 32; ++k) {
+            xq[static_cast<std::size_t>(k)] = std::nearbyint(xp[i * K + k] * id);
+            d[static_cast<std::size_t>(k)] = amax / 127.0f;
+          }
+        }
+        for (std::int64_t j = 0; j < N; ++j) {
+          double want = 0, size = 0;
+          for (std::int64_t g = 0; g < K / q.group; ++g) {
+            const double s = m.scales.item(j * (K / q.group) + g), bias = m.biases.item(j * (K / q.group) + g);
+            for (std::int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {
+              const std::uint8_t byte = codes[j * row_bytes + k * q.bits / 8];
+              const double code = q.bits == 8 ? byte : (k % 2 ? byte >> 4 : byte & 15);
+              const double t = s * d[static_cast<std::size_t>(k)] * xq[static_cast<std::size_t>(k)] * code + bias * xp[i * K + k];
+              want += t, size += std::abs(t);
+            }
+          }
+          const double got = yi.item(i * N + j), got_acc = yia.item(i * N + j) - y0.item(i * N + j);
+          CHECK(std::abs(got - want) <= 1e-5 * size);
+          CHECK(std::abs(got_acc - want) <= 1e-5 * size + 1e-6 * std::abs(y0.item(i * N + j)));
+          // beside the float32 path: x's 8 bits move the result, boundedly
+          CHECK(std::abs(got - yf.item(i * N + j)) <= 2e-2 * size);
+          differs = differs || got != yf.item(i * N + j);
+        }
+      }
+      CHECK(differs);  // the integer path ran
+    }
+  }
+}
+
 TEST_CASE("quantized_gather returns the dequantized rows; bad ids and bad matrices are refused") {
   const Sample s = sample(10, 64, Quant::affine(32, 4), 21);
   GTape<cpu> tp;
