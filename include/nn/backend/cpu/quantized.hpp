@@ -225,6 +225,91 @@ template <int M, int BITS>
   }
 }
 
+/// The sums of the 16 lanes of a, b, c and d, in that order (one tree of adds, the same for all).
+// (both halves by masked extracts: GCC 12's _mm512_castps512_ps256 passes an undefined operand; see kAll16)
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m256 hsum_half(__m512 x) {
+  return _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, x, 0), _mm512_maskz_extractf32x8_ps(0xff, x, 1));
+}
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m256 ab = _mm256_hadd_ps(hsum_half(a), hsum_half(b)), cd = _mm256_hadd_ps(hsum_half(c), hsum_half(d));
+  // ab: [a01 a23 b01 b23 | a45 a67 b45 b67]
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/// out[0, n) = scales (or biases) i0 .. i0 + n of storage type t as float32, 16 at a time.
+[[gnu::target(NN_QUANT_AVX512)]] inline void widen_scales(const void* p, DType t, std::int64_t i0, std::int64_t n,
+                                                         float* out) {
+  std::int64_t i = 0;
+  if (t == DType::f16 || t == DType::bf16) {
+    const auto* h = static_cast<const std::uint16_t*>(p) + i0;
+    for (; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? kAll16 : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m256i v = _mm256_maskz_loadu_epi16(m, h + i);
+      const __m512 f = t == DType::f16 ? _mm512_maskz_cvtph_ps(kAll16, v)
+                                       : _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll16, _mm512_maskz_cvtepu16_epi32(kAll16, v), 16));
+      _mm512_mask_storeu_ps(out + i, m, f);
+    }
+  } else {
+    for (; i < n; ++i) out[i] = widen_scale<float>(p, t, i0 + i);
+  }
+}
+
+/// Scales per row a block of the few-row dots keeps as float32: groups of 16 codes or more, K <= 8192.
+inline constexpr std::int64_t kDotGroups = 8192 / 16 + 16;
+
+/// The start of a block of J rows of W (j .. j + J) in the few-row dots: sp[u] points at row
+/// j + u's scales as float32 (read in place, or widened into sf[u]), and tot[u][m] starts as the
+/// bias term, sum_g b_g xsum[m, g], spread over 16 lanes (the rest of the dot joins those lanes;
+/// xsum: x's sums per group, (M, groups)).
+template <int M, int J>
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline void dot_rows_begin(
+    const QuantReader<float>& rd, std::int64_t j, std::int64_t groups, const float* xsum, float (*sf)[kDotGroups],
+    float* bf, const float* (&sp)[J], __m512 (&tot)[J][M]) {
+  const bool f32 = rd.sdt == DType::f32;
+#pragma GCC unroll 4
+  for (int u = 0; u < J; ++u) {
+    const std::int64_t s0 = (j + u) * rd.groups_per_row;
+    const float* bp = bf;
+    if (f32) {
+      sp[u] = static_cast<const float*>(rd.scales) + s0, bp = static_cast<const float*>(rd.biases) + s0;
+    } else {
+      widen_scales(rd.scales, rd.sdt, s0, groups, sf[u]), widen_scales(rd.biases, rd.sdt, s0, groups, bf);
+      sp[u] = sf[u];
+    }
+    for (int m = 0; m < M; ++m) tot[u][m] = _mm512_setzero_ps();
+    for (std::int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 gm = groups - g >= 16 ? kAll16 : static_cast<__mmask16>((1u << (groups - g)) - 1);
+      const __m512 bv = _mm512_maskz_loadu_ps(gm, bp + g);
+      for (int m = 0; m < M; ++m) tot[u][m] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(gm, xsum + m * groups + g), tot[u][m]);
+    }
+  }
+}
+
+/// The end of that block: each tot[u][m]'s lanes summed (four accumulators at once, one fixed
+/// order) into y[m, j + u], added to it when acc.
+template <int M, int J>
+[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline void dot_rows_end(__m512 (&tot)[J][M], float* Y,
+                                                                              std::int64_t N, std::int64_t j, bool acc) {
+  constexpr int A = J * M;
+  alignas(16) float v[A + 3];
+#pragma GCC unroll 4
+  for (int i = 0; i + 4 <= A; i += 4)
+    _mm_store_ps(v + i, hsum4(tot[i / M][i % M], tot[(i + 1) / M][(i + 1) % M], tot[(i + 2) / M][(i + 2) % M],
+                              tot[(i + 3) / M][(i + 3) % M]));
+  for (int i = A / 4 * 4; i < A; ++i) {
+    const __m512 t = tot[i / M][i % M];
+    _mm_store_ss(v + i, hsum4(t, t, t, t));
+  }
+#pragma GCC unroll 4
+  for (int u = 0; u < J; ++u)
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      float& y = Y[m * N + j + u];
+      y = acc ? y + v[u * M + m] : v[u * M + m];
+    }
+}
+
 /// affine_dot_rows on AVX-512: the same factored sums, 16 codes a vector, and J columns of y at
 /// once (each load of x serves J rows of W; J * M chains hide the FMA's latency). 4-bit codes go
 /// 32 a step without being put in order: a 16-byte load widened to 16 lanes holds codes 2i in its
@@ -237,13 +322,11 @@ template <int M, int J, int BITS>
                                                                 bool acc) {
   constexpr std::int64_t step = BITS == 4 ? 32 : 16;
   const std::int64_t G = rd.q.group, groups = K / G;
+  alignas(64) float sf[J][kDotGroups], bf[kDotGroups];  // scales and biases as float32, where stored narrower
   for (std::int64_t j = n0; j + J <= n1; j += J) {
     __m512 tot[J][M];
-    float bias[J][M];
-#pragma GCC unroll 4
-    for (int u = 0; u < J; ++u)
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) tot[u][m] = _mm512_setzero_ps(), bias[u][m] = 0.0f;
+    const float* sp[J];
+    dot_rows_begin<M, J>(rd, j, groups, xsum, sf, bf, sp, tot);
     for (std::int64_t g = 0; g < groups; ++g) {
       __m512 a[J][M];
 #pragma GCC unroll 4
@@ -279,28 +362,12 @@ template <int M, int J, int BITS>
       }
 #pragma GCC unroll 4
       for (int u = 0; u < J; ++u) {
-        const std::int64_t si = (j + u) * rd.groups_per_row + g;
-        const __m512 sv = _mm512_set1_ps(widen_scale<float>(rd.scales, rd.sdt, si));
-        const float b = widen_scale<float>(rd.biases, rd.sdt, si);
+        const __m512 sv = _mm512_set1_ps(sp[u][g]);
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          tot[u][m] = _mm512_fmadd_ps(sv, a[u][m], tot[u][m]);
-          bias[u][m] += b * xsum[m * groups + g];
-        }
+        for (int m = 0; m < M; ++m) tot[u][m] = _mm512_fmadd_ps(sv, a[u][m], tot[u][m]);
       }
     }
-#pragma GCC unroll 4
-    for (int u = 0; u < J; ++u)
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) {
-        alignas(64) float l[16];  // a fixed tree (GCC's _mm512_reduce_add_ps: see kAll16)
-        _mm512_store_ps(l, tot[u][m]);
-        float h[8];
-        for (int i = 0; i < 8; ++i) h[i] = l[i] + l[i + 8];
-        const float v = (((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]))) + bias[u][m];
-        float& y = Y[m * N + j + u];
-        y = acc ? y + v : v;
-      }
+    dot_rows_end<M, J>(tot, Y, N, j, acc);
   }
 }
 
@@ -320,36 +387,6 @@ inline bool affine_dot_int8_applies(const QuantReader<T>& rd) {
   const std::int64_t G = rd.q.group;
   return std::is_same_v<T, float> && int8_activations() && rd.q.mode == QuantMode::affine &&
          (rd.q.bits == 4 || rd.q.bits == 8) && G >= 32 && (G & (G - 1)) == 0 && quant_vnni();
-}
-
-/// The sums of the 16 lanes of a, b, c and d, in that order (one tree of adds, the same for all).
-// (both halves by masked extracts: GCC 12's _mm512_castps512_ps256 passes an undefined operand; see kAll16)
-[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m256 hsum_half(__m512 x) {
-  return _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, x, 0), _mm512_maskz_extractf32x8_ps(0xff, x, 1));
-}
-[[gnu::target(NN_QUANT_AVX512), gnu::always_inline]] inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m256 ab = _mm256_hadd_ps(hsum_half(a), hsum_half(b)), cd = _mm256_hadd_ps(hsum_half(c), hsum_half(d));
-  // ab: [a01 a23 b01 b23 | a45 a67 b45 b67]
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567]
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-/// out[0, n) = scales (or biases) i0 .. i0 + n of storage type t as float32, 16 at a time.
-[[gnu::target(NN_QUANT_AVX512)]] inline void widen_scales(const void* p, DType t, std::int64_t i0, std::int64_t n,
-                                                         float* out) {
-  std::int64_t i = 0;
-  if (t == DType::f16 || t == DType::bf16) {
-    const auto* h = static_cast<const std::uint16_t*>(p) + i0;
-    for (; i < n; i += 16) {
-      const __mmask16 m = n - i >= 16 ? kAll16 : static_cast<__mmask16>((1u << (n - i)) - 1);
-      const __m256i v = _mm256_maskz_loadu_epi16(m, h + i);
-      const __m512 f = t == DType::f16 ? _mm512_maskz_cvtph_ps(kAll16, v)
-                                       : _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll16, _mm512_maskz_cvtepu16_epi32(kAll16, v), 16));
-      _mm512_mask_storeu_ps(out + i, m, f);
-    }
-  } else {
-    for (; i < n; ++i) out[i] = widen_scale<float>(p, t, i0 + i);
-  }
 }
 
 /// x rounded to int8 for affine_dot_rows_int8, M rows of K (K a multiple of 32) in blocks of 32
@@ -410,30 +447,11 @@ template <int M, int J, int BITS>
   for (int l = 0; l < 16; ++l) gl[l] = G < cpc ? static_cast<std::int32_t>(l * 4 * (8 / BITS) / G) : 0;
   const __m512i gidx = _mm512_load_si512(gl);
   const __m512i nib = _mm512_set1_epi8(0x0f);
-  alignas(64) float sf[J][Int8Rows::kMaxK / 32 + 16], bf[Int8Rows::kMaxK / 32 + 16];  // as float32
-  const bool f32 = rd.sdt == DType::f32;
+  alignas(64) float sf[J][kDotGroups], bf[kDotGroups];  // scales and biases as float32, where stored narrower
   for (std::int64_t j = n0; j + J <= n1; j += J) {
     __m512 tot[J][M];
     const float* sp[J];
-#pragma GCC unroll 4
-    for (int u = 0; u < J; ++u) {
-      // W's scales and biases as float32 (read in place, or widened 16 at a time); the biases
-      // meet x's group sums here (the bias term, sum_g b_g xsum_g, joins the accumulator's lanes)
-      const std::int64_t s0 = (j + u) * rd.groups_per_row;
-      const float* bp = bf;
-      if (f32) {
-        sp[u] = static_cast<const float*>(rd.scales) + s0, bp = static_cast<const float*>(rd.biases) + s0;
-      } else {
-        widen_scales(rd.scales, rd.sdt, s0, groups, sf[u]), widen_scales(rd.biases, rd.sdt, s0, groups, bf);
-        sp[u] = sf[u];
-      }
-      for (int m = 0; m < M; ++m) tot[u][m] = _mm512_setzero_ps();
-      for (std::int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 gm = groups - g >= 16 ? kAll16 : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        const __m512 bv = _mm512_maskz_loadu_ps(gm, bp + g);
-        for (int m = 0; m < M; ++m) tot[u][m] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(gm, xsum + m * groups + g), tot[u][m]);
-      }
-    }
+    dot_rows_begin<M, J>(rd, j, groups, xsum, sf, bf, sp, tot);
     for (std::int64_t c = 0; c < chunks; ++c) {
       const std::int64_t o = 64 * c, left = bytes - o;
       const __mmask64 bm = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
@@ -465,21 +483,7 @@ template <int M, int J, int BITS>
         }
       }
     }
-    // Four accumulators summed at once (a fixed order), the rest one by one.
-    constexpr int A = J * M;
-    alignas(16) float v[A + 3];
-#pragma GCC unroll 4
-    for (int i = 0; i + 4 <= A; i += 4)
-      _mm_store_ps(v + i, hsum4(tot[i / M][i % M], tot[(i + 1) / M][(i + 1) % M], tot[(i + 2) / M][(i + 2) % M],
-                                tot[(i + 3) / M][(i + 3) % M]));
-    for (int i = A / 4 * 4; i < A; ++i) _mm_store_ss(v + i, hsum4(tot[i / M][i % M], tot[i / M][i % M], tot[i / M][i % M], tot[i / M][i % M]));
-#pragma GCC unroll 4
-    for (int u = 0; u < J; ++u)
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) {
-        float& y = Y[m * N + j + u];
-        y = acc ? y + v[u * M + m] : v[u * M + m];
-      }
+    dot_rows_end<M, J>(tot, Y, N, j, acc);
   }
 }
 
