@@ -256,35 +256,42 @@ TEST_CASE("quantized_matmul x @ W on few rows: depths past one chunk, accumulati
   // The factored x @ W (AVX-512, affine, groups of 16 codes or more: y held in registers over the
   // depths) takes depths in chunks that stay in L2: 5000 depths of 64 columns are two chunks. acc
   // adds to y (the backward's accumulation); a column range that starts and ends off a 16-column
-  // vector (a thread's share) takes the buffered loop at its ends.
+  // vector (a thread's share) takes the buffered loop at its ends. Scales and biases stored as
+  // bfloat16 or float16 (a GGUF's) are widened per depth before the chunk's columns.
   for (const Quant q : {Quant::affine(64, 4), Quant::affine(32, 8), Quant::affine(16, 4), Quant::affine(128, 3)}) {
     for (const std::int64_t M : {1, 2, 3, 5, 8}) {
-      CAPTURE(q.group);
-      CAPTURE(q.bits);
-      CAPTURE(M);
-      const std::int64_t K = 5000, N = q.group * 2;
-      const QuantizedMatrix m = quantize(nn::test::random_tensor(Shape{K, N}, DType::f32, 31, -2, 2), q);
-      const Tensor w64 = dequantize(m).to(DType::f64);
-      const Tensor x = nn::test::random_tensor(Shape{M, K}, DType::f32, 32);
-      const Tensor y0 = nn::test::random_tensor(Shape{M, N}, DType::f32, 33);
-      Tensor y = y0.clone();
-      cpu::quantized_matmul(x, m.weight, m.scales, m.biases, QuantMatmulAttrs{q, false}, y, true);
-      GTape<cpu> tr;
-      GVar want = add(tr, tr.constant(y0.to(DType::f64)), matmul(tr, tr.constant(x.to(DType::f64)), tr.constant(w64)));
-      const Tensor& w = tr.value(want);
-      CHECK(rel_err(y, w) < 1e-5);  // float32 sums of 5000 products
-      // columns [5, N - 3) alone, as a thread's share: the ends by the buffered loop
-      const detail::QuantReader<float> rd(m.weight, m.scales, m.biases, q);
-      Tensor part = y0.clone();
-      REQUIRE(detail::quantized_rows(rd, x.data<float>(), part.data<float>(), M, N, K, 5, N - 3, false, true));
-      double scale = 0;  // rel_err's denominator: the largest |y|
-      for (std::int64_t i = 0; i < M * N; ++i) scale = std::max(scale, std::abs(w.item(i)));
-      for (std::int64_t i = 0; i < M; ++i)
-        for (std::int64_t j = 0; j < N; ++j) {
-          const double got = part.item(i * N + j), exact = w.item(i * N + j), before = y0.item(i * N + j);
-          if (j < 5 || j >= N - 3) CHECK(got == before);
-          else CHECK(std::abs(got - exact) <= 1e-5 * scale);
-        }
+      for (const DType sdt : {DType::f32, DType::bf16, DType::f16}) {
+        CAPTURE(q.group);
+        CAPTURE(q.bits);
+        CAPTURE(M);
+        CAPTURE(std::string(dtype_name(sdt)));
+        const std::int64_t K = 5000, N = q.group * 2;
+        QuantizedMatrix m = quantize(nn::test::random_tensor(Shape{K, N}, DType::f32, 31, -2, 2), q);
+        m.scales = m.scales.to(sdt), m.biases = m.biases.to(sdt);
+        QuantizedMatrix wide = m;  // the same scales widened (exactly): dequantize() answers in their dtype
+        wide.scales = m.scales.to(DType::f32), wide.biases = m.biases.to(DType::f32);
+        const Tensor w64 = dequantize(wide).to(DType::f64);
+        const Tensor x = nn::test::random_tensor(Shape{M, K}, DType::f32, 32);
+        const Tensor y0 = nn::test::random_tensor(Shape{M, N}, DType::f32, 33);
+        Tensor y = y0.clone();
+        cpu::quantized_matmul(x, m.weight, m.scales, m.biases, QuantMatmulAttrs{q, false}, y, true);
+        GTape<cpu> tr;
+        GVar want = add(tr, tr.constant(y0.to(DType::f64)), matmul(tr, tr.constant(x.to(DType::f64)), tr.constant(w64)));
+        const Tensor& w = tr.value(want);
+        CHECK(rel_err(y, w) < 1e-5);  // float32 sums of 5000 products
+        // columns [5, N - 3) alone, as a thread's share: the ends by the buffered loop
+        const detail::QuantReader<float> rd(m.weight, m.scales, m.biases, q);
+        Tensor part = y0.clone();
+        REQUIRE(detail::quantized_rows(rd, x.data<float>(), part.data<float>(), M, N, K, 5, N - 3, false, true));
+        double scale = 0;  // rel_err's denominator: the largest |y|
+        for (std::int64_t i = 0; i < M * N; ++i) scale = std::max(scale, std::abs(w.item(i)));
+        for (std::int64_t i = 0; i < M; ++i)
+          for (std::int64_t j = 0; j < N; ++j) {
+            const double got = part.item(i * N + j), exact = w.item(i * N + j), before = y0.item(i * N + j);
+            if (j < 5 || j >= N - 3) CHECK(got == before);
+            else CHECK(std::abs(got - exact) <= 1e-5 * scale);
+          }
+      }
     }
   }
 }

@@ -4,6 +4,8 @@
 // in float), and the row gather of a quantized embedding table.
 #pragma once
 
+#include <cstring>
+
 #include "../../quant.hpp"
 #include "common.hpp"
 #include "matmul.hpp"
@@ -250,6 +252,8 @@ template <int M, int BITS>
                                        : _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll16, _mm512_maskz_cvtepu16_epi32(kAll16, v), 16));
       _mm512_mask_storeu_ps(out + i, m, f);
     }
+  } else if (t == DType::f32) {
+    std::memcpy(out, static_cast<const float*>(p) + i0, static_cast<std::size_t>(n) * sizeof(float));
   } else {
     for (; i < n; ++i) out[i] = widen_scale<float>(p, t, i0 + i);
   }
@@ -487,6 +491,24 @@ template <int M, int J, int BITS>
   }
 }
 
+/// The column blocking of the few-row dots on AVX-512 (the float and the int8 kernel): J columns of
+/// y at a time while they last (fewer rows of x: more columns, each load of x serving J rows of W),
+/// then one at a time. kern.template operator()<MM, J>(from, to) runs MM rows over columns [from, to).
+template <class Kern>
+inline void dot_row_blocks(std::int64_t M, std::int64_t n0, std::int64_t n1, const Kern& kern) {
+  const auto run = [&]<int MM, int J>() {
+    const std::int64_t n_j = n0 + (n1 - n0) / J * J;
+    kern.template operator()<MM, J>(n0, n_j);
+    if constexpr (J > 1) kern.template operator()<MM, 1>(n_j, n1);
+  };
+  switch (M) {
+    case 1: run.template operator()<1, 4>(); break;
+    case 2: run.template operator()<2, 2>(); break;
+    case 3: run.template operator()<3, 2>(); break;
+    default: run.template operator()<4, 2>(); break;
+  }
+}
+
 /// affine_dot_rows for M = 1..4 rows (1..8 on AVX-512); false where it does not apply (another format or dtype, a
 /// CPU without AVX2, a group that is not a multiple of 8 codes, more rows).
 template <class T>
@@ -512,18 +534,10 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
     if (affine_dot_int8_applies(rd)) {  // opt-in (set_int8_activations): x rounded to int8
       alignas(64) static thread_local Int8Rows xr;
       xr.set(X, M, K, rd.q.bits);
-      const auto run = [&]<int BITS, int MM, int J>() {
-        const std::int64_t n_j = n0 + (n1 - n0) / J * J;
-        affine_dot_rows_int8<MM, J, BITS>(rd, xr, xsum, Y, N, K, n0, n_j, acc);
-        if constexpr (J > 1) affine_dot_rows_int8<MM, 1, BITS>(rd, xr, xsum, Y, N, K, n_j, n1, acc);
-      };
       const auto rows = [&]<int BITS>() {
-        switch (M) {
-          case 1: run.template operator()<BITS, 1, 4>(); break;
-          case 2: run.template operator()<BITS, 2, 2>(); break;
-          case 3: run.template operator()<BITS, 3, 2>(); break;
-          default: run.template operator()<BITS, 4, 2>(); break;
-        }
+        dot_row_blocks(M, n0, n1, [&]<int MM, int J>(std::int64_t a, std::int64_t b) {
+          affine_dot_rows_int8<MM, J, BITS>(rd, xr, xsum, Y, N, K, a, b, acc);
+        });
       };
       if (rd.q.bits == 4) rows.template operator()<4>();
       else rows.template operator()<8>();
@@ -538,18 +552,9 @@ inline bool affine_dot_rows_any(const QuantReader<T>& rd, const T* X, T* Y, std:
         XP = xp;
       }
       with_code_bits(rd.q.bits, [&]<int BITS>() {
-        // J columns of y at a time while they last (fewer rows: more columns), then one
-        const auto run = [&]<int MM, int J>() {
-          const std::int64_t n_j = n0 + (n1 - n0) / J * J;
-          affine_dot_rows512<MM, J, BITS>(rd, XP, xsum, Y, N, K, n0, n_j, acc);
-          if constexpr (J > 1) affine_dot_rows512<MM, 1, BITS>(rd, XP, xsum, Y, N, K, n_j, n1, acc);
-        };
-        switch (M) {
-          case 1: run.template operator()<1, 4>(); break;
-          case 2: run.template operator()<2, 2>(); break;
-          case 3: run.template operator()<3, 2>(); break;
-          default: run.template operator()<4, 2>(); break;
-        }
+        dot_row_blocks(M, n0, n1, [&]<int MM, int J>(std::int64_t a, std::int64_t b) {
+          affine_dot_rows512<MM, J, BITS>(rd, XP, xsum, Y, N, K, a, b, acc);
+        });
       });
       return true;
     }
@@ -667,14 +672,10 @@ inline void affine_axpy_rows_any(const QuantReader<float>& rd, const float* X, f
   float* bi = sc + KC * groups;  // (KC, groups) biases of the chunk
   for (std::int64_t k0 = 0; k0 < K; k0 += KC) {
     const std::int64_t k1 = std::min(K, k0 + KC);
-    with_scale_dtype(rd.sdt, [&]<DType SDT>() {
-      for (std::int64_t k = k0; k < k1; ++k)
-        for (std::int64_t g = 0; g < groups; ++g) {
-          const std::int64_t si = k * rd.groups_per_row + g0 + g;
-          sc[(k - k0) * groups + g] = scale_f32<SDT>(rd.scales, si);
-          bi[(k - k0) * groups + g] = scale_f32<SDT>(rd.biases, si);
-        }
-    });
+    for (std::int64_t k = k0; k < k1; ++k) {
+      widen_scales(rd.scales, rd.sdt, k * rd.groups_per_row + g0, groups, sc + (k - k0) * groups);
+      widen_scales(rd.biases, rd.sdt, k * rd.groups_per_row + g0, groups, bi + (k - k0) * groups);
+    }
     const bool add = acc || k0 > 0;
     with_code_bits(rd.q.bits, [&]<int BITS>() {
       const auto run = [&]<int MM, int RR>(const float* Xm, float* Ym, std::int64_t from, std::int64_t to) {
