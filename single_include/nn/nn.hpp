@@ -3774,9 +3774,7 @@ inline void pack_panel(const S* src, index ld, bool contiguous, index n, index k
 #endif
   if (n == L) {
     // full panels (all but the edge): constant trip counts the compiler unrolls and vectorises
-    if (contiguous && std::is_same_v<S, T>) {
-      for (index k = 0; k < kc; ++k) std::memcpy(dst + k * L, src + k * ld, sizeof(T) * L);
-    } else if (contiguous) {
+    if (contiguous) {  // bf16 widened (lines of one type go to pack_side_by_side)
       for (index k = 0; k < kc; ++k)
         for (int l = 0; l < L; ++l) dst[k * L + l] = widen<T>(src[k * ld + l]);
     } else {
@@ -3800,7 +3798,7 @@ inline void pack_panel(const S* src, index ld, bool contiguous, index n, index k
   }
 }
 
-/// Packs n (<= 8 L) lines that lie side by side at each depth (src + k*ld: line l at depth k is
+/// Packs n lines that lie side by side at each depth (src + k*ld: line l at depth k is
 /// src[k * ld + l]) into ceil(n / L) panels of kc x L at dst, lines past n zero. Eight panels at
 /// a time, each depth's stretch of 8 L values is read once, front to back, and dealt out to them.
 /// (Panel by panel, a panel's kc reads were a row apart each, a cache line apiece that no
