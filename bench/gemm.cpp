@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // nn's GEMM engine on the products a training step really runs -- the reference decoder's layer
 // products, its 8192-wide head, the SmolLM2 finetune's 576-wide products and 49152-wide tied head,
-// attention's per-head blocks, and the transposed forms backward uses -- under every kernel set this
+// attention's per-head blocks, the transposed forms backward uses, and one-token products (nn's
+// GEMV, beside Eigen's and OpenBLAS's sgemv) -- under every kernel set this
 // CPU can run, beside OpenBLAS's sgemm on the same operands (when linked). Prints one markdown
 // table per thread count, with the CPU line first. OpenBLAS runs the kernels it chose for this CPU;
 // OPENBLAS_CORETYPE=SkylakeX (or Haswell) in the environment shows it with a kernel forced.
@@ -67,6 +68,13 @@ const Case kCases[] = {
     {"smollm2 head fwd (49152)", 256, 49152, 576, false, true},
     {"smollm2 head dX", 256, 576, 49152, false, false},
     {"attn q k^T block (hd 64)", 32, 64, 64, false, true},
+    // one token (decoding, a batch of one): nn's GEMV (backend/gemv.hpp), not the packed GEMM
+    {"1 token smollm2 q/o proj", 1, 576, 576, false, true},
+    {"1 token smollm2 mlp up", 1, 1536, 576, false, true},
+    {"1 token smollm2 mlp down", 1, 576, 1536, false, true},
+    {"1 token smollm2 head (49152)", 1, 49152, 576, false, true},
+    {"1 token x @ W (576 x 1536)", 1, 1536, 576, false, false},
+    {"1 token x @ W (head^T)", 1, 576, 49152, false, false},
 };
 
 // ---- the other candidates ----------------------------------------------------------------
@@ -144,6 +152,23 @@ std::vector<Candidate> other_candidates() {
                      if (threads) threads(t);
                    }});
   }
+  // Eigen's matrix-vector expressions: what nn ran for one-row products before its GEMV, here
+  // built -march=native (a user's build without -march got SSE2 from them).
+  out.push_back({"Eigen", "Eigen " + std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
+                              "." + std::to_string(EIGEN_MINOR_VERSION) + " (one-row products only; " +
+                              Eigen::SimdInstructionSetsInUse() + ")",
+                 [](const Case& c, const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float* C) {
+                   if (c.M != 1 || c.ta) return false;
+                   using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+                   Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>> a(A, 1, c.K, Eigen::OuterStride<>(lda));
+                   Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>> b(B, c.tb ? c.N : c.K, c.tb ? c.K : c.N,
+                                                                                   Eigen::OuterStride<>(ldb));
+                   Eigen::Map<Mat> y(C, 1, c.N);
+                   if (c.tb) y.noalias() = a * b.transpose();
+                   else y.noalias() = a * b;
+                   return true;
+                 },
+                 [](int) {}});
 #if defined(NN_BENCH_LIBXSMM)
   // libxsmm: one JIT kernel per shape (column-major, as BLIS above); single-threaded by design.
   out.push_back({"libxsmm", "libxsmm " LIBXSMM_VERSION " (JIT small products, 1 thread)",
@@ -234,12 +259,24 @@ void run_table(int threads, double secs, int rounds, const std::vector<Candidate
     std::vector<std::function<void()>> engines;
     for (nn::Isa i : isas)
       engines.push_back([&, i] {
-        nn::gemm::gemm_parallel<T>(i, c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C.data(), c.N, false);
+        if (c.M == 1 || c.N == 1)  // what the tape's matmul runs for these (backend/cpu/matmul.hpp)
+          nn::gemm::gemv_product<T>(i, c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C.data(), false);
+        else
+          nn::gemm::gemm_parallel<T>(i, c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C.data(), c.N, false);
       });
 #if defined(NN_BENCH_CBLAS)
     engines.push_back([&] {
       const auto tA = c.ta ? CblasTrans : CblasNoTrans, tB = c.tb ? CblasTrans : CblasNoTrans;
       const int M = static_cast<int>(c.M), N = static_cast<int>(c.N), K = static_cast<int>(c.K);
+      if (c.M == 1 && !c.ta) {  // ?gemv, as nn itself calls OpenBLAS for one-row products
+        const auto t = c.tb ? CblasNoTrans : CblasTrans;
+        const int rows = static_cast<int>(c.tb ? c.N : c.K), cols = static_cast<int>(c.tb ? c.K : c.N);
+        if constexpr (sizeof(T) == 4)
+          cblas_sgemv(CblasRowMajor, t, rows, cols, 1.0f, B.data(), static_cast<int>(ldb), A.data(), 1, 0.0f, C.data(), 1);
+        else
+          cblas_dgemv(CblasRowMajor, t, rows, cols, 1.0, B.data(), static_cast<int>(ldb), A.data(), 1, 0.0, C.data(), 1);
+        return;
+      }
       if constexpr (sizeof(T) == 4)
         cblas_sgemm(CblasRowMajor, tA, tB, M, N, K, 1.0f, A.data(), static_cast<int>(lda), B.data(),
                     static_cast<int>(ldb), 0.0f, C.data(), N);

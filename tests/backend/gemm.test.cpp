@@ -2,7 +2,8 @@
 // nn's GEMM engine (include/nn/backend/gemm.hpp) against a naive triple loop in long double, for
 // every kernel set this CPU runs, both float widths, every transpose, accumulate or overwrite,
 // and shapes that cross every block edge (MR, NR, KC, NB, MB); the packing hook; the threaded
-// split; the epilogue; the batched entry; and the engine the ops actually run.
+// split; the epilogue; the batched entry; and the engine the ops actually run. Also nn's GEMV
+// (include/nn/backend/gemv.hpp), the one-row and one-column products, the same ways.
 #include "support/check.hpp"
 
 #include <cstdlib>
@@ -143,6 +144,128 @@ TEST_CASE("the threaded split (shared B panels, or columns when rows are few) gi
     CHECK(c1 == c2);
   }
 #if defined(_OPENMP)
+  omp_set_num_threads(prev);
+#endif
+}
+
+// ---- matrix-vector products (backend/gemv.hpp) ---------------------------------------------
+
+TEST_CASE_TEMPLATE("nn's GEMV (dot rows, axpy rows) matches a long-double loop on every kernel set and edge", T, float,
+                   double) {
+  const double tol = std::is_same_v<T, float> ? 2e-6 : 4e-15;
+  // rows and columns around the bodies' steps: 4 rows, 2 vectors (dot), 8 vectors (axpy), a tail
+  for (Isa isa : runnable_isas())
+    for (std::int64_t rows : {1, 3, 4, 5, 9, 70})
+      for (std::int64_t cols : {1, 7, 16, 33, 64, 129, 300})
+        for (int along = 0; along < 2; ++along)
+          for (int acc = 0; acc < 2; ++acc) {
+            const std::int64_t ld = cols + 5, nx = along ? cols : rows, ny = along ? rows : cols;
+            const std::vector<T> m = random_values<T>(static_cast<std::size_t>(rows * ld), 4);
+            const std::vector<T> x = random_values<T>(static_cast<std::size_t>(nx * 2), 5);  // read at stride 2
+            std::vector<T> y = random_values<T>(static_cast<std::size_t>(ny), 6);
+            if (!acc) std::fill(y.begin(), y.end(), std::numeric_limits<T>::quiet_NaN());  // never read
+            const std::vector<T> y0 = y;
+            gemm::gemv<T>(isa, along, rows, cols, m.data(), ld, x.data(), 2, y.data(), acc);
+            double worst = 0;
+            for (std::int64_t o = 0; o < ny; ++o) {
+              long double s = acc ? y0[o] : 0.0L;
+              for (std::int64_t k = 0; k < nx; ++k)
+                s += static_cast<long double>(along ? m[o * ld + k] : m[k * ld + o]) * static_cast<long double>(x[2 * k]);
+              const double d = std::abs(static_cast<double>(y[o] - s));
+              worst = std::max(worst, std::isnan(d) ? INFINITY : d);
+            }
+            CHECK_MESSAGE(worst / std::sqrt(static_cast<double>(nx)) < tol,
+                          isa_name(isa) << (along ? " dot" : " axpy") << " rows=" << rows << " cols=" << cols
+                                        << " acc=" << acc << ": " << worst);
+          }
+}
+
+TEST_CASE_TEMPLATE("nn's GEMV on 2-4 vectors at once (x @ W^T on a few rows) matches a long-double loop", T, float,
+                   double) {
+  const double tol = std::is_same_v<T, float> ? 2e-6 : 4e-15;
+  for (Isa isa : runnable_isas())
+    for (int nv = 1; nv <= 4; ++nv)
+      for (std::int64_t rows : {1, 2, 3, 6, 33})
+        for (std::int64_t cols : {1, 15, 16, 17, 100})
+          for (int acc = 0; acc < 2; ++acc) {
+            const std::int64_t ld = cols + 3, ldx = cols + 1, ldy = rows + 2;
+            const std::vector<T> m = random_values<T>(static_cast<std::size_t>(rows * ld), 11);
+            const std::vector<T> x = random_values<T>(static_cast<std::size_t>(nv * ldx), 12);
+            std::vector<T> y = random_values<T>(static_cast<std::size_t>(nv * ldy), 13);
+            if (!acc)
+              for (int n = 0; n < nv; ++n)
+                for (std::int64_t i = 0; i < rows; ++i) y[n * ldy + i] = std::numeric_limits<T>::quiet_NaN();
+            const std::vector<T> y0 = y;
+            gemm::gemv_dot<T>(isa, nv, rows, cols, m.data(), ld, x.data(), ldx, y.data(), ldy, acc);
+            double worst = 0;
+            for (int n = 0; n < nv; ++n) {
+              for (std::int64_t i = 0; i < rows; ++i) {
+                long double s = acc ? y0[n * ldy + i] : 0.0L;
+                for (std::int64_t k = 0; k < cols; ++k)
+                  s += static_cast<long double>(m[i * ld + k]) * static_cast<long double>(x[n * ldx + k]);
+                const double d = std::abs(static_cast<double>(y[n * ldy + i] - s));
+                worst = std::max(worst, std::isnan(d) ? INFINITY : d);
+              }
+              for (std::int64_t i = rows; i < ldy; ++i)  // past the rows: never written
+                if (!(y[n * ldy + i] == y0[n * ldy + i])) worst = INFINITY;
+            }
+            CHECK_MESSAGE(worst / std::sqrt(static_cast<double>(cols)) < tol,
+                          isa_name(isa) << " nv=" << nv << " rows=" << rows << " cols=" << cols << " acc=" << acc
+                                        << ": " << worst);
+          }
+}
+
+TEST_CASE("one-row, one-column and few-row products on the tape's matmul go through nn's GEMV and match the GEMM") {
+  // every transpose of op(A) @ op(B) with M == 1 or N == 1, as cpu::matmul lays them out, and
+  // 2-4 rows of x @ W^T (the others of those go to the GEMM)
+  for (auto [M, N, K] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 300, 70}, {90, 1, 513}, {1, 1, 40},
+                         {1, 1000, 700}, {1000, 1, 700}, {2, 300, 70}, {3, 1000, 700}, {4, 65, 33}, {5, 40, 30}})
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        if (!gemm::gemv_applies(ta, tb, M, N)) {
+          CHECK((M == 5 || ta || !tb));
+          continue;
+        }
+        const Tensor a = random::normal(ta ? Shape{K, M} : Shape{M, K}), b = random::normal(tb ? Shape{N, K} : Shape{K, N});
+        Tensor got = Tensor::zeros({M, N}), want = Tensor::zeros({M, N});
+        cpu::matmul(a, ta, b, tb, got, false);
+        Tensor direct = Tensor::zeros({M, N});
+        gemm::gemv_product<float>(gemm::active_isa(), ta, tb, M, N, K, a.data<float>(), ta ? M : K, b.data<float>(),
+                                  tb ? K : N, direct.data<float>(), false);
+        CHECK(std::equal(got.data<float>(), got.data<float>() + M * N, direct.data<float>()));  // the GEMV ran
+        gemm::gemm_serial<float>(gemm::active_isa(), ta, tb, M, N, K, a.data<float>(), ta ? M : K, b.data<float>(),
+                                 tb ? K : N, want.data<float>(), N, false);
+        double worst = 0;
+        for (std::int64_t i = 0; i < M * N; ++i)
+          worst = std::max(worst, std::abs(static_cast<double>(got.data<float>()[i] - want.data<float>()[i])));
+        CHECK_MESSAGE(worst < 2e-6 * std::sqrt(static_cast<double>(K)) * 4, M << "x" << N << "x" << K << " ta=" << ta
+                                                                            << " tb=" << tb << ": " << worst);
+      }
+}
+
+TEST_CASE("a GEMV split over a team gives the one-thread result bit for bit") {
+#if defined(_OPENMP)
+  const int prev = omp_get_max_threads();
+  for (auto [rows, cols, along] : {std::tuple<std::int64_t, std::int64_t, bool>{3000, 400, true}, {400, 3000, false},
+                                   {2000, 1000, false}}) {
+    const std::vector<float> m = random_values<float>(static_cast<std::size_t>(rows * cols), 7);
+    const std::vector<float> x = random_values<float>(static_cast<std::size_t>(along ? cols : rows), 8);
+    std::vector<float> y1(static_cast<std::size_t>(along ? rows : cols)), y2(y1.size());
+    omp_set_num_threads(1);
+    gemm::gemv<float>(gemm::active_isa(), along, rows, cols, m.data(), cols, x.data(), 1, y1.data(), false);
+    omp_set_num_threads(2);
+    CHECK(gemm::gemv_threads(static_cast<std::int64_t>(y1.size()), rows, cols) == std::min(2, detail::free_threads()));
+    gemm::gemv<float>(gemm::active_isa(), along, rows, cols, m.data(), cols, x.data(), 1, y2.data(), false);
+    CHECK(y1 == y2);
+  }
+  // three vectors at once (x @ W^T on 3 tokens)
+  const std::vector<float> m = random_values<float>(3000 * 400, 9), x = random_values<float>(3 * 400, 10);
+  std::vector<float> y1(3 * 3000), y2(y1.size());
+  omp_set_num_threads(1);
+  gemm::gemv_dot<float>(gemm::active_isa(), 3, 3000, 400, m.data(), 400, x.data(), 400, y1.data(), 3000, false);
+  omp_set_num_threads(2);
+  gemm::gemv_dot<float>(gemm::active_isa(), 3, 3000, 400, m.data(), 400, x.data(), 400, y2.data(), 3000, false);
+  CHECK(y1 == y2);
   omp_set_num_threads(prev);
 #endif
 }

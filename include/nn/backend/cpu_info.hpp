@@ -149,7 +149,7 @@ inline Isa choose_isa(const CpuFeatures& f) {
 struct CpuInfo {
   CpuFeatures features;
   Isa isa = Isa::generic;  ///< the kernel set nn's GEMM uses (see NN_CPU_ISA)
-  std::string gemm;        ///< the GEMM engine and micro-kernels in use, e.g. "nn avx512 12x32 f32 / 12x16 f64"
+  std::string gemm;        ///< the GEMM engine and micro-kernels in use, e.g. "nn avx512 12x32 f32 / 12x16 f64 + gemv"
   std::string gemm_id;     ///< the same as one word: "nn-avx512", "nn-avx2", "nn-generic", "cblas" or "eigen"
   std::string note;        ///< why an external BLAS is or is not used (empty when none is linked)
   std::string bf16;        ///< how bf16 products run: "amx tdpbf16ps", "native vdpbf16ps" or "emulated (f32 kernels)"

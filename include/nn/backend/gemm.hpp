@@ -46,7 +46,7 @@
 #define NN_OWN_GEMM 1
 #endif
 
-// Full unrolling keeps a micro-tile's accumulators in registers. nvcc's front end knows only the
+// Full unrolling keeps a micro-tile's accumulators in registers (gemv.hpp's too). nvcc's front end knows only the
 // plain form (and passes host code on to the host compiler).
 #define NN_GEMM_STR2(x) #x
 #define NN_GEMM_STR(x) NN_GEMM_STR2(x)
@@ -1188,12 +1188,13 @@ void gemm_bf16(Isa isa, Bf16Kernel kernel, bool ta, bool tb, index M, index N, i
   });
 }
 
-/// "nn avx512 12x32 f32 / 12x16 f64": the engine and tile shapes for an ISA.
+/// "nn avx512 12x32 f32 / 12x16 f64 + gemv": the engine and tile shapes for an ISA (gemv.hpp's
+/// one-row products run on the same ISA).
 inline std::string describe(Isa isa) {
   return with_isa(isa, [&]<Isa I>() {
     return "nn " + std::string(isa_name(I)) + " " + std::to_string(Shape<float, I>::MR) + "x" +
            std::to_string(Shape<float, I>::NR) + " f32 / " + std::to_string(Shape<double, I>::MR) + "x" +
-           std::to_string(Shape<double, I>::NR) + " f64";
+           std::to_string(Shape<double, I>::NR) + " f64 + gemv";
   });
 }
 
@@ -1202,6 +1203,3 @@ inline std::string describe(Isa isa) {
 
 }  // namespace nn
 
-#undef NN_GEMM_UNROLL
-#undef NN_GEMM_STR
-#undef NN_GEMM_STR2

@@ -10,6 +10,7 @@
 
 #include "common.hpp"
 #include "../gemm.hpp"
+#include "../gemv.hpp"
 
 namespace nn {
 
@@ -404,6 +405,10 @@ struct MatmulKernelsT {
     }
 #endif
 #if defined(NN_OWN_GEMM)
+    if (engine == detail::GemmEngine::nn && ::nn::gemm::gemv_applies(ta, tb, M, N)) {  // gemv.hpp
+      ::nn::gemm::gemv_product<T>(::nn::gemm::active_isa(), ta, tb, M, N, K, A, lda, Bp, ldb, C, acc);
+      return;
+    }
     if (engine == detail::GemmEngine::nn && !vector_like) {
       ::nn::gemm::gemm_parallel<T>(::nn::gemm::active_isa(), ta, tb, M, N, K, A, lda, Bp, ldb, C, N, acc);
       return;
@@ -416,7 +421,7 @@ struct MatmulKernelsT {
       return;
     }
 #endif
-    // vectors (GEMV) and tiny products: Eigen's expressions, which do not allocate for them
+    // tiny products (and vectors, on the Eigen engine): Eigen's expressions, which do not allocate
     using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     using CMap = Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>>;
     Eigen::Map<Mat> Cm(C, M, N);
