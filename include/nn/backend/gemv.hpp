@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
 // nn's own matrix-vector products, the one-row (or one-column) products a GEMM's packing does not
 // pay for: decoding one token (x (1, C) @ W^T for every projection and the head), a batch of one,
-// a vector's gradient. Two forms cover every op(A) @ op(B) with M == 1 or N == 1 on row-major
-// matrices (backend/cpu/matmul.hpp maps them):
-//   dot rows:  y[i] (+)= sum_k m[i*ld + k] x[k]   (the matrix's rows run along the vector)
+// a vector's gradient; and x @ W^T on 2-4 rows (a few tokens decoded side by side), where the
+// GEMM would pack all of W for a 12-row tile. Two forms cover every op(A) @ op(B) with M == 1 or
+// N == 1 on row-major matrices (gemv_product below maps them; backend/cpu/matmul.hpp calls it):
+//   dot rows:  y[i] (+)= sum_k m[i*ld + k] x[k]   (the matrix's rows run along the vector; up to
+//              four vectors x at once, each row read once for all of them)
 //   axpy rows: y[j] (+)= sum_k x[k] m[k*ld + j]   (the matrix's rows run along the output)
 // Why nn owns them: they went to Eigen's expressions, whose SIMD width is the one the user's
 // translation unit was compiled for; without -march (the README's build, a distro's) that is SSE2
