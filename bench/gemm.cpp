@@ -68,6 +68,9 @@ const Case kCases[] = {
     {"smollm2 head fwd (49152)", 256, 49152, 576, false, true},
     {"smollm2 head dX", 256, 576, 49152, false, false},
     {"attn q k^T block (hd 64)", 32, 64, 64, false, true},
+    // LoRA (rank 8) over a 576-wide projection: y = x A B, A (in, r), B (r, out) as mlx-lm's
+    {"smollm2 LoRA dB = (xA)^T dY", 8, 576, 256, true, false},
+    {"smollm2 LoRA dA = x^T d(xA)", 576, 8, 256, true, false},
     // one token (decoding, a batch of one): nn's GEMV (backend/gemv.hpp), not the packed GEMM
     {"1 token smollm2 q/o proj", 1, 576, 576, false, true},
     {"1 token smollm2 mlp up", 1, 1536, 576, false, true},

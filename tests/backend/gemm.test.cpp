@@ -148,6 +148,54 @@ TEST_CASE("the threaded split (shared B panels, or columns when rows are few) gi
 #endif
 }
 
+TEST_CASE_TEMPLATE("B read in place (few A rows) and narrow products (run as their transpose) are bit-identical to packed",
+                   T, float, double) {
+  // In place: op(B) = X with at most kInPlaceBRows rows of A; the same product with X stored
+  // transposed (op(B) = (X^T)^T) packs every B panel: same panels, same order, same bits.
+  for (Isa isa : runnable_isas())
+    for (auto [M, N, K] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8, 576, 256}, {48, 70, 400},
+                           {13, 33, 5}, {49, 64, 30}})
+      for (int ta = 0; ta < 2; ++ta)
+        for (int acc = 0; acc < 2; ++acc) {
+          const std::vector<T> A = random_values<T>(static_cast<std::size_t>(M * K), 21);
+          const std::vector<T> B = random_values<T>(static_cast<std::size_t>(K * N), 22);
+          std::vector<T> Bt(B.size());
+          for (std::int64_t k = 0; k < K; ++k)
+            for (std::int64_t j = 0; j < N; ++j) Bt[j * K + k] = B[k * N + j];
+          std::vector<T> c1 = random_values<T>(static_cast<std::size_t>(M * N), 23), c2 = c1;
+          const std::int64_t lda = ta ? M : K;
+          gemm::gemm_serial<T>(isa, ta, false, M, N, K, A.data(), lda, B.data(), N, c1.data(), N, acc);
+          gemm::gemm_serial<T>(isa, ta, true, M, N, K, A.data(), lda, Bt.data(), K, c2.data(), N, acc);
+          CHECK_MESSAGE(c1 == c2, isa_name(isa) << " in place " << M << "x" << N << "x" << K << " ta=" << ta);
+        }
+  // Narrow: C (M x N, N < a tile's width) computed as C^T = op(B)^T op(A)^T, seeded with C^T when
+  // accumulating, K past KC so slices accumulate, a padded C, and an epilogue after the copy back.
+  int narrow = 0;
+  for (Isa isa : runnable_isas())
+    for (auto [M, N, K] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{576, 8, 256}, {200, 1, 30},
+                           {100, 15, 900}, {64, 5, 3}})
+      for (int ta = 0; ta < 2; ++ta)
+        for (int tb = 0; tb < 2; ++tb)
+          for (int acc = 0; acc < 2; ++acc) {
+            narrow += gemm::narrow_product<T>(isa, M, N);  // which shapes are narrow depends on the tile
+            const std::vector<T> A = random_values<T>(static_cast<std::size_t>(M * K), 24);
+            const std::vector<T> B = random_values<T>(static_cast<std::size_t>(K * N), 25);
+            const std::vector<T> bias = random_values<T>(static_cast<std::size_t>(N), 26);
+            const std::int64_t lda = ta ? M : K, ldb = tb ? K : N, ldc = N + 2;
+            std::vector<T> c1 = random_values<T>(static_cast<std::size_t>(M * ldc), 27), c2 = c1;
+            const gemm::BiasResidual<T> epi{bias.data()};
+            gemm::gemm_serial<T>(isa, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, c1.data(), ldc, acc, epi);
+            gemm::gemm_parallel<T>(isa, ta, tb, M, N, K, A.data(), lda, B.data(), ldb, c2.data(), ldc, acc, epi);
+            CHECK_MESSAGE(c1 == c2, isa_name(isa) << " narrow " << M << "x" << N << "x" << K << " ta=" << ta
+                                                  << " tb=" << tb << " acc=" << acc);
+          }
+  CHECK(narrow > 0);
+  CHECK(gemm::narrow_product<float>(Isa::avx512, 576, 8));        // LoRA rank 8: 8 of 12 rows, not 8 of 32 columns
+  CHECK(gemm::narrow_product<float>(Isa::avx2, 576, 8));          // 8 of 12 rows (two 6-row tiles), not 8 of 16
+  CHECK_FALSE(gemm::narrow_product<float>(Isa::avx512, 20, 8));   // too short to fill the transpose
+  CHECK_FALSE(gemm::narrow_product<float>(Isa::avx512, 500, 32));  // a full tile wide already
+}
+
 // ---- matrix-vector products (backend/gemv.hpp) ---------------------------------------------
 
 TEST_CASE_TEMPLATE("nn's GEMV (dot rows, axpy rows) matches a long-double loop on every kernel set and edge", T, float,

@@ -60,7 +60,8 @@ namespace nn {
 namespace detail {
 
 /// This thread's working space number `slot` (0: its own GEMM panels, 1: B panels it shares with
-/// its team, 2: a kernel's tiles around its GEMM calls, such as flash attention's scores): at
+/// its team, 2: a kernel's tiles around its GEMM calls, such as flash attention's scores, 3: a
+/// narrow product's transposed C, see gemm::narrow_product): at
 /// least `bytes`, 64-byte aligned. It grows only when a larger request comes, so replaying
 /// kernels already seen allocates nothing.
 inline void* gemm_workspace(std::size_t bytes, int slot = 0) {
@@ -69,7 +70,7 @@ inline void* gemm_workspace(std::size_t bytes, int slot = 0) {
     std::size_t n = 0;
     ~Buffer() { std::free(p); }
   };
-  thread_local Buffer bufs[3];
+  thread_local Buffer bufs[4];
   Buffer& buf = bufs[slot];
   if (buf.n < bytes) {
     const std::size_t n = (bytes + 63) / 64 * 64;
@@ -124,19 +125,21 @@ struct Shape<T, Isa::avx512> {
 };
 
 /// The one micro-kernel body: C[MR x NR] (row stride ldc) = (or +=, unless overwrite) the sum over
-/// k < kc of A(i, k) * b[k*NR + j]. b is a B panel (NR values per k, packed by pack_b below); A(i,
-/// k) is a[k*MR + i] from a packed A panel, or a[i*lda + k] read in place (DirectA: rows of a
+/// k < kc of A(i, k) * B(k, j), k in order. B(k, j) is b[k*ldb + j]: a packed B panel (ldb = NR,
+/// packed by pack_b below) or NR columns of a row-major op(B) read in place (ldb its row stride).
+/// A(i, k) is a[k*MR + i] from a packed A panel, or a[i*lda + k] read in place (DirectA: rows of a
 /// row-major A, which saves packing A when C is narrow and A's rows would be packed for few uses).
+/// Either way each C element sees the same products in the same order: in place and packed are
+/// bit-identical.
 template <class T, int W, int MR, int NV, bool DirectA>
 [[gnu::always_inline]] inline void micro_body(index kc, const T* __restrict a, index lda, const T* __restrict b,
-                                              T* __restrict c, index ldc, bool overwrite) {
+                                              index ldb, T* __restrict c, index ldc, bool overwrite) {
   typedef T V __attribute__((vector_size(W * sizeof(T))));
-  constexpr int NR = W * NV;
   V acc[MR][NV] = {};
   for (index k = 0; k < kc; ++k) {
     V bv[NV];
     NN_GEMM_UNROLL(8)
-    for (int j = 0; j < NV; ++j) __builtin_memcpy(&bv[j], b + k * NR + j * W, sizeof(V));
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(&bv[j], b + k * ldb + j * W, sizeof(V));
     NN_GEMM_UNROLL(16)
     for (int i = 0; i < MR; ++i) {
       const T ai = DirectA ? a[i * lda + k] : a[k * MR + i];
@@ -158,32 +161,33 @@ template <class T, int W, int MR, int NV, bool DirectA>
     }
 }
 
-/// One ISA's pair of micro-kernels: on a packed A panel (lda unused), and on A rows read in place.
+/// One ISA's pair of micro-kernels: on a packed A panel (lda unused), and on A rows read in place;
+/// both read B at b[k*ldb + j].
 template <class T>
 struct Kernels {
-  using Fn = void (*)(index kc, const T* a, index lda, const T* b, T* c, index ldc, bool overwrite);
+  using Fn = void (*)(index kc, const T* a, index lda, const T* b, index ldb, T* c, index ldc, bool overwrite);
   Fn packed, direct;
 };
 
 // The entry points, one per ISA and form: the same body, compiled for each instruction set.
 template <class T, bool D>
-void micro_generic(index kc, const T* a, index lda, const T* b, T* c, index ldc, bool overwrite) {
+void micro_generic(index kc, const T* a, index lda, const T* b, index ldb, T* c, index ldc, bool overwrite) {
   using S = Shape<T, Isa::generic>;
-  micro_body<T, S::W, S::MR, S::NV, D>(kc, a, lda, b, c, ldc, overwrite);
+  micro_body<T, S::W, S::MR, S::NV, D>(kc, a, lda, b, ldb, c, ldc, overwrite);
 }
 #if defined(__x86_64__) || defined(__i386__)
 template <class T, bool D>
-[[gnu::target("avx2,fma")]] void micro_avx2(index kc, const T* a, index lda, const T* b, T* c, index ldc,
-                                            bool overwrite) {
+[[gnu::target("avx2,fma")]] void micro_avx2(index kc, const T* a, index lda, const T* b, index ldb, T* c,
+                                            index ldc, bool overwrite) {
   using S = Shape<T, Isa::avx2>;
-  micro_body<T, S::W, S::MR, S::NV, D>(kc, a, lda, b, c, ldc, overwrite);
+  micro_body<T, S::W, S::MR, S::NV, D>(kc, a, lda, b, ldb, c, ldc, overwrite);
 }
 template <class T, bool D>
 [[gnu::target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")]] void micro_avx512(index kc, const T* a, index lda,
-                                                                                const T* b, T* c, index ldc,
-                                                                                bool overwrite) {
+                                                                                const T* b, index ldb, T* c,
+                                                                                index ldc, bool overwrite) {
   using S = Shape<T, Isa::avx512>;
-  micro_body<T, S::W, S::MR, S::NV, D>(kc, a, lda, b, c, ldc, overwrite);
+  micro_body<T, S::W, S::MR, S::NV, D>(kc, a, lda, b, ldb, c, ldc, overwrite);
 }
 #endif
 
@@ -434,28 +438,43 @@ struct ShiftedEpilogue {
 template <class Epi>
 inline constexpr bool is_no_epilogue = std::is_same_v<Epi, NoEpilogue>;
 
-/// Runs C[0:mc, 0:nc] (+)= (A block, mc x kc) @ (packed B block, kc x nc) tile by tile. A's full
-/// MR-row panels come from `a_rows` in place (row stride lda) when it is not null; other panels
-/// from the packed `abuf`. An edge tile is computed whole into `tile` and its valid part copied.
-/// On the last K slice (`last`) each tile then gets the epilogue, at whole-product offset (ci, cj).
+/// Where block_product finds its operands. A: ceil(mc/MR) packed panels of kc x MR at abuf, except
+/// full panels read in place (the direct kernel) from op(A)'s rows at a_rows + ir*lda when set. B:
+/// ceil(nc/NR) packed panels of kc x NR at bbuf, except full panels read in place from op(B)'s
+/// rows at b + jr (depth k at + k*ldb) when set. Ragged panels are always packed, at the place
+/// they would have among the others.
+template <class T>
+struct BlockOperands {
+  T* abuf;
+  T* bbuf;
+  const T* a_rows = nullptr;
+  index lda = 0;
+  const T* b = nullptr;
+  index ldb = 0;
+};
+
+/// Runs C[0:mc, 0:nc] (+)= (A block, mc x kc) @ (B block, kc x nc) tile by tile, the operands where
+/// `op` says. An edge tile is computed whole into `tile` and its valid part copied. On the last K
+/// slice (`last`) each tile then gets the epilogue, at whole-product offset (ci, cj).
 template <class T, class S, class Epi = NoEpilogue>
-void block_product(const Kernels<T>& kern, index mc, index nc, index kc, const T* abuf, const T* a_rows, index lda,
-                   const T* bbuf, T* C, index ldc, bool overwrite, T* tile, const Epi& epi = {}, bool last = false,
-                   index ci = 0, index cj = 0) {
+void block_product(const Kernels<T>& kern, index mc, index nc, index kc, const BlockOperands<T>& op, T* C, index ldc,
+                   bool overwrite, T* tile, const Epi& epi = {}, bool last = false, index ci = 0, index cj = 0) {
   constexpr int MR = S::MR, NR = S::NR;
   for (index ir = 0; ir < mc; ir += MR) {
     const index rows = std::min<index>(MR, mc - ir);
-    const bool direct = a_rows && rows == MR;
-    const T* ap = direct ? a_rows + ir * lda : abuf + ir * kc;
+    const bool direct = op.a_rows && rows == MR;
+    const T* ap = direct ? op.a_rows + ir * op.lda : op.abuf + ir * kc;
     const auto fn = direct ? kern.direct : kern.packed;
     for (index jr = 0; jr < nc; jr += NR) {
-      const T* bp = bbuf + jr * kc;
       const index cols = std::min<index>(NR, nc - jr);
+      const bool b_in_place = op.b && cols == NR;
+      const T* bp = b_in_place ? op.b + jr : op.bbuf + jr * kc;
+      const index ldb = b_in_place ? op.ldb : NR;
       T* c = C + ir * ldc + jr;
       if (rows == MR && cols == NR) {
-        fn(kc, ap, lda, bp, c, ldc, overwrite);
+        fn(kc, ap, op.lda, bp, ldb, c, ldc, overwrite);
       } else {
-        fn(kc, ap, lda, bp, tile, NR, true);
+        fn(kc, ap, op.lda, bp, ldb, tile, NR, true);
         for (index r = 0; r < rows; ++r)
           for (index q = 0; q < cols; ++q)
             c[r * ldc + q] = overwrite ? tile[r * NR + q] : c[r * ldc + q] + tile[r * NR + q];
@@ -473,33 +492,59 @@ void epilogue_all(const Epi& epi, T* C, index ldc, index M, index N) {
     if (M > 0 && N > 0) epi(C, ldc, index(0), index(0), M, N);
 }
 
-/// Packs what block_product reads of A rows [i0, i0+mc), depth [k0, k0+kc): every panel into abuf,
-/// or, when A is read in place (C narrow: at most 8 NR-wide panels, where packing A would cost as
-/// much as the product), only a ragged last panel. Returns the in-place row pointer, or null.
+/// Packs what block_product reads of A rows [i0, i0+mc), depth [k0, k0+kc) and sets op's A part:
+/// every panel into op.abuf, or, when A is read in place (C narrow: at most 8 NR-wide panels, where
+/// packing A would cost as much as the product), only a ragged last panel.
 template <class T, class S, class PackA>
-const T* prepare_a(const PackA& pack_a_fn, index N, index i0, index mc, index k0, index kc, T* abuf) {
+void prepare_a(const PackA& pack_a_fn, index N, index i0, index mc, index k0, index kc, BlockOperands<T>& op) {
   constexpr int MR = S::MR;
+  op.a_rows = nullptr;
   if constexpr (requires { pack_a_fn.rows(i0, k0); }) {
-    const T* rows = N <= 8 * S::NR ? pack_a_fn.rows(i0, k0) : nullptr;
-    if (rows) {
+    if (N <= 8 * S::NR && (op.a_rows = pack_a_fn.rows(i0, k0))) {
+      op.lda = pack_a_fn.ld();
       const index full = mc / MR * MR;
-      if (full < mc) pack_a_fn(abuf + full * kc, i0 + full, mc - full, k0, kc);
-      return rows;
+      if (full < mc) pack_a_fn(op.abuf + full * kc, i0 + full, mc - full, k0, kc);
+      return;
     }
   }
-  pack_a_fn(abuf, i0, mc, k0, kc);
-  return nullptr;
+  pack_a_fn(op.abuf, i0, mc, k0, kc);
 }
 
-template <class PackA>
-index a_ld(const PackA& p) {
-  if constexpr (requires { p.ld(); }) return p.ld();
-  else return 0;
+/// Rows of A up to which B is read in place rather than packed: a packed B panel pays for itself
+/// by being read once per MR-row A panel from compact, L1-friendly lines; with a few A panels
+/// (attention's blocks, LoRA's rank-r products) the packing costs more than it saves. Beyond,
+/// strided in-place reads are slower (Xeon model 167: -5 to -30% on 256..1024-row products).
+inline constexpr index kInPlaceBRows = 48;
+
+/// The same for B's columns [j0, j0+nc) (or, in a team, the panels [p0, p1) of them this thread
+/// packs) for an A block of `a_rows` rows: in place when the packer offers op(B)'s rows (op(B) = X,
+/// same type) and a_rows <= kInPlaceBRows; then only a ragged last panel is packed.
+template <class T, class S, class PackB>
+void prepare_b(const PackB& pack_b_fn, index a_rows, index j0, index nc, index k0, index kc, BlockOperands<T>& op,
+               index p0 = 0, index p1 = -1) {
+  constexpr int NR = S::NR;
+  if (p1 < 0) p1 = (nc + NR - 1) / NR;
+  op.b = nullptr;
+  if constexpr (requires { pack_b_fn.rows(j0, k0); })
+    if (a_rows <= kInPlaceBRows && (op.b = pack_b_fn.rows(j0, k0))) {
+      op.ldb = pack_b_fn.ld();
+      p0 = std::max(p0, nc / NR);  // full panels are read in place
+    }
+  if (p0 < p1) pack_b_fn(op.bbuf + p0 * NR * kc, j0 + p0 * NR, std::min(nc, p1 * NR) - p0 * NR, k0, kc);
 }
+
 template <int NR, class T, class S = T>
 struct DensePackB {
   Matrix<S> m;
   void operator()(T* dst, index j0, index nc, index k0, index kc) const { pack_b<NR>(m, k0, kc, j0, nc, dst); }
+  /// op(B)(k0, j0) when op(B) = X holds T: depth k's columns lie side by side in X's row k, ld()
+  /// apart, read in place by the kernels (null when op(B) is transposed: a Linear's weight).
+  const T* rows(index j0, index k0) const
+    requires std::is_same_v<S, T>
+  {
+    return m.trans ? nullptr : m.p + k0 * m.ld + j0;
+  }
+  index ld() const { return m.ld; }
 };
 
 // ---- the blocked driver --------------------------------------------------------------------
@@ -529,17 +574,17 @@ void gemm_blocked(const Kernels<T>& kern, index M, index N, index K, const PackA
   T* abuf = reinterpret_cast<T*>(ws);
   T* bbuf = reinterpret_cast<T*>(ws + a_bytes);
   T* tile = reinterpret_cast<T*>(ws + a_bytes + b_bytes);
+  BlockOperands<T> op{abuf, bbuf};
   for (index i0 = 0; i0 < M; i0 += mb) {
     const index mc = std::min(mb, M - i0);
     for (index k0 = 0; k0 < K; k0 += kcap) {
       const index kc = std::min(kcap, K - k0);
       const bool overwrite = !acc && k0 == 0;
-      const T* a_rows = prepare_a<T, S>(pack_a_fn, N, i0, mc, k0, kc, abuf);
+      prepare_a<T, S>(pack_a_fn, N, i0, mc, k0, kc, op);
       for (index j0 = 0; j0 < N; j0 += nb) {
         const index nc = std::min(nb, N - j0);
-        pack_b_fn(bbuf, j0, nc, k0, kc);
-        block_product<T, S>(kern, mc, nc, kc, abuf, a_rows, a_ld(pack_a_fn), bbuf, C + i0 * ldc + j0, ldc, overwrite,
-                            tile, epi, k0 + kc == K, i0, j0);
+        prepare_b<T, S>(pack_b_fn, mc, j0, nc, k0, kc, op);
+        block_product<T, S>(kern, mc, nc, kc, op, C + i0 * ldc + j0, ldc, overwrite, tile, epi, k0 + kc == K, i0, j0);
       }
     }
   }
@@ -566,19 +611,20 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
     auto* ws = static_cast<char*>(detail::gemm_workspace(a_bytes + sizeof(T) * MR * NR));
     T* abuf = reinterpret_cast<T*>(ws);
     T* tile = reinterpret_cast<T*>(ws + a_bytes);
+    BlockOperands<T> op{abuf, bbuf};
     for (index k0 = 0; k0 < K; k0 += kcap) {
       const index kc = std::min(kcap, K - k0);
       const bool overwrite = !acc && k0 == 0;
-      const T* a_rows = mine > 0 ? prepare_a<T, S>(pack_a_fn, N, r0, mine, k0, kc, abuf) : nullptr;
+      if (mine > 0) prepare_a<T, S>(pack_a_fn, N, r0, mine, k0, kc, op);
       for (index j0 = 0; j0 < N; j0 += nb) {
         const index nc = std::min(nb, N - j0);
         const index panels = (nc + NR - 1) / NR, per = (panels + nt - 1) / nt;
         const index p0 = std::min(panels, t * per), p1 = std::min(panels, p0 + per);
-        if (p0 < p1) pack_b_fn(bbuf + p0 * NR * kc, j0 + p0 * NR, std::min(nc, p1 * NR) - p0 * NR, k0, kc);
+        prepare_b<T, S>(pack_b_fn, rows_per, j0, nc, k0, kc, op, p0, p1);
 #pragma omp barrier
         if (mine > 0)
-          block_product<T, S>(kern, mine, nc, kc, abuf, a_rows, a_ld(pack_a_fn), bbuf, C + r0 * ldc + j0, ldc,
-                              overwrite, tile, epi, k0 + kc == K, r0, j0);
+          block_product<T, S>(kern, mine, nc, kc, op, C + r0 * ldc + j0, ldc, overwrite, tile, epi, k0 + kc == K, r0,
+                              j0);
 #pragma omp barrier
       }
     }
@@ -642,12 +688,41 @@ void split_columns(int threads, index N, F&& part) {
   });
 }
 
+/// Whether C (M x N) is so much narrower than a micro-tile (N < NR, and fewer MR-row tiles would
+/// hold N than NR-column ones: a LoRA rank, a classifier's outputs) while tall (M >= 2 NR) that
+/// its transpose C^T = op(B)^T op(A)^T fills the tiles better: at rank 8 a 12 x 32 tile runs 8 of
+/// its 32 columns, its transpose 8 of 12 rows.
+template <class T>
+bool narrow_product(Isa isa, index M, index N) {
+  return with_isa(isa, [&]<Isa I>() {
+    using S = Shape<T, I>;
+    return N < S::NR && M >= 2 * S::NR && (N + S::MR - 1) / S::MR * S::MR < S::NR;
+  });
+}
+
+/// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols.
+template <class T>
+void transpose_copy(const T* src, index lds, index rows, index cols, T* dst, index ldd) {
+  for (index r = 0; r < rows; ++r)
+    for (index c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
 /// The same, on a team of OpenMP threads (when not already inside a parallel region, and the
 /// product is big enough to pay for one): C's rows split over the team, B's packed panels shared
-/// (gemm_team); bit-identical to gemm_serial, epilogue included.
+/// (gemm_team); bit-identical to gemm_serial, epilogue included. A narrow_product runs as its
+/// transpose into scratch (seeded with C^T when accumulating), then copied back: each element
+/// still sums the same products in the same order, so this too is bit-identical.
 template <class T, class Epi = NoEpilogue>
 void gemm_parallel(Isa isa, bool ta, bool tb, index M, index N, index K, const T* A, index lda, const T* B, index ldb,
                    T* C, index ldc, bool acc, const Epi& epi = {}) {
+  if (K > 0 && narrow_product<T>(isa, M, N)) {
+    T* ct = static_cast<T*>(detail::gemm_workspace(sizeof(T) * static_cast<std::size_t>(M * N), 3));  // C^T: (N, M)
+    if (acc) transpose_copy(C, ldc, M, N, ct, M);
+    gemm_parallel<T>(isa, !tb, !ta, N, M, K, B, ldb, A, lda, ct, M, acc);
+    transpose_copy(ct, M, N, M, C, ldc);
+    epilogue_all(epi, C, ldc, M, N);
+    return;
+  }
   const int threads = team_threads(M, N, K);
   if (threads > 1 && M < 24 * threads) {
     split_columns(threads, N, [&](index d0, index d1) {
@@ -845,7 +920,8 @@ struct Bf16PairPackB {
 #if defined(__x86_64__) || defined(__i386__)
 /// The native micro-kernel: a 12 x 32 f32 tile of C from pair panels, 2 x 12 vdpbf16ps per pair.
 [[gnu::target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma")]] inline void micro_avx512_bf16(
-    index kc, const float* a, index, const float* b, float* c, index ldc, bool overwrite) {
+    index kc, const float* a, index, const float* b, index, float* c, index ldc, bool overwrite) {
+  // Pair panels are always packed (Bf16PairPack* offer nothing in place): steps MR and NR pairs.
   constexpr int MR = Shape<float, Isa::avx512>::MR, NR = Shape<float, Isa::avx512>::NR;
   static_assert(NR == 32);
   const auto* aw = reinterpret_cast<const pair_word*>(a);
