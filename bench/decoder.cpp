@@ -42,9 +42,6 @@
 #include <sys/resource.h>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -58,59 +55,6 @@ using bench::proc_status_kb;
 // The model, its LoRA variant and its FLOP count: bench/decoder_model.hpp (shared with
 // bench/decoder_cuda.cu).
 using namespace bench::decoder;
-
-// ---- the FMA peak ------------------------------------------------------------------------------
-
-/// GFLOP/s of independent FMA chains on every thread: the ceiling no kernel can pass. 512-bit
-/// and 256-bit vectors are both tried (Zen 4 runs AVX-512 as two 256-bit halves, so they tie).
-double fma_peak(int threads) {
-  double best = 0;
-  for (int width : {8, 16}) {
-#if !defined(__AVX512F__)
-    if (width == 16) continue;
-#endif
-    const long iters = 20'000'000;
-    double secs = 0;
-    float sink = 0;
-    auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-#if defined(__AVX512F__)
-      if (width == 16) {
-        __m512 a[12];
-        const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
-        for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(static_cast<float>(i));
-        for (long it = 0; it < iters / 2; ++it)
-          for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], x, y);
-        float buf[16];
-        for (int i = 0; i < 12; ++i) {
-          _mm512_storeu_ps(buf, a[i]);
-          for (float v : buf) sink += v;
-        }
-      }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-      if (width == 8) {
-        __m256 a[12];
-        const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-        for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
-        for (long it = 0; it < iters; ++it)
-          for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
-        float buf[8];
-        for (int i = 0; i < 12; ++i) {
-          _mm256_storeu_ps(buf, a[i]);
-          for (float v : buf) sink += v;
-        }
-      }
-#endif
-    }
-    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (sink == 12345.0f) std::printf(" ");  // keeps the chains alive
-    const long lanes_iters = width == 16 ? iters / 2 * 16 : iters * 8;
-    best = std::max(best, 2.0 * 12 * static_cast<double>(lanes_iters) * threads / secs / 1e9);
-  }
-  return best;
-}
 
 int usage(const char* what, const std::string& arg = "") {
   std::fprintf(stderr,
@@ -151,8 +95,8 @@ int main(int argc, char** argv) {
   bench::print_cpu_info();
   bench::set_threads(threads);
   if (peak) {
-    fma_peak(threads);  // wakes the cores up
-    std::printf("RESULT impl=fma mode=peak threads=%d gflops=%.1f\n", threads, fma_peak(threads));
+    bench::fma_peak(threads);  // wakes the cores up
+    std::printf("RESULT impl=fma mode=peak threads=%d gflops=%.1f\n", threads, bench::fma_peak(threads));
     return 0;
   }
 

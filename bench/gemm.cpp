@@ -223,6 +223,28 @@ std::vector<int> parse_list(const char* s) {
   return out;
 }
 
+/// GFLOP/s of ISA `isa`'s packed micro-kernel alone: one A panel of kc = 384 depths against 12
+/// B panels (L2-resident: 576 KB for f32 on AVX-512), C tiles overwritten, no packing and no edge
+/// tiles -- the inner loop of block_product, so the products' rows above show what packing,
+/// edges and cache misses cost on top of it.
+template <class T>
+double kernel_alone(nn::Isa isa, double secs) {
+  return nn::gemm::with_isa(isa, [&]<nn::Isa I>() {
+    using S = nn::gemm::Shape<T, I>;
+    constexpr std::int64_t kc = 384, tiles = 12;
+    std::vector<T> a(static_cast<std::size_t>(S::MR * kc), T(0.5)), b(static_cast<std::size_t>(kc * S::NR * tiles), T(0.25)),
+        c(static_cast<std::size_t>(S::MR * S::NR * tiles));
+    const auto kernel = nn::gemm::micro_kernels<T, I>().packed;
+    const double calls = rate(
+        [&] {
+          for (std::int64_t t = 0; t < tiles; ++t)
+            kernel(kc, a.data(), 0, b.data() + t * kc * S::NR, S::NR, c.data() + t * S::NR, S::NR * tiles, true);
+        },
+        secs);
+    return 2.0 * S::MR * S::NR * kc * tiles * calls / 1e9;
+  });
+}
+
 template <class T>
 void run_table(int threads, double secs, int rounds, const std::vector<Candidate>& others_all) {
   bench::set_threads(threads);
@@ -314,6 +336,22 @@ void run_table(int threads, double secs, int rounds, const std::vector<Candidate
     if (ratio) std::printf(" %.2fx |", median(g[0]) / best_other);
     std::printf("\n");
     std::fflush(stdout);
+  }
+  if (threads == 1) {
+    // the micro-kernels alone, and the best of them as a share of the FMA peak (float32)
+    std::vector<std::vector<double>> g(isas.size());
+    for (int r = 0; r < rounds; ++r)
+      for (std::size_t e = 0; e < isas.size(); ++e) g[e].push_back(kernel_alone<T>(isas[e], secs));
+    std::printf("| micro-kernel alone (one MR-row A panel x 12 NR-wide B panels in L2) | MR x 12 NR x 384 |");
+    for (std::size_t e = 0; e < isas.size(); ++e) std::printf(" %.1f |", median(g[e]));
+    for (std::size_t e = 0; e < (blas ? 1 : 0) + others.size(); ++e) std::printf(" - |");
+    if (ratio) std::printf(" - |");
+    std::printf("\n");
+    if constexpr (std::is_same_v<T, float>) {
+      const double peak = bench::fma_peak(1);
+      std::printf("\nFMA peak (measured, 1 thread): %.1f GFLOP/s; the %s micro-kernel alone reaches %.0f%% of it.\n", peak,
+                  nn::isa_name(isas[0]), 100.0 * median(g[0]) / peak);
+    }
   }
 }
 

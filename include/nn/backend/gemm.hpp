@@ -136,7 +136,8 @@ template <class T, int W, int MR, int NV, bool DirectA>
                                               index ldb, T* __restrict c, index ldc, bool overwrite) {
   typedef T V __attribute__((vector_size(W * sizeof(T))));
   V acc[MR][NV] = {};
-  for (index k = 0; k < kc; ++k) {
+  // one depth: NV vectors of B's row k, each A(i, k) broadcast against them
+  const auto depth = [&](index k) [[gnu::always_inline]] {
     V bv[NV];
     NN_GEMM_UNROLL(8)
     for (int j = 0; j < NV; ++j) __builtin_memcpy(&bv[j], b + k * ldb + j * W, sizeof(V));
@@ -146,7 +147,15 @@ template <class T, int W, int MR, int NV, bool DirectA>
       NN_GEMM_UNROLL(8)
       for (int j = 0; j < NV; ++j) acc[i][j] += bv[j] * ai;
     }
+  };
+  // Two depths per trip: the loop's own counter and branch uops then share the FMA ports half as
+  // often (one trip of 24 FMAs ran at ~83% of the FMA peak, two at ~88%, Xeon model 167).
+  index k = 0;
+  for (; k + 2 <= kc; k += 2) {
+    depth(k);
+    depth(k + 1);
   }
+  if (k < kc) depth(k);
   NN_GEMM_UNROLL(16)
   for (int i = 0; i < MR; ++i)
     NN_GEMM_UNROLL(8)
@@ -292,8 +301,12 @@ inline void pack_panel(const S* src, index ld, bool contiguous, index n, index k
   if constexpr (std::is_same_v<S, float> && std::is_same_v<T, float>) {
     if (!contiguous && n == L && kc >= 16 && pack_avx512()) {
       const index k16 = kc / 16 * 16;
-      for (int l0 = 0; l0 < L; l0 += 16)  // 16 lines at a time, each read front to back
-        for (index k = 0; k < k16; k += 16) transpose16(src + l0 * ld + k, ld, std::min(16, L - l0), dst + k * L + l0, L);
+      // 16 lines x 16 depths at a time, each line read front to back; the blocks of one 16 depths
+      // side by side, so each panel row is stored whole while its line is in L1 (line blocks in
+      // the outer loop wrote each half apart: 0.22 ns per element for a 576 x 576 weight in L2,
+      // this way 0.18, Xeon model 167)
+      for (index k = 0; k < k16; k += 16)
+        for (int l0 = 0; l0 < L; l0 += 16) transpose16(src + l0 * ld + k, ld, std::min(16, L - l0), dst + k * L + l0, L);
       for (index k = k16; k < kc; ++k)
         for (int l = 0; l < L; ++l) dst[k * L + l] = src[l * ld + k];
       return;
