@@ -33,6 +33,14 @@
 #else
 #define NN_HD_GENERIC
 #endif
+// Put after the template head of such a function that backend/simd.hpp also calls on its lane
+// vectors: always inlined on the host, so it is compiled for the calling kernel's instruction set
+// (out of line it would run at the baseline's width, behind a call).
+#if defined(__CUDACC__)
+#define NN_LANES_INLINE
+#else
+#define NN_LANES_INLINE [[gnu::always_inline]]
+#endif
 
 namespace nn {
 

@@ -7,26 +7,26 @@
 //
 // Inlined, in order: nn/nn.hpp, nn/config.hpp, nn/tensor.hpp, nn/quant.hpp,
 // nn/backend/cpu_info.hpp, nn/backend/math.hpp, nn/backend/policy.hpp, nn/random.hpp,
-// nn/resources.hpp, nn/backend/cpu.hpp, nn/backend/cpu/common.hpp, nn/backend/threads.hpp,
-// nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp, nn/backend/cpu/matmul.hpp,
-// nn/backend/gemm.hpp, nn/backend/gemv.hpp, nn/backend/cpu/shape.hpp, nn/backend/cpu/index.hpp,
-// nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp, nn/backend/cpu/cross_entropy.hpp,
-// nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp, nn/backend/cpu/attention.hpp,
-// nn/backend/cpu/glu.hpp, nn/backend/cpu/fused.hpp, nn/backend/cpu/quantized.hpp,
-// nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp, nn/grad_checkpoint.hpp,
-// nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp, nn/ops/matmul.hpp,
-// nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp, nn/ops/cross_entropy.hpp,
-// nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp, nn/ops/attention.hpp, nn/ops/glu.hpp,
-// nn/ops/quantized.hpp, nn/ops/fused.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp,
-// nn/layers/norm.hpp, nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp,
-// nn/layers/attention.hpp, nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp,
-// nn/io/safetensors.hpp, nn/io/atomic_file.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp,
-// nn/modules.hpp, nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp,
-// nn/modules/rope.hpp, nn/modules/dropout.hpp, nn/modules/quantized.hpp, nn/modules/dora.hpp,
-// nn/modules/lora.hpp, nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp,
-// nn/optim/sgd.hpp, nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp,
-// nn/optim/adafactor.hpp, nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp,
-// nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
+// nn/resources.hpp, nn/backend/cpu.hpp, nn/backend/cpu/common.hpp, nn/backend/simd.hpp,
+// nn/backend/threads.hpp, nn/backend/cpu/elementwise.hpp, nn/backend/cpu/reduce.hpp,
+// nn/backend/cpu/matmul.hpp, nn/backend/gemm.hpp, nn/backend/gemv.hpp, nn/backend/cpu/shape.hpp,
+// nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp,
+// nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp,
+// nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/fused.hpp,
+// nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp,
+// nn/grad_checkpoint.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp,
+// nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
+// nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
+// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/ops/fused.hpp,
+// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
+// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
+// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp,
+// nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp,
+// nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp,
+// nn/modules/quantized.hpp, nn/modules/dora.hpp, nn/modules/lora.hpp, nn/optim.hpp,
+// nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp,
+// nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp,
+// nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -67,6 +67,14 @@
 #define NN_HD_GENERIC _Pragma("nv_exec_check_disable")
 #else
 #define NN_HD_GENERIC
+#endif
+// Put after the template head of such a function that backend/simd.hpp also calls on its lane
+// vectors: always inlined on the host, so it is compiled for the calling kernel's instruction set
+// (out of line it would run at the baseline's width, behind a call).
+#if defined(__CUDACC__)
+#define NN_LANES_INLINE
+#else
+#define NN_LANES_INLINE [[gnu::always_inline]]
 #endif
 
 namespace nn {
@@ -810,6 +818,12 @@ inline Isa choose_isa(const CpuFeatures& f) {
   return static_cast<int>(asked) <= static_cast<int>(best) ? asked : best;
 }
 
+/// The kernel set in use (the GEMM's and simd.hpp's), chosen once per process.
+inline Isa active_isa() {
+  static const Isa isa = choose_isa(detect_cpu_features());
+  return isa;
+}
+
 }  // namespace detail
 
 /// What nn detected and what it runs, read once per process by nn::cpu_info() (defined in
@@ -1135,6 +1149,14 @@ concept BackendPolicy = requires(Tensor& y, const Tensor& x, const Shape& s, DTy
 }  // namespace nn
 // ---- end nn/backend/policy.hpp ----
 
+// GCC's -Wpsabi notes, for the formulas below taken on backend/simd.hpp's 32- and 64-byte lane
+// vectors, that passing those by value changes the call's ABI without AVX: they are always inlined
+// into the kernel compiled for the vectors' instruction set, so no such call exists.
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace nn::detail {
 
 // The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
@@ -1169,16 +1191,24 @@ struct scalar_of<V, std::void_t<typename V::Scalar>> {
 template <class V>
 using scalar_of_t = typename scalar_of<V>::type;
 
-/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+/// Whether V is a vector of float lanes of backend/simd.hpp (the CPU's per-ISA row kernels run
+/// these formulas on them), and its exp (simd::exp; host only, defined there).
+template <class V>
+struct is_lane_vector : std::false_type {};
+template <class V>
+NN_LANES_INLINE V simd_exp(V x);
+
+/// exp of a scalar (m_exp), of lane vectors (simd_exp) or of an Eigen array (its vectorised .exp()).
 NN_HD_GENERIC template <class V>
-NN_HD inline auto v_exp(const V& x) {
+NN_LANES_INLINE NN_HD inline auto v_exp(const V& x) {
   if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else if constexpr (is_lane_vector<V>::value) return simd_exp(x);
   else return x.exp();
 }
 
 /// 1 / (1 + exp(-x)), of a scalar or an Eigen array.
 NN_HD_GENERIC template <class V>
-NN_HD inline auto sigmoid(const V& x) {
+NN_LANES_INLINE NN_HD inline auto sigmoid(const V& x) {
   using T = scalar_of_t<V>;
   return T(1) / (T(1) + v_exp(-x));
 }
@@ -1313,20 +1343,20 @@ NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
 /// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
 struct SwiGluMath {
   NN_HD_GENERIC template <class V>
-  NN_HD static auto sig(const V& a) {
+  NN_LANES_INLINE NN_HD static auto sig(const V& a) {
     return sigmoid(a);
   }
   NN_HD_GENERIC template <class V, class U>
-  NN_HD static auto y(const V& a, const U& u) {
+  NN_LANES_INLINE NN_HD static auto y(const V& a, const U& u) {
     return (a * sig(a)) * u;
   }
   NN_HD_GENERIC template <class V, class U, class G, class S>
-  NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
+  NN_LANES_INLINE NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
     using T = scalar_of_t<V>;
     return (g * u) * (s * (T(1) + a * (T(1) - s)));
   }
   NN_HD_GENERIC template <class V, class G, class S>
-  NN_HD static auto dup(const V& a, const G& g, const S& s) {
+  NN_LANES_INLINE NN_HD static auto dup(const V& a, const G& g, const S& s) {
     return g * (a * s);
   }
 };
@@ -1357,7 +1387,7 @@ struct SoftmaxMath {
     return (x - m) - log_s;
   }
   NN_HD_GENERIC template <class V, class T>
-  NN_HD static auto p_from_lse(const V& x, T lse) {
+  NN_LANES_INLINE NN_HD static auto p_from_lse(const V& x, T lse) {
     return v_exp(x - lse);
   }
   template <class T>
@@ -1377,7 +1407,7 @@ struct SoftmaxMath {
     return lse - x_target;
   }
   NN_HD_GENERIC template <class V, class T>
-  NN_HD static auto ce_grad(const V& x, T lse, T g) {
+  NN_LANES_INLINE NN_HD static auto ce_grad(const V& x, T lse, T g) {
     return g * p_from_lse(x, lse);
   }
 };
@@ -1693,6 +1723,10 @@ struct QuantMath {
 };
 
 }  // namespace nn::detail
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC diagnostic pop
+#endif
 // ---- end nn/backend/math.hpp ----
 
 namespace nn {
@@ -2731,6 +2765,297 @@ inline long peak_rss_kb() { return proc_status_kb("VmHWM"); }
 #include <immintrin.h>
 #endif
 
+// ---- begin nn/backend/simd.hpp ----
+// The float32 row math of the CPU kernels (exp above all: softmax, cross-entropy, attention,
+// SwiGLU) on vectors as wide as the CPU's, picked at run time from CPUID feature bits like the
+// GEMM's micro-kernels (gemm.hpp): one body per row function, compiled for AVX-512, for AVX2 + FMA
+// and for the compiler's baseline (SSE2 on x86-64) into every binary. The kernels ran Eigen's
+// vectorised expressions before, whose width is fixed by the flags the user's own file is compiled
+// with: SSE2 without -march, so a plain CMake build of the finetune ran its exps at a quarter of
+// an AVX-512 machine's width (perf: Eigen's pexp_float<__m128> 6.6% and the cross-entropy vjp 8.3%
+// of the decoder's LoRA step, against 2.5% for that vjp built -march=native).
+//
+// The formulas stay in backend/math.hpp: SwiGluMath and SoftmaxMath are templates over the value
+// type, and this header makes its lane vectors one of them (v_exp takes them through
+// detail::simd_exp, is_lane_vector, scalar_of). float64 keeps Eigen's expressions.
+//
+// Each row function gives every element the same lane arithmetic wherever it sits (a partial last
+// vector is computed whole and stored in part), so results do not depend on a row's length or
+// alignment; they may differ between kernel sets in the last bit (FMA contraction), as the GEMM's
+// do. NN_CPU_ISA=avx2|generic runs a lower set (cpu_info.hpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+
+// -Wpsabi: every function here that takes or returns a lane vector is inlined into a kernel
+// compiled for that vector's instruction set (as in math.hpp), so no call changes its ABI. GCC
+// reports the note where the translation unit ends, past any pop, so it stays off from here on.
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+namespace nn {
+
+namespace simd {
+
+/// W float32 lanes (W = 4, 8, 16: SSE2, AVX2, AVX-512) and their int32 counterparts. (Spelled
+/// out per W: GCC drops a vector_size attribute whose size depends on a template parameter.)
+template <int W>
+struct lane_types;
+#define NN_SIMD_LANE_TYPES(W)                                                             \
+  template <>                                                                             \
+  struct lane_types<W> {                                                                  \
+    typedef float f __attribute__((vector_size(W * sizeof(float))));                      \
+    typedef std::int32_t i __attribute__((vector_size(W * sizeof(float))));               \
+  };
+NN_SIMD_LANE_TYPES(4)
+NN_SIMD_LANE_TYPES(8)
+NN_SIMD_LANE_TYPES(16)
+#undef NN_SIMD_LANE_TYPES
+template <int W>
+using Vf = typename lane_types<W>::f;
+template <int W>
+using Vi = typename lane_types<W>::i;
+
+template <class V>
+inline constexpr int lanes = static_cast<int>(sizeof(V) / sizeof(float));
+
+/// exp of each lane: Cephes' expf. n = round(x log2(e)), r = x - n ln 2 (ln 2 in two parts,
+/// exact products), e^r by a degree-5 polynomial on |r| <= ln(2)/2, times 2^n built in the exponent
+/// field in two halves (2^(n/2) 2^(n - n/2): no half is denormal or overflows). About 1 ulp, as
+/// Eigen's and glibc's. x < -88.72 gives exactly 0 (where exp is 0 or a denormal: an additively
+/// masked score, -1e9, contributes nothing, as layers/mask.hpp promises), x > 88.72 gives +inf,
+/// NaN stays NaN.
+template <class V>
+[[gnu::always_inline]] inline V exp(V x) {
+  using I = Vi<lanes<V>>;
+  constexpr float kLo = -88.72f, kHi = 88.72f;
+  // clamped, one bound at a time (each a max / min instruction); NaN lanes compare false: stay NaN
+  V xc = (V{} + kLo) > x ? (V{} + kLo) : x;
+  xc = (V{} + kHi) < xc ? (V{} + kHi) : xc;
+  // n = x log2(e) rounded to the nearest integer: adding 1.5 * 2^23 leaves n in the low bits of
+  // the mantissa (|n| <= 128), and subtracting it again gives n as a float
+  constexpr float kRound = 12582912.0f;
+  const V t = xc * 1.44269504088896341f + kRound, fn = t - kRound;
+  const V r = (xc - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  const V r2 = r * r;
+  V y = (V{} + 1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r2 + r + 1.0f;
+  I n;
+  std::memcpy(&n, &t, sizeof(V));
+  n -= 0x4B400000;  // kRound's bits
+  const I n1 = n >> 1, n2 = n - n1;
+  const I b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  V p1, p2;
+  std::memcpy(&p1, &b1, sizeof(V));
+  std::memcpy(&p2, &b2, sizeof(V));
+  y = (y * p1) * p2;
+  y = x < kLo ? V{} : y;
+  return x > kHi ? (V{} + std::numeric_limits<float>::infinity()) : y;
+}
+
+/// Lanes [0, n) of V from p, the rest 0 (a row's partial last vector).
+template <class V>
+[[gnu::always_inline]] inline V load_part(const float* p, std::int64_t n) {
+  V v{};
+  std::memcpy(&v, p, sizeof(float) * static_cast<std::size_t>(n));
+  return v;
+}
+template <class V>
+[[gnu::always_inline]] inline V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <class V>
+[[gnu::always_inline]] inline void store(float* p, V v, std::int64_t n = lanes<V>) {
+  std::memcpy(p, &v, sizeof(float) * static_cast<std::size_t>(n));
+}
+
+/// f(i, m) for each vector of a row of n, m the number of its lanes in the row (W but for the last).
+template <class V, class F>
+[[gnu::always_inline]] inline void for_vectors(std::int64_t n, F&& f) {
+  constexpr int W = lanes<V>;
+  std::int64_t i = 0;
+  for (; i + W <= n; i += W) f(i, std::int64_t{W});
+  if (i < n) f(i, n - i);
+}
+
+/// Lanes summed in a fixed order (lane 0 first).
+template <class V>
+[[gnu::always_inline]] inline float hsum(V v) {
+  float s = 0;
+  for (int l = 0; l < lanes<V>; ++l) s += v[l];
+  return s;
+}
+
+// ---- the row functions: one body each, over V ------------------------------------------------
+
+template <class V>
+[[gnu::always_inline]] inline void exp_inplace_body(float* x, std::int64_t n) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    store(x + i, exp(m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m)), m);
+  });
+}
+
+/// max_j x_j (-inf for n = 0; NaN lanes lose to numbers, as Eigen's maxCoeff).
+template <class V>
+[[gnu::always_inline]] inline float max_body(const float* x, std::int64_t n) {
+  V mv = (V{} + -std::numeric_limits<float>::infinity());
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    V v = m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m);
+    if (m < lanes<V>)
+      for (int l = static_cast<int>(m); l < lanes<V>; ++l) v[l] = -std::numeric_limits<float>::infinity();
+    mv = v > mv ? v : mv;
+  });
+  float r = mv[0];
+  for (int l = 1; l < lanes<V>; ++l) r = mv[l] > r ? mv[l] : r;
+  return r;
+}
+
+/// sum_j exp(x_j - m), two vectors of partial sums.
+template <class V>
+[[gnu::always_inline]] inline float sum_exp_body(const float* x, std::int64_t n, float m) {
+  constexpr int W = lanes<V>;
+  V s0{}, s1{};
+  std::int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    s0 += exp(load<V>(x + i) - m);
+    s1 += exp(load<V>(x + i + W) - m);
+  }
+  for (; i < n; i += W) {
+    const std::int64_t k = std::min<std::int64_t>(W, n - i);
+    V e = exp((k == W ? load<V>(x + i) : load_part<V>(x + i, k)) - m);
+    for (std::int64_t l = k; l < W; ++l) e[l] = 0;
+    s0 += e;
+  }
+  return hsum<V>(s0 + s1);
+}
+
+/// o (+)= SoftmaxMath::ce_grad(x, lse, g) = g exp(x - lse).
+template <class V>
+[[gnu::always_inline]] inline void ce_grad_body(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const bool full = m == lanes<V>;
+    V v = detail::SoftmaxMath::ce_grad(full ? load<V>(x + i) : load_part<V>(x + i, m), lse, g);
+    if (acc) v += full ? load<V>(o + i) : load_part<V>(o + i, m);
+    store(o + i, v, m);
+  });
+}
+
+/// y = SwiGluMath::y(a, u).
+template <class V>
+[[gnu::always_inline]] inline void swiglu_body(const float* a, const float* u, float* y, std::int64_t n) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const bool full = m == lanes<V>;
+    const V av = full ? load<V>(a + i) : load_part<V>(a + i, m), uv = full ? load<V>(u + i) : load_part<V>(u + i, m);
+    store(y + i, detail::SwiGluMath::y(av, uv), m);
+  });
+}
+
+/// da (+)= SwiGluMath::dgate, du (+)= SwiGluMath::dup (either may be null).
+template <class V>
+[[gnu::always_inline]] inline void swiglu_vjp_body(const float* a, const float* u, const float* g, float* da,
+                                                   bool acc_a, float* du, bool acc_u, std::int64_t n) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const bool full = m == lanes<V>;
+    const auto in = [&](const float* p) __attribute__((always_inline)) { return full ? load<V>(p + i) : load_part<V>(p + i, m); };
+    const V av = in(a), uv = in(u), gv = in(g), s = detail::SwiGluMath::sig(av);
+    if (da) store(da + i, detail::SwiGluMath::dgate(av, uv, gv, s) + (acc_a ? in(da) : V{}), m);
+    if (du) store(du + i, detail::SwiGluMath::dup(av, gv, s) + (acc_u ? in(du) : V{}), m);
+  });
+}
+
+// ---- one entry point per kernel set, and the dispatch ----------------------------------------
+
+// Each set's functions call the bodies above with its own vector width; the bodies are inlined
+// into them and so compiled for that set's instructions.
+#define NN_SIMD_ENTRIES(SUFFIX, W, ATTR)                                                                       \
+  ATTR inline void exp_inplace_##SUFFIX(float* x, std::int64_t n) { exp_inplace_body<Vf<W>>(x, n); }            \
+  ATTR inline float max_##SUFFIX(const float* x, std::int64_t n) { return max_body<Vf<W>>(x, n); }              \
+  ATTR inline float sum_exp_##SUFFIX(const float* x, std::int64_t n, float m) {                                \
+    return sum_exp_body<Vf<W>>(x, n, m);                                                                       \
+  }                                                                                                            \
+  ATTR inline void ce_grad_##SUFFIX(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {   \
+    ce_grad_body<Vf<W>>(x, n, lse, g, o, acc);                                                                 \
+  }                                                                                                            \
+  ATTR inline void swiglu_##SUFFIX(const float* a, const float* u, float* y, std::int64_t n) {                 \
+    swiglu_body<Vf<W>>(a, u, y, n);                                                                            \
+  }                                                                                                            \
+  ATTR inline void swiglu_vjp_##SUFFIX(const float* a, const float* u, const float* g, float* da, bool acc_a,   \
+                                       float* du, bool acc_u, std::int64_t n) {                                \
+    swiglu_vjp_body<Vf<W>>(a, u, g, da, acc_a, du, acc_u, n);                                                  \
+  }
+
+NN_SIMD_ENTRIES(generic, 4, )
+#if defined(__x86_64__) || defined(__i386__)
+NN_SIMD_ENTRIES(avx2, 8, [[gnu::target("avx2,fma")]])
+NN_SIMD_ENTRIES(avx512, 16, [[gnu::target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")]])
+#define NN_SIMD_DISPATCH(name, ...)                                         \
+  switch (detail::active_isa()) {                                           \
+    case Isa::avx512: return name##_avx512(__VA_ARGS__);                    \
+    case Isa::avx2: return name##_avx2(__VA_ARGS__);                        \
+    case Isa::generic: break;                                               \
+  }                                                                         \
+  return name##_generic(__VA_ARGS__);
+#else
+#define NN_SIMD_DISPATCH(name, ...) return name##_generic(__VA_ARGS__);
+#endif
+#undef NN_SIMD_ENTRIES
+
+/// x = exp(x) in place (exp above: exact 0 below -88.72).
+inline void exp_inplace(float* x, std::int64_t n) { NN_SIMD_DISPATCH(exp_inplace, x, n) }
+/// max_j x_j (-inf for an empty row).
+inline float max(const float* x, std::int64_t n) { NN_SIMD_DISPATCH(max, x, n) }
+/// sum_j exp(x_j - m).
+inline float sum_exp(const float* x, std::int64_t n, float m) { NN_SIMD_DISPATCH(sum_exp, x, n, m) }
+/// o (+)= g exp(x - lse): cross-entropy's row gradient (SoftmaxMath::ce_grad), before the target's -g.
+inline void ce_grad(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {
+  NN_SIMD_DISPATCH(ce_grad, x, n, lse, g, o, acc)
+}
+/// y = silu(a) u (SwiGluMath::y).
+inline void swiglu(const float* a, const float* u, float* y, std::int64_t n) { NN_SIMD_DISPATCH(swiglu, a, u, y, n) }
+/// da (+)= SwiGluMath::dgate, du (+)= SwiGluMath::dup; a null output is skipped.
+inline void swiglu_vjp(const float* a, const float* u, const float* g, float* da, bool acc_a, float* du, bool acc_u,
+                       std::int64_t n) {
+  NN_SIMD_DISPATCH(swiglu_vjp, a, u, g, da, acc_a, du, acc_u, n)
+}
+#undef NN_SIMD_DISPATCH
+
+}  // namespace simd
+
+namespace detail {
+// backend/math.hpp's formulas on lane vectors: v_exp takes them to simd::exp, and their scalar is
+// float.
+#define NN_SIMD_LANE_VECTOR(W)                               \
+  template <>                                                 \
+  struct is_lane_vector<simd::Vf<W>> : std::true_type {};     \
+  template <>                                                 \
+  struct scalar_of<simd::Vf<W>, void> {                       \
+    using type = float;                                       \
+  };
+NN_SIMD_LANE_VECTOR(4)
+NN_SIMD_LANE_VECTOR(8)
+NN_SIMD_LANE_VECTOR(16)
+#undef NN_SIMD_LANE_VECTOR
+template <class V>
+[[gnu::always_inline]] inline V simd_exp(V x) {
+  return simd::exp(x);
+}
+}  // namespace detail
+
+}  // namespace nn
+// ---- end nn/backend/simd.hpp ----
 // ---- begin nn/backend/threads.hpp ----
 // nn's thread teams: every parallel region nn opens goes through team(), which runs it on OpenMP
 // threads and notices when the machine's other work keeps those threads from running together.
@@ -3139,12 +3464,16 @@ using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <class T>
 using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
 
-/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
-/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
-/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
-/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
+/// x = exp(x) in place, vectorised, and exact zeros where exp underflows (below -88.72 for float,
+/// -709.78 for double), where std::exp gives 0 or a denormal. So an additively masked score (-1e9)
+/// still contributes exactly nothing, as layers/mask.hpp promises. float runs simd::exp at the
+/// CPU's width; double runs Eigen's exp, which clamps its argument there (~1e-308 past it).
 template <class T>
 inline void exp_inplace(T* x, std::int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    simd::exp_inplace(x, n);
+    return;
+  }
   constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
   constexpr std::int64_t blk = 256;
   T in[blk];
@@ -4122,10 +4451,7 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
 #endif
 
 /// The kernel set in use for T (NN_CPU_ISA may lower it; see cpu_info.hpp), read once.
-inline Isa active_isa() {
-  static const Isa isa = detail::choose_isa(detail::detect_cpu_features());
-  return isa;
-}
+inline Isa active_isa() { return detail::active_isa(); }
 
 /// f.template operator()<I>() for the run-time ISA `isa`: one instantiation per kernel set.
 template <class F>
@@ -5790,8 +6116,14 @@ struct CrossEntropyKernelsT {
       T* ys = static_cast<T*>(y.raw());
       detail::parallel_for(R, R * V > detail::kParallelGrain, [&](std::int64_t r) {
         const T* in = xs + ((r / N) * G + r % N) * V;
-        const T m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
-        const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
+        T m, s;
+        if constexpr (std::is_same_v<T, float>) {  // at the CPU's vector width (simd.hpp)
+          m = simd::max(in, V);
+          s = simd::sum_exp(in, V, m);
+        } else {
+          m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
+          s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
+        }
         ls[r] = detail::SoftmaxMath::lse(m, s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
@@ -5844,9 +6176,13 @@ struct CrossEntropyKernelsT {
         }
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
-        detail::ArrayMap<T> oa(o, V);
-        if (acc) oa += detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
-        else oa = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+        if constexpr (std::is_same_v<T, float>) {
+          simd::ce_grad(in, V, l, gr, o, acc);
+        } else {
+          detail::ArrayMap<T> oa(o, V);
+          if (acc) oa += detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+          else oa = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+        }
         o[k] -= gr;
       });
     });
@@ -6332,7 +6668,8 @@ namespace cpu_kernels {
 // A class template with one instance, `GluKernels` (why: backend/cpu.hpp).
 template <class = void>
 struct GluKernelsT {
-  // The math is detail::SwiGluMath (backend/math.hpp), here on Eigen arrays, a chunk at a time.
+  // The math is detail::SwiGluMath (backend/math.hpp), a chunk at a time: on simd.hpp's lane
+  // vectors for float32, on Eigen arrays for float64.
 
   /// y = silu(gate) * up = gate * sigmoid(gate) * up.
   static void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {
@@ -6341,8 +6678,12 @@ struct GluKernelsT {
       const T* us = static_cast<const T*>(up.raw());
       T* ys = static_cast<T*>(y.raw());
       detail::parallel_chunks(y.numel(), [&](std::int64_t i0, std::int64_t i1) {
-        detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
-        detail::ArrayMap<T>(ys + i0, i1 - i0) = detail::SwiGluMath::y(a, u);
+        if constexpr (std::is_same_v<T, float>) {  // at the CPU's vector width (simd.hpp)
+          simd::swiglu(gs + i0, us + i0, ys + i0, i1 - i0);
+        } else {
+          detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
+          detail::ArrayMap<T>(ys + i0, i1 - i0) = detail::SwiGluMath::y(a, u);
+        }
       });
     });
   }
@@ -6359,6 +6700,10 @@ struct GluKernelsT {
       T* du = gup ? static_cast<T*>(gup->raw()) : nullptr;
       detail::parallel_chunks(g.numel(), [&](std::int64_t i0, std::int64_t i1) {
         const std::int64_t n = i1 - i0;
+        if constexpr (std::is_same_v<T, float>) {  // at the CPU's vector width (simd.hpp)
+          simd::swiglu_vjp(as + i0, us + i0, gs + i0, da ? da + i0 : nullptr, acc_gate, du ? du + i0 : nullptr, acc_up, n);
+          return;
+        }
         detail::ConstArrayMap<T> a(as + i0, n), u(us + i0, n), gr(gs + i0, n);
         alignas(64) T sbuf[detail::kChunk];  // on the stack: a replay allocates nothing
         detail::ArrayMap<T> s(sbuf, n);

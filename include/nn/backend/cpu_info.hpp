@@ -142,6 +142,12 @@ inline Isa choose_isa(const CpuFeatures& f) {
   return static_cast<int>(asked) <= static_cast<int>(best) ? asked : best;
 }
 
+/// The kernel set in use (the GEMM's and simd.hpp's), chosen once per process.
+inline Isa active_isa() {
+  static const Isa isa = choose_isa(detect_cpu_features());
+  return isa;
+}
+
 }  // namespace detail
 
 /// What nn detected and what it runs, read once per process by nn::cpu_info() (defined in

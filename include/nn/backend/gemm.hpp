@@ -646,10 +646,7 @@ void gemm_team(int threads, const Kernels<T>& kern, index M, index N, index K, c
 #endif
 
 /// The kernel set in use for T (NN_CPU_ISA may lower it; see cpu_info.hpp), read once.
-inline Isa active_isa() {
-  static const Isa isa = detail::choose_isa(detail::detect_cpu_features());
-  return isa;
-}
+inline Isa active_isa() { return detail::active_isa(); }
 
 /// f.template operator()<I>() for the run-time ISA `isa`: one instantiation per kernel set.
 template <class F>

@@ -14,6 +14,14 @@
 
 #include "policy.hpp"
 
+// GCC's -Wpsabi notes, for the formulas below taken on backend/simd.hpp's 32- and 64-byte lane
+// vectors, that passing those by value changes the call's ABI without AVX: they are always inlined
+// into the kernel compiled for the vectors' instruction set, so no such call exists.
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace nn::detail {
 
 // The libm functions both backends call: glibc's on the host (what std::exp(float) etc. resolve
@@ -48,16 +56,24 @@ struct scalar_of<V, std::void_t<typename V::Scalar>> {
 template <class V>
 using scalar_of_t = typename scalar_of<V>::type;
 
-/// exp of a scalar (m_exp) or of an Eigen array (its vectorised .exp()).
+/// Whether V is a vector of float lanes of backend/simd.hpp (the CPU's per-ISA row kernels run
+/// these formulas on them), and its exp (simd::exp; host only, defined there).
+template <class V>
+struct is_lane_vector : std::false_type {};
+template <class V>
+NN_LANES_INLINE V simd_exp(V x);
+
+/// exp of a scalar (m_exp), of lane vectors (simd_exp) or of an Eigen array (its vectorised .exp()).
 NN_HD_GENERIC template <class V>
-NN_HD inline auto v_exp(const V& x) {
+NN_LANES_INLINE NN_HD inline auto v_exp(const V& x) {
   if constexpr (std::is_floating_point_v<V>) return m_exp(x);
+  else if constexpr (is_lane_vector<V>::value) return simd_exp(x);
   else return x.exp();
 }
 
 /// 1 / (1 + exp(-x)), of a scalar or an Eigen array.
 NN_HD_GENERIC template <class V>
-NN_HD inline auto sigmoid(const V& x) {
+NN_LANES_INLINE NN_HD inline auto sigmoid(const V& x) {
   using T = scalar_of_t<V>;
   return T(1) / (T(1) + v_exp(-x));
 }
@@ -192,20 +208,20 @@ NN_HD inline void put(T* y, std::int64_t i, T v, bool acc) {
 /// SwiGLU: y = silu(a) u = (a s) u, s = sigmoid(a); da = (g u) (s (1 + a (1 - s))), du = g (a s).
 struct SwiGluMath {
   NN_HD_GENERIC template <class V>
-  NN_HD static auto sig(const V& a) {
+  NN_LANES_INLINE NN_HD static auto sig(const V& a) {
     return sigmoid(a);
   }
   NN_HD_GENERIC template <class V, class U>
-  NN_HD static auto y(const V& a, const U& u) {
+  NN_LANES_INLINE NN_HD static auto y(const V& a, const U& u) {
     return (a * sig(a)) * u;
   }
   NN_HD_GENERIC template <class V, class U, class G, class S>
-  NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
+  NN_LANES_INLINE NN_HD static auto dgate(const V& a, const U& u, const G& g, const S& s) {
     using T = scalar_of_t<V>;
     return (g * u) * (s * (T(1) + a * (T(1) - s)));
   }
   NN_HD_GENERIC template <class V, class G, class S>
-  NN_HD static auto dup(const V& a, const G& g, const S& s) {
+  NN_LANES_INLINE NN_HD static auto dup(const V& a, const G& g, const S& s) {
     return g * (a * s);
   }
 };
@@ -236,7 +252,7 @@ struct SoftmaxMath {
     return (x - m) - log_s;
   }
   NN_HD_GENERIC template <class V, class T>
-  NN_HD static auto p_from_lse(const V& x, T lse) {
+  NN_LANES_INLINE NN_HD static auto p_from_lse(const V& x, T lse) {
     return v_exp(x - lse);
   }
   template <class T>
@@ -256,7 +272,7 @@ struct SoftmaxMath {
     return lse - x_target;
   }
   NN_HD_GENERIC template <class V, class T>
-  NN_HD static auto ce_grad(const V& x, T lse, T g) {
+  NN_LANES_INLINE NN_HD static auto ce_grad(const V& x, T lse, T g) {
     return g * p_from_lse(x, lse);
   }
 };
@@ -572,3 +588,7 @@ struct QuantMath {
 };
 
 }  // namespace nn::detail
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC diagnostic pop
+#endif

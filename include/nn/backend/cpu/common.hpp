@@ -20,6 +20,7 @@
 
 #include "../math.hpp"
 #include "../policy.hpp"
+#include "../simd.hpp"
 #include "../threads.hpp"
 
 namespace nn {
@@ -203,12 +204,16 @@ using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <class T>
 using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
 
-/// x = exp(x) in place with Eigen's vectorised exp, and exact zeros where exp underflows: Eigen
-/// clamps its argument at -88.72 (float) / -709.78 (double) and would return ~1e-38 / ~1e-308
-/// there, where std::exp gives 0 (or a denormal below that size). So an additively masked score
-/// (-1e9) still contributes exactly nothing, as layers/mask.hpp promises.
+/// x = exp(x) in place, vectorised, and exact zeros where exp underflows (below -88.72 for float,
+/// -709.78 for double), where std::exp gives 0 or a denormal. So an additively masked score (-1e9)
+/// still contributes exactly nothing, as layers/mask.hpp promises. float runs simd::exp at the
+/// CPU's width; double runs Eigen's exp, which clamps its argument there (~1e-308 past it).
 template <class T>
 inline void exp_inplace(T* x, std::int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    simd::exp_inplace(x, n);
+    return;
+  }
   constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
   constexpr std::int64_t blk = 256;
   T in[blk];

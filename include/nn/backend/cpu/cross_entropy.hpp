@@ -36,8 +36,14 @@ struct CrossEntropyKernelsT {
       T* ys = static_cast<T*>(y.raw());
       detail::parallel_for(R, R * V > detail::kParallelGrain, [&](std::int64_t r) {
         const T* in = xs + ((r / N) * G + r % N) * V;
-        const T m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
-        const T s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
+        T m, s;
+        if constexpr (std::is_same_v<T, float>) {  // at the CPU's vector width (simd.hpp)
+          m = simd::max(in, V);
+          s = simd::sum_exp(in, V, m);
+        } else {
+          m = V ? detail::ConstArrayMap<T>(in, V).maxCoeff() : -std::numeric_limits<T>::infinity();  // vectorised
+          s = (detail::ConstArrayMap<T>(in, V) - m).exp().sum();  // vectorised exp
+        }
         ls[r] = detail::SoftmaxMath::lse(m, s);
         if (reduction == 0) {
           const std::int64_t k = detail::load_index(t, r);
@@ -90,9 +96,13 @@ struct CrossEntropyKernelsT {
         }
         const T* in = xs + row * V;
         const T gr = reduction == 0 ? gs[r] : g0, l = ls[r];
-        detail::ArrayMap<T> oa(o, V);
-        if (acc) oa += detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
-        else oa = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+        if constexpr (std::is_same_v<T, float>) {
+          simd::ce_grad(in, V, l, gr, o, acc);
+        } else {
+          detail::ArrayMap<T> oa(o, V);
+          if (acc) oa += detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+          else oa = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(in, V), l, gr);
+        }
         o[k] -= gr;
       });
     });

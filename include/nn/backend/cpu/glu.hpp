@@ -11,7 +11,8 @@ namespace cpu_kernels {
 // A class template with one instance, `GluKernels` (why: backend/cpu.hpp).
 template <class = void>
 struct GluKernelsT {
-  // The math is detail::SwiGluMath (backend/math.hpp), here on Eigen arrays, a chunk at a time.
+  // The math is detail::SwiGluMath (backend/math.hpp), a chunk at a time: on simd.hpp's lane
+  // vectors for float32, on Eigen arrays for float64.
 
   /// y = silu(gate) * up = gate * sigmoid(gate) * up.
   static void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {
@@ -20,8 +21,12 @@ struct GluKernelsT {
       const T* us = static_cast<const T*>(up.raw());
       T* ys = static_cast<T*>(y.raw());
       detail::parallel_chunks(y.numel(), [&](std::int64_t i0, std::int64_t i1) {
-        detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
-        detail::ArrayMap<T>(ys + i0, i1 - i0) = detail::SwiGluMath::y(a, u);
+        if constexpr (std::is_same_v<T, float>) {  // at the CPU's vector width (simd.hpp)
+          simd::swiglu(gs + i0, us + i0, ys + i0, i1 - i0);
+        } else {
+          detail::ConstArrayMap<T> a(gs + i0, i1 - i0), u(us + i0, i1 - i0);
+          detail::ArrayMap<T>(ys + i0, i1 - i0) = detail::SwiGluMath::y(a, u);
+        }
       });
     });
   }
@@ -38,6 +43,10 @@ struct GluKernelsT {
       T* du = gup ? static_cast<T*>(gup->raw()) : nullptr;
       detail::parallel_chunks(g.numel(), [&](std::int64_t i0, std::int64_t i1) {
         const std::int64_t n = i1 - i0;
+        if constexpr (std::is_same_v<T, float>) {  // at the CPU's vector width (simd.hpp)
+          simd::swiglu_vjp(as + i0, us + i0, gs + i0, da ? da + i0 : nullptr, acc_gate, du ? du + i0 : nullptr, acc_up, n);
+          return;
+        }
         detail::ConstArrayMap<T> a(as + i0, n), u(us + i0, n), gr(gs + i0, n);
         alignas(64) T sbuf[detail::kChunk];  // on the stack: a replay allocates nothing
         detail::ArrayMap<T> s(sbuf, n);

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
+// backend/simd.hpp: the float32 row math at each kernel set this CPU can run (each set's entry
+// points called directly, whatever NN_CPU_ISA says), against float64 references: exp within 1
+// ulp over its whole range and exact at its edges, the row functions on every tail length, and
+// each element's result independent of where it sits in a row.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <nn/nn.hpp>
+
+using namespace nn;
+
+namespace {
+
+// One kernel set's entry points.
+struct Set {
+  const char* name;
+  void (*exp_inplace)(float*, std::int64_t);
+  float (*max)(const float*, std::int64_t);
+  float (*sum_exp)(const float*, std::int64_t, float);
+  void (*ce_grad)(const float*, std::int64_t, float, float, float*, bool);
+  void (*swiglu)(const float*, const float*, float*, std::int64_t);
+  void (*swiglu_vjp)(const float*, const float*, const float*, float*, bool, float*, bool, std::int64_t);
+};
+
+std::vector<Set> sets() {
+  std::vector<Set> out{{"generic", simd::exp_inplace_generic, simd::max_generic, simd::sum_exp_generic,
+                        simd::ce_grad_generic, simd::swiglu_generic, simd::swiglu_vjp_generic}};
+#if defined(__x86_64__) || defined(__i386__)
+  const Isa best = cpu_info().features.best_isa();
+  if (static_cast<int>(best) >= static_cast<int>(Isa::avx2))
+    out.push_back({"avx2", simd::exp_inplace_avx2, simd::max_avx2, simd::sum_exp_avx2, simd::ce_grad_avx2,
+                   simd::swiglu_avx2, simd::swiglu_vjp_avx2});
+  if (best == Isa::avx512)
+    out.push_back({"avx512", simd::exp_inplace_avx512, simd::max_avx512, simd::sum_exp_avx512,
+                   simd::ce_grad_avx512, simd::swiglu_avx512, simd::swiglu_vjp_avx512});
+#endif
+  return out;
+}
+
+// |got - want| in units of float's spacing at want.
+double ulps(float got, double want) {
+  const float w = static_cast<float>(want);
+  const double ulp = static_cast<double>(std::nextafter(std::fabs(w), std::numeric_limits<float>::infinity())) -
+                     static_cast<double>(std::fabs(w));
+  return std::fabs(static_cast<double>(got) - want) / ulp;
+}
+
+std::vector<float> random_row(std::int64_t n, unsigned seed, float lo, float hi) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> x(static_cast<std::size_t>(n));
+  for (float& v : x) v = u(gen);
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("simd::exp: within 1 ulp of exp over its range, exact at its edges, at every kernel set") {
+  for (const Set& s : sets()) {
+    CAPTURE(s.name);
+    std::vector<float> x;
+    for (float v = -88.7f; v < 88.7f; v += 0.0013f) x.push_back(v);
+    for (float v = -1.0f; v < 1.0f; v += 1e-5f) x.push_back(v);
+    std::vector<float> y = x;
+    s.exp_inplace(y.data(), static_cast<std::int64_t>(y.size()));
+    double worst = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) worst = std::max(worst, ulps(y[i], std::exp(static_cast<double>(x[i]))));
+    CHECK(worst <= 1.0);
+    const float inf = std::numeric_limits<float>::infinity();
+    std::vector<float> e{0.0f, -0.0f, -inf, inf, std::nanf(""), -88.73f, -1e9f, 88.73f, 1e9f, 1.0f, -88.72f};
+    s.exp_inplace(e.data(), static_cast<std::int64_t>(e.size()));
+    CHECK(e[0] == 1.0f);
+    CHECK(e[1] == 1.0f);
+    CHECK(e[2] == 0.0f);  // a masked score contributes exactly nothing
+    CHECK(e[3] == inf);
+    CHECK(std::isnan(e[4]));
+    CHECK(e[5] == 0.0f);
+    CHECK(e[6] == 0.0f);
+    CHECK(e[7] == inf);
+    CHECK(e[8] == inf);
+    CHECK(ulps(e[9], std::exp(1.0)) <= 1.0);
+    // exp(-88.72) is a denormal (2.9e-39): within two of its spacing (1.4e-45)
+    CHECK(std::fabs(static_cast<double>(e[10]) - std::exp(static_cast<double>(-88.72f))) <= 3e-45);
+  }
+}
+
+TEST_CASE("simd row functions: float64 references, every tail length, results independent of position") {
+  for (const Set& s : sets()) {
+    CAPTURE(s.name);
+    for (std::int64_t n : {0, 1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 100}) {
+      CAPTURE(n);
+      const auto x = random_row(n + 1, static_cast<unsigned>(n) + 1, -30, 30);
+      const float* xr = x.data() + 1;  // off the vector alignment
+      // max and sum_exp
+      double m = -std::numeric_limits<double>::infinity(), se = 0;
+      for (std::int64_t i = 0; i < n; ++i) m = std::max(m, static_cast<double>(xr[i]));
+      CHECK(s.max(xr, n) == static_cast<float>(m));
+      const float mf = n ? static_cast<float>(m) : 0.0f;
+      for (std::int64_t i = 0; i < n; ++i) se += std::exp(static_cast<double>(xr[i]) - mf);
+      const float got = s.sum_exp(xr, n, mf);
+      CHECK(std::fabs(got - se) <= 2e-6 * std::max(se, 1.0));
+      // ce_grad: o = g exp(x - lse), then o += the same
+      const float lse = mf + std::log(std::max(got, 1e-30f)), g = 0.37f;
+      std::vector<float> o(static_cast<std::size_t>(n) + 1, 5.0f);
+      s.ce_grad(xr, n, lse, g, o.data(), false);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float d = xr[i] - lse;  // the kernel's own argument (x - lse rounds in float)
+        const double want = g * std::exp(static_cast<double>(d));
+        CHECK(ulps(o[static_cast<std::size_t>(i)], want) <= 3.0);
+      }
+      CHECK(o[static_cast<std::size_t>(n)] == 5.0f);  // nothing written past the row
+      std::vector<float> o2 = o;
+      s.ce_grad(xr, n, lse, g, o2.data(), true);
+      for (std::int64_t i = 0; i < n; ++i)
+        CHECK(o2[static_cast<std::size_t>(i)] == o[static_cast<std::size_t>(i)] + o[static_cast<std::size_t>(i)]);
+      // swiglu and its vjp against SwiGluMath in float64
+      const auto a = random_row(n, 7 + static_cast<unsigned>(n), -8, 8), u = random_row(n, 9, -2, 2),
+                 gr = random_row(n, 11, -1, 1);
+      std::vector<float> y(static_cast<std::size_t>(n)), da(y.size(), 1.0f), du(y.size(), 2.0f);
+      s.swiglu(a.data(), u.data(), y.data(), n);
+      s.swiglu_vjp(a.data(), u.data(), gr.data(), da.data(), true, du.data(), false, n);
+      for (std::size_t i = 0; i < y.size(); ++i) {
+        const double ad = a[i], ud = u[i], gd = gr[i], sg = detail::SwiGluMath::sig(ad);
+        CHECK(std::fabs(y[i] - detail::SwiGluMath::y(ad, ud)) <= 1e-6 * (std::fabs(ad * ud) + 1e-6));
+        CHECK(std::fabs(da[i] - (1.0 + detail::SwiGluMath::dgate(ad, ud, gd, sg))) <= 1e-6 * (std::fabs(ad * ud * gd) + 2));
+        CHECK(std::fabs(du[i] - detail::SwiGluMath::dup(ad, gd, sg)) <= 1e-6 * (std::fabs(ad * gd) + 1e-6));
+      }
+    }
+    // each element's exp is the same wherever it sits (a tail computed whole, stored in part)
+    const auto x = random_row(67, 3, -20, 20);
+    std::vector<float> whole = x;
+    s.exp_inplace(whole.data(), 67);
+    for (std::int64_t off : {1, 5, 13, 30}) {
+      std::vector<float> part(x.begin() + off, x.end());
+      s.exp_inplace(part.data(), static_cast<std::int64_t>(part.size()));
+      for (std::size_t i = 0; i < part.size(); ++i) CHECK(part[i] == whole[i + static_cast<std::size_t>(off)]);
+    }
+  }
+}
