@@ -2790,6 +2790,45 @@ inline long peak_rss_kb() { return proc_status_kb("VmHWM"); }
 #include <limits>
 
 
+#if defined(__CUDACC__)
+// Under nvcc the formulas of math.hpp are __host__ __device__, and nvcc rejects (and at times
+// crashes on) GCC vector types in them even where only the host calls them. The CPU kernels a .cu
+// file compiles (the CUDA tests' CPU references) run these rows one element at a time instead,
+// with the same formulas; an inline namespace keeps their names apart from the lane versions that
+// g++ compiles into the other files of the same program.
+namespace nn::simd {
+inline namespace scalar_rows {
+inline void exp_inplace(float* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) x[i] = x[i] < -88.72f ? 0.0f : detail::m_exp(x[i]);
+}
+inline float max(const float* x, std::int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+inline float sum_exp(const float* x, std::int64_t n, float m) {
+  float s = 0;
+  for (std::int64_t i = 0; i < n; ++i) s += detail::m_exp(x[i] - m);
+  return s;
+}
+inline void ce_grad(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {
+  for (std::int64_t i = 0; i < n; ++i) o[i] = detail::SoftmaxMath::ce_grad(x[i], lse, g) + (acc ? o[i] : 0.0f);
+}
+inline void swiglu(const float* a, const float* u, float* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = detail::SwiGluMath::y(a[i], u[i]);
+}
+inline void swiglu_vjp(const float* a, const float* u, const float* g, float* da, bool acc_a, float* du, bool acc_u,
+                       std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float s = detail::SwiGluMath::sig(a[i]);
+    if (da) da[i] = detail::SwiGluMath::dgate(a[i], u[i], g[i], s) + (acc_a ? da[i] : 0.0f);
+    if (du) du[i] = detail::SwiGluMath::dup(a[i], g[i], s) + (acc_u ? du[i] : 0.0f);
+  }
+}
+}  // namespace scalar_rows
+}  // namespace nn::simd
+#else
+
 // -Wpsabi: every function here that takes or returns a lane vector is inlined into a kernel
 // compiled for that vector's instruction set (as in math.hpp), so no call changes its ABI. GCC
 // reports the note where the translation unit ends, past any pop, so it stays off from here on.
@@ -3055,6 +3094,7 @@ template <class V>
 }  // namespace detail
 
 }  // namespace nn
+#endif  // __CUDACC__
 // ---- end nn/backend/simd.hpp ----
 // ---- begin nn/backend/threads.hpp ----
 // nn's thread teams: every parallel region nn opens goes through team(), which runs it on OpenMP
