@@ -816,6 +816,12 @@ struct Bf16Rounded {
 typedef std::uint32_t pair_word __attribute__((may_alias));  // two bf16 read as one 32-bit lane
 
 #if defined(__x86_64__) || defined(__i386__)
+/// vpermw's order that interleaves two rows converted together (vcvtne2ps2bf16: the even depth's
+/// 16 bf16 low, the odd one's high) into 16 pair words: word j = bf16 j of each.
+alignas(64) inline constexpr std::uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                                  21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 /// One Bf16PairPackA panel with AVX512_BF16: rows r0..r0+rows (rows <= MR <= 16) of op(A) at
 /// depths k0..k0+kc, word (kp, i) at w[kp * MR + i], zero past the edges. vcvtne2ps2bf16 rounds
 /// to nearest even and, like every AVX512_BF16 conversion, flushes float32 denormals to zero (as
@@ -825,12 +831,6 @@ typedef std::uint32_t pair_word __attribute__((may_alias));  // two bf16 read as
 ///    words at once; MR such vectors, one per row, are transposed (transpose16_store) into place.
 ///  - op(A) = X^T (a weight gradient's dY^T): depth k's rows lie side by side in X's row k, so X's
 ///    rows 2kp and 2kp + 1 convert together and interleave (vpermw) into pair kp's MR words.
-/// vpermw's order that interleaves two rows converted together (vcvtne2ps2bf16: the even depth's
-/// 16 bf16 low, the odd one's high) into 16 pair words: word j = bf16 j of each.
-alignas(64) inline constexpr std::uint16_t kPairInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                                  21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
-                                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 template <int MR>
 [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]] inline void pack_pair_rows(
     const Matrix<float>& m, index r0, index rows, index k0, index kc, pair_word* w) {

@@ -212,16 +212,16 @@ template <class T>
 inline void exp_inplace(T* x, std::int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     simd::exp_inplace(x, n);
-    return;
-  }
-  constexpr T lo = std::is_same_v<T, float> ? T(-88.72) : T(-709.78);
-  constexpr std::int64_t blk = 256;
-  T in[blk];
-  for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
-    const std::int64_t len = std::min(blk, n - i0);
-    std::copy_n(x + i0, len, in);
-    ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
-    for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
+  } else {
+    constexpr T lo = T(-709.78);
+    constexpr std::int64_t blk = 256;
+    T in[blk];
+    for (std::int64_t i0 = 0; i0 < n; i0 += blk) {
+      const std::int64_t len = std::min(blk, n - i0);
+      std::copy_n(x + i0, len, in);
+      ArrayMap<T>(x + i0, len) = ConstArrayMap<T>(in, len).exp();
+      for (std::int64_t j = 0; j < len; ++j) x[i0 + j] = in[j] < lo ? T(0) : x[i0 + j];
+    }
   }
 }
 
