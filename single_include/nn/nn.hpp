@@ -2825,6 +2825,22 @@ inline void swiglu_vjp(const float* a, const float* u, const float* g, float* da
     if (du) du[i] = detail::SwiGluMath::dup(a[i], g[i], s) + (acc_u ? du[i] : 0.0f);
   }
 }
+inline float scale_max(float* x, std::int64_t n, float sc) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) m = (x[i] *= sc) > m ? x[i] : m;
+  return m;
+}
+inline float exp_sum(float* x, std::int64_t n, float m) {
+  float s = 0;
+  for (std::int64_t i = 0; i < n; ++i) s += (x[i] = x[i] - m < -88.72f ? 0.0f : detail::m_exp(x[i] - m));
+  return s;
+}
+inline void probs_from_lse(float* x, std::int64_t n, float sc, float lse) {
+  for (std::int64_t i = 0; i < n; ++i) x[i] = detail::SoftmaxMath::p_from_lse(x[i] * sc, lse);
+}
+inline void softmax_vjp(const float* p, float* d, std::int64_t n, float dot, float sc) {
+  for (std::int64_t i = 0; i < n; ++i) d[i] = detail::SoftmaxMath::vjp(p[i], d[i], dot) * sc;
+}
 }  // namespace scalar_rows
 }  // namespace nn::simd
 #else
@@ -2947,12 +2963,14 @@ template <class V>
   });
 }
 
-/// max_j x_j (-inf for n = 0; NaN lanes lose to numbers, as Eigen's maxCoeff).
+/// max_j sc x_j (-inf for n = 0; NaN lanes lose to numbers, as Eigen's maxCoeff), storing each
+/// sc x_j to y unless y is null (an attention tile's scores scaled in place; sc = 1 is exact).
 template <class V>
-[[gnu::always_inline]] inline float max_body(const float* x, std::int64_t n) {
+[[gnu::always_inline]] inline float max_body(const float* x, std::int64_t n, float sc, float* y) {
   V mv = (V{} + -std::numeric_limits<float>::infinity());
   for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
-    V v = m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m);
+    V v = (m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m)) * sc;
+    if (y) store(y + i, v, m);
     if (m < lanes<V>)
       for (int l = static_cast<int>(m); l < lanes<V>; ++l) v[l] = -std::numeric_limits<float>::infinity();
     mv = v > mv ? v : mv;
@@ -2962,19 +2980,26 @@ template <class V>
   return r;
 }
 
-/// sum_j exp(x_j - m), two vectors of partial sums.
+/// sum_j exp(x_j - m), two vectors of partial sums, storing each exp(x_j - m) to y unless y is
+/// null (an online softmax's tile of probabilities, not yet normalised).
 template <class V>
-[[gnu::always_inline]] inline float sum_exp_body(const float* x, std::int64_t n, float m) {
+[[gnu::always_inline]] inline float sum_exp_body(const float* x, std::int64_t n, float m, float* y) {
   constexpr int W = lanes<V>;
   V s0{}, s1{};
   std::int64_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {
-    s0 += exp(load<V>(x + i) - m);
-    s1 += exp(load<V>(x + i + W) - m);
+    const V e0 = exp(load<V>(x + i) - m), e1 = exp(load<V>(x + i + W) - m);
+    if (y) {
+      store(y + i, e0);
+      store(y + i + W, e1);
+    }
+    s0 += e0;
+    s1 += e1;
   }
   for (; i < n; i += W) {
     const std::int64_t k = std::min<std::int64_t>(W, n - i);
     V e = exp((k == W ? load<V>(x + i) : load_part<V>(x + i, k)) - m);
+    if (y) store(y + i, e, k);
     for (std::int64_t l = k; l < W; ++l) e[l] = 0;
     s0 += e;
   }
@@ -2989,6 +3014,26 @@ template <class V>
     V v = detail::SoftmaxMath::ce_grad(full ? load<V>(x + i) : load_part<V>(x + i, m), lse, g);
     if (acc) v += full ? load<V>(o + i) : load_part<V>(o + i, m);
     store(o + i, v, m);
+  });
+}
+
+/// x = SoftmaxMath::p_from_lse(sc x, lse) = exp(sc x - lse) in place: a tile's probabilities
+/// recomputed from its raw scores and the forward's log-sum-exp.
+template <class V>
+[[gnu::always_inline]] inline void probs_from_lse_body(float* x, std::int64_t n, float sc, float lse) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const V v = m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m);
+    store(x + i, detail::SoftmaxMath::p_from_lse(v * sc, lse), m);
+  });
+}
+
+/// d = SoftmaxMath::vjp(p, d, dot) sc = p (d - dot) sc in place: a tile's score gradients.
+template <class V>
+[[gnu::always_inline]] inline void softmax_vjp_body(const float* p, float* d, std::int64_t n, float dot, float sc) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const bool full = m == lanes<V>;
+    const V pv = full ? load<V>(p + i) : load_part<V>(p + i, m), dv = full ? load<V>(d + i) : load_part<V>(d + i, m);
+    store(d + i, detail::SoftmaxMath::vjp(pv, dv, dot) * sc, m);
   });
 }
 
@@ -3021,12 +3066,26 @@ template <class V>
 // into them and so compiled for that set's instructions.
 #define NN_SIMD_ENTRIES(SUFFIX, W, ATTR)                                                                       \
   ATTR inline void exp_inplace_##SUFFIX(float* x, std::int64_t n) { exp_inplace_body<Vf<W>>(x, n); }            \
-  ATTR inline float max_##SUFFIX(const float* x, std::int64_t n) { return max_body<Vf<W>>(x, n); }              \
+  ATTR inline float max_##SUFFIX(const float* x, std::int64_t n) {                                            \
+    return max_body<Vf<W>>(x, n, 1.0f, nullptr);                                                               \
+  }                                                                                                            \
   ATTR inline float sum_exp_##SUFFIX(const float* x, std::int64_t n, float m) {                                \
-    return sum_exp_body<Vf<W>>(x, n, m);                                                                       \
+    return sum_exp_body<Vf<W>>(x, n, m, nullptr);                                                              \
   }                                                                                                            \
   ATTR inline void ce_grad_##SUFFIX(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {   \
     ce_grad_body<Vf<W>>(x, n, lse, g, o, acc);                                                                 \
+  }                                                                                                            \
+  ATTR inline float scale_max_##SUFFIX(float* x, std::int64_t n, float sc) {                                  \
+    return max_body<Vf<W>>(x, n, sc, x);                                                                       \
+  }                                                                                                            \
+  ATTR inline float exp_sum_##SUFFIX(float* x, std::int64_t n, float m) {                                      \
+    return sum_exp_body<Vf<W>>(x, n, m, x);                                                                    \
+  }                                                                                                            \
+  ATTR inline void probs_from_lse_##SUFFIX(float* x, std::int64_t n, float sc, float lse) {                    \
+    probs_from_lse_body<Vf<W>>(x, n, sc, lse);                                                                 \
+  }                                                                                                            \
+  ATTR inline void softmax_vjp_##SUFFIX(const float* p, float* d, std::int64_t n, float dot, float sc) {       \
+    softmax_vjp_body<Vf<W>>(p, d, n, dot, sc);                                                                 \
   }                                                                                                            \
   ATTR inline void swiglu_##SUFFIX(const float* a, const float* u, float* y, std::int64_t n) {                 \
     swiglu_body<Vf<W>>(a, u, y, n);                                                                            \
@@ -3061,6 +3120,18 @@ inline float sum_exp(const float* x, std::int64_t n, float m) { NN_SIMD_DISPATCH
 /// o (+)= g exp(x - lse): cross-entropy's row gradient (SoftmaxMath::ce_grad), before the target's -g.
 inline void ce_grad(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {
   NN_SIMD_DISPATCH(ce_grad, x, n, lse, g, o, acc)
+}
+/// x *= sc in place; returns the row's max (-inf for an empty row).
+inline float scale_max(float* x, std::int64_t n, float sc) { NN_SIMD_DISPATCH(scale_max, x, n, sc) }
+/// x = exp(x - m) in place (exact 0 below -88.72, as exp_inplace); returns sum_j x_j.
+inline float exp_sum(float* x, std::int64_t n, float m) { NN_SIMD_DISPATCH(exp_sum, x, n, m) }
+/// x = exp(sc x - lse) in place (SoftmaxMath::p_from_lse of the scaled scores).
+inline void probs_from_lse(float* x, std::int64_t n, float sc, float lse) {
+  NN_SIMD_DISPATCH(probs_from_lse, x, n, sc, lse)
+}
+/// d = p (d - dot) sc in place (SoftmaxMath::vjp, scaled).
+inline void softmax_vjp(const float* p, float* d, std::int64_t n, float dot, float sc) {
+  NN_SIMD_DISPATCH(softmax_vjp, p, d, n, dot, sc)
 }
 /// y = silu(a) u (SwiGluMath::y).
 inline void swiglu(const float* a, const float* u, float* y, std::int64_t n) { NN_SIMD_DISPATCH(swiglu, a, u, y, n) }
@@ -3525,17 +3596,59 @@ inline void exp_inplace(T* x, std::int64_t n) {
   }
 }
 
+// The row steps of a softmax (cpu::softmax, flash attention's tiles and their vjp), one pass over
+// the row each: float at the CPU's vector width (simd.hpp), double through Eigen.
+
+/// x *= sc in place; returns max_j x_j (-inf for n = 0).
+template <class T>
+inline T scale_max(T* x, std::int64_t n, T sc) {
+  if constexpr (std::is_same_v<T, float>) return simd::scale_max(x, n, sc);
+  ArrayMap<T> r(x, n);
+  r *= sc;
+  return n > 0 ? r.maxCoeff() : -std::numeric_limits<T>::infinity();
+}
+
+/// x = exp(x - m) in place (exact zeros where exp underflows, as exp_inplace); returns sum_j x_j.
+template <class T>
+inline T exp_sum(T* x, std::int64_t n, T m) {
+  if constexpr (std::is_same_v<T, float>) return simd::exp_sum(x, n, m);
+  ArrayMap<T> r(x, n);
+  r -= m;
+  exp_inplace(x, n);
+  return r.sum();
+}
+
+/// x = SoftmaxMath::p_from_lse(sc x, lse) in place: probabilities recomputed from raw scores.
+template <class T>
+inline void probs_from_lse(T* x, std::int64_t n, T sc, T lse) {
+  if constexpr (std::is_same_v<T, float>) return simd::probs_from_lse(x, n, sc, lse);
+  ArrayMap<T> r(x, n);
+  r = r * sc - lse;
+  exp_inplace(x, n);
+}
+
+/// d = SoftmaxMath::vjp(p, d, dot) sc in place: score gradients from probabilities p and
+/// dot = sum_j p_j d_j.
+template <class T>
+inline void softmax_vjp_row(const T* p, T* d, std::int64_t n, T dot, T sc) {
+  if constexpr (std::is_same_v<T, float>) return simd::softmax_vjp(p, d, n, dot, sc);
+  ArrayMap<T> r(d, n);
+  r = SoftmaxMath::vjp(ConstArrayMap<T>(p, n), r, dot) * sc;
+}
+
 /// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
 /// every entry is -inf kept finite in its max, as cpu::softmax.
 template <class T>
 inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
   ArrayMap<T> r(row, n);
-  if (add) r = r * scale + ConstArrayMap<T>(add, n);
-  else if (scale != T(1)) r *= scale;
-  const T m = SoftmaxMath::finite_max(r.maxCoeff());
-  r -= m;
-  exp_inplace(row, n);
-  r *= T(1) / r.sum();
+  T m;
+  if (add) {
+    r = r * scale + ConstArrayMap<T>(add, n);
+    m = r.maxCoeff();
+  } else {
+    m = scale_max(row, n, scale);
+  }
+  r *= T(1) / exp_sum(row, n, SoftmaxMath::finite_max(m));
 }
 
 /// y = sqrt(x), correctly rounded (what std::sqrt gives), vectorised with the x86 sqrt
@@ -4185,24 +4298,30 @@ inline void pack_panel(const S* src, index ld, bool contiguous, index n, index k
 }
 
 /// Packs n lines that lie side by side at each depth (src + k*ld: line l at depth k is
-/// src[k * ld + l]) into ceil(n / L) panels of kc x L at dst, lines past n zero. Eight panels at
-/// a time, each depth's stretch of 8 L values is read once, front to back, and dealt out to them.
-/// (Panel by panel, a panel's kc reads were a row apart each, a cache line apiece that no
-/// prefetcher follows on a wide matrix -- the head's dY^T rows are 32 KB apart -- and their misses
-/// made pack_a 5.5% of the decoder's full step, perf, Xeon model 167; 3.6% this way.)
+/// src[k * ld + l]) into ceil(n / L) panels of kc x L at dst, lines past n zero. Eight depths at a
+/// time, across all the panels: the eight source rows are read front to back (streams the
+/// prefetcher follows) and each panel gets eight depths, whole cache lines, at once. (Panel by
+/// panel, a panel's kc reads were a row apart each, a cache line apiece that no prefetcher follows
+/// on a wide matrix -- the head's dY^T rows are 32 KB apart -- and made pack_a 5.5% of the
+/// decoder's full step, Xeon model 167. Eight panels at a time over all depths took it to 3.6%,
+/// and still left the head's dW = dY^T X (8192 x 256 x 1024) at 213 GFLOP/s where this order gives
+/// 222-227, Zen 5.)
 template <int L, class T>
 void pack_side_by_side(const T* src, index ld, index n, index kc, T* dst) {
-  constexpr index kPanels = 8;
-  for (index p0 = 0; p0 < n; p0 += kPanels * L) {
-    const index lines = std::min<index>(kPanels * L, n - p0), full = lines / L * L;
-    for (index k = 0; k < kc; ++k) {
-      const T* s = src + k * ld + p0;
-      T* d = dst + p0 * kc + k * L;  // panel (p0 + p) / L starts at dst + (p0 + p) * kc
-      index p = 0;
-      for (; p < full; p += L) std::memcpy(d + p * kc, s + p, sizeof(T) * L);
-      if (p < lines) {
-        std::memcpy(d + p * kc, s + p, sizeof(T) * static_cast<std::size_t>(lines - p));
-        std::fill_n(d + p * kc + (lines - p), L - (lines - p), T(0));
+  constexpr index kDepths = 8;
+  const index full = n / L * L;
+  for (index k0 = 0; k0 < kc; k0 += kDepths) {
+    const index k1 = std::min(kc, k0 + kDepths);
+    index p = 0;
+    for (; p < full; p += L) {
+      T* d = dst + p * kc;
+      for (index k = k0; k < k1; ++k) std::memcpy(d + k * L, src + k * ld + p, sizeof(T) * L);
+    }
+    if (p < n) {
+      T* d = dst + p * kc;
+      for (index k = k0; k < k1; ++k) {
+        std::memcpy(d + k * L, src + k * ld + p, sizeof(T) * static_cast<std::size_t>(n - p));
+        std::fill_n(d + k * L + (n - p), L - (n - p), T(0));
       }
     }
   }
@@ -6140,9 +6259,8 @@ struct SoftmaxKernelsT {
           const T ls = std::log((in - m).exp().sum());
           out = detail::SoftmaxMath::log_p(in, m, ls);
         } else {
-          out = in - m;
-          detail::exp_inplace(ys + r * V, V);
-          out *= T(1) / out.sum();
+          out = in;
+          out *= T(1) / detail::exp_sum(ys + r * V, V, m);
         }
       });
     });
@@ -6435,6 +6553,7 @@ using RopeKernels = RopeKernelsT<>;
 
 #include <cstring>
 #include <limits>
+#include <utility>
 
 
 namespace nn {
@@ -6446,6 +6565,21 @@ namespace detail {
 /// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
 /// each product's operands, not multiplying them.
 inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
+
+/// The span [a0, a1) of a flash tile's score row (room for kFlashCols; keys [lo, hi) visible)
+/// that its row math runs over. With a positive scale, [lo, hi) widened to whole 16-lane vectors,
+/// its hidden keys set to -inf, which the exp turns into exact zeros: no vector is partial (on
+/// the causal diagonal, where every row ends elsewhere, partial vectors' loads and stores made
+/// the row math slower than Eigen's passes, Zen 5). Otherwise -inf would not stay -inf when
+/// scaled, and the span is [lo, hi).
+template <class T>
+inline std::pair<std::int64_t, std::int64_t> flash_span(T* row, std::int64_t lo, std::int64_t hi, T scale) {
+  if (!(scale > T(0))) return {lo, hi};
+  const std::int64_t a0 = lo / 16 * 16, a1 = std::min(kFlashCols, (hi + 15) / 16 * 16);
+  std::fill(row + a0, row + lo, -std::numeric_limits<T>::infinity());
+  std::fill(row + hi, row + a1, -std::numeric_limits<T>::infinity());
+  return {a0, a1};
+}
 
 /// Causal attention's row (and key) block: the products of a block of queries stop at its last
 /// key, so the work above the diagonal left undone is all but half a block wide.
@@ -6563,10 +6697,8 @@ struct AttentionKernelsT {
               const std::int64_t i1 = std::min(T_, i0 + rb), kn = causal ? i1 : T_;
               detail::gemm_serial<T>(false, true, i1 - i0, kn, hd, G + qo + i0 * qs, qs, vt, ks, ds + i0 * T_, T_, false);  // g v^T
               for (std::int64_t i = i0; i < i1; ++i) {
-                detail::ArrayMap<T> d(ds + i * T_, kn);
-                detail::ConstArrayMap<T> pr(pt + i * T_, kn);
-                const T dot = (d * pr).sum();
-                d = detail::SoftmaxMath::vjp(pr, d, dot) * sc;
+                const T dot = (detail::ArrayMap<T>(ds + i * T_, kn) * detail::ConstArrayMap<T>(pt + i * T_, kn)).sum();
+                detail::softmax_vjp_row(pt + i * T_, ds + i * T_, kn, dot, sc);
               }
               if (GQ) detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, ds + i0 * T_, T_, kt, ks, GQ + qo + i0 * qs, qs, acc_q);  // dS k
             }
@@ -6634,17 +6766,16 @@ struct AttentionKernelsT {
             // none, and with documents any tile before the row's document has none
             const std::int64_t lo = st ? std::clamp<std::int64_t>(st[i] - j0, 0, c) : 0;
             const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c, n = hi - lo;
-            detail::ArrayMap<T> row(s + i * Bc, c);
-            row.head(lo).setZero();
-            row.tail(c - hi).setZero();
-            if (n <= 0) continue;
-            auto vis = row.segment(lo, n);
-            vis *= sc;
-            const T mx = vis.maxCoeff();
-            const T mnew = std::max(m[i], mx);
-            vis -= mnew;
-            detail::exp_inplace(s + i * Bc + lo, n);
-            const T sum = vis.sum();
+            T* row = s + i * Bc;
+            if (n <= 0) {
+              std::fill(row, row + c, T(0));
+              continue;
+            }
+            const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
+            const T mnew = std::max(m[i], detail::scale_max(row + a0, a1 - a0, sc));
+            const T sum = detail::exp_sum(row + a0, a1 - a0, mnew);
+            std::fill(row, row + a0, T(0));
+            std::fill(row + std::min(a1, c), row + c, T(0));
             if (j0 == kbeg) {
               l[i] = sum;
             } else {
@@ -6723,22 +6854,23 @@ struct AttentionKernelsT {
                 const std::int64_t lo = St ? std::clamp<std::int64_t>(St[b * T_ + i0 + i] - j0, 0, c) : 0;
                 const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
                 const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
-                detail::ArrayMap<T> row(p + i * Bc, c);
-                // detail::SoftmaxMath::p_from_lse, exp(s - lse), with the exp done in place, vectorised
-                row.segment(lo, n) = row.segment(lo, n) * sc - L[bh * T_ + i0 + i];
-                detail::exp_inplace(p + i * Bc + lo, n);
-                row.head(lo).setZero();
-                row.tail(c - lo - n).setZero();
+                T* row = p + i * Bc;
+                if (n <= 0) {
+                  std::fill(row, row + c, T(0));
+                  continue;
+                }
+                const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
+                detail::probs_from_lse(row + a0, a1 - a0, sc, L[bh * T_ + i0 + i]);
+                std::fill(row, row + a0, T(0));
+                std::fill(row + std::min(a1, c), row + c, T(0));
               }
               if (GV) detail::gemm_serial<T>(true, false, c, hd, r, p, Bc, G + o, qs, GV + (b * T_ + j0) * ks + kh * hd,
                                              ks, !first_v);  // p^T g
               first_v = false;
               if (!GQ && !GK) continue;
               detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
-              for (std::int64_t i = 0; i < r; ++i) {
-                detail::ArrayMap<T> d(ds + i * Bc, c);
-                d = detail::SoftmaxMath::vjp(detail::ConstArrayMap<T>(p + i * Bc, c), d, D[bh * T_ + i0 + i]) * sc;
-              }
+              for (std::int64_t i = 0; i < r; ++i)
+                detail::softmax_vjp_row(p + i * Bc, ds + i * Bc, c, D[bh * T_ + i0 + i], sc);
               if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
                                              acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
               if (GK) detail::gemm_serial<T>(true, false, c, hd, r, ds, Bc, Q + o, qs, GK + (b * T_ + j0) * ks + kh * hd,

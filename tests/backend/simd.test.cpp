@@ -25,19 +25,25 @@ struct Set {
   void (*ce_grad)(const float*, std::int64_t, float, float, float*, bool);
   void (*swiglu)(const float*, const float*, float*, std::int64_t);
   void (*swiglu_vjp)(const float*, const float*, const float*, float*, bool, float*, bool, std::int64_t);
+  float (*scale_max)(float*, std::int64_t, float);
+  float (*exp_sum)(float*, std::int64_t, float);
+  void (*probs_from_lse)(float*, std::int64_t, float, float);
+  void (*softmax_vjp)(const float*, float*, std::int64_t, float, float);
 };
 
+#define NN_SIMD_SET(S)                                                                                          \
+  Set {                                                                                                         \
+    #S, simd::exp_inplace_##S, simd::max_##S, simd::sum_exp_##S, simd::ce_grad_##S, simd::swiglu_##S,           \
+        simd::swiglu_vjp_##S, simd::scale_max_##S, simd::exp_sum_##S, simd::probs_from_lse_##S,                \
+        simd::softmax_vjp_##S                                                                                   \
+  }
+
 std::vector<Set> sets() {
-  std::vector<Set> out{{"generic", simd::exp_inplace_generic, simd::max_generic, simd::sum_exp_generic,
-                        simd::ce_grad_generic, simd::swiglu_generic, simd::swiglu_vjp_generic}};
+  std::vector<Set> out{NN_SIMD_SET(generic)};
 #if defined(__x86_64__) || defined(__i386__)
   const Isa best = cpu_info().features.best_isa();
-  if (static_cast<int>(best) >= static_cast<int>(Isa::avx2))
-    out.push_back({"avx2", simd::exp_inplace_avx2, simd::max_avx2, simd::sum_exp_avx2, simd::ce_grad_avx2,
-                   simd::swiglu_avx2, simd::swiglu_vjp_avx2});
-  if (best == Isa::avx512)
-    out.push_back({"avx512", simd::exp_inplace_avx512, simd::max_avx512, simd::sum_exp_avx512,
-                   simd::ce_grad_avx512, simd::swiglu_avx512, simd::swiglu_vjp_avx512});
+  if (static_cast<int>(best) >= static_cast<int>(Isa::avx2)) out.push_back(NN_SIMD_SET(avx2));
+  if (best == Isa::avx512) out.push_back(NN_SIMD_SET(avx512));
 #endif
   return out;
 }
@@ -139,6 +145,62 @@ TEST_CASE("simd row functions: float64 references, every tail length, results in
       std::vector<float> part(x.begin() + off, x.end());
       s.exp_inplace(part.data(), static_cast<std::int64_t>(part.size()));
       for (std::size_t i = 0; i < part.size(); ++i) CHECK(part[i] == whole[i + static_cast<std::size_t>(off)]);
+    }
+  }
+}
+
+TEST_CASE("simd softmax tile rows: scale_max, exp_sum, probs_from_lse, softmax_vjp against float64, every tail") {
+  for (const Set& s : sets()) {
+    CAPTURE(s.name);
+    for (std::int64_t n : {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 100, 128}) {
+      CAPTURE(n);
+      const auto x = random_row(n + 2, 40 + static_cast<unsigned>(n), -12, 12);
+      const float sc = 0.1767767f;  // 1 / sqrt(32)
+      // scale_max: x * sc exactly as float multiplies, and their max; nothing past the row touched
+      std::vector<float> y = x;
+      const float mx = s.scale_max(y.data() + 1, n, sc);
+      float want_max = -std::numeric_limits<float>::infinity();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::size_t k = static_cast<std::size_t>(i) + 1;
+        CHECK(y[k] == x[k] * sc);
+        want_max = std::max(want_max, x[k] * sc);
+      }
+      CHECK(mx == want_max);
+      CHECK(y[0] == x[0]);
+      CHECK(y[static_cast<std::size_t>(n) + 1] == x[static_cast<std::size_t>(n) + 1]);
+      // exp_sum: y = exp(y - m) elementwise within 1 ulp of float64, the sum within f32 accumulation
+      const float m = n ? mx : 0.0f;
+      std::vector<float> e = y;
+      const float sum = s.exp_sum(e.data() + 1, n, m);
+      double want_sum = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::size_t k = static_cast<std::size_t>(i) + 1;
+        const double want = std::exp(static_cast<double>(y[k] - m));
+        CHECK(ulps(e[k], want) <= 1.0);
+        want_sum += static_cast<double>(e[k]);
+      }
+      CHECK(std::fabs(sum - want_sum) <= 1e-6 * std::max(want_sum, 1.0));
+      CHECK(e[static_cast<std::size_t>(n) + 1] == y[static_cast<std::size_t>(n) + 1]);
+      // probs_from_lse on the raw scores gives the same probabilities, normalised by lse
+      const float lse = m + std::log(std::max(sum, 1e-30f));
+      std::vector<float> p = x;
+      s.probs_from_lse(p.data() + 1, n, sc, lse);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::size_t k = static_cast<std::size_t>(i) + 1;
+        const double want = std::exp(static_cast<double>(x[k]) * sc - static_cast<double>(lse));
+        CHECK(std::fabs(p[k] - want) <= 4e-6 * want + 1e-30);  // sc x - lse rounds once (or fuses)
+      }
+      // softmax_vjp: d = p (d - dot) sc
+      const auto g = random_row(n + 1, 77, -1, 1);
+      std::vector<float> d = g;
+      const float dot = 0.25f;
+      s.softmax_vjp(p.data() + 1, d.data() + 1, n, dot, sc);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::size_t k = static_cast<std::size_t>(i) + 1;
+        const double want = static_cast<double>(p[k]) * (static_cast<double>(g[k]) - dot) * sc;
+        CHECK(std::fabs(d[k] - want) <= 1e-6 * std::fabs(want) + 1e-12);
+      }
+      CHECK(d[0] == g[0]);
     }
   }
 }

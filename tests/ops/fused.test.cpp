@@ -231,6 +231,18 @@ TEST_CASE_TEMPLATE("flash attention agrees with the probabilities kernel and the
     };
   };
   CHECK(worst(run(qk, kv(true)), run(qk, kv(false))) <= tol(dt));
+  // a positive scale runs each tile row's math over whole 16-lane vectors, hidden keys at -inf;
+  // any other scale over the visible keys alone (scaled, -inf would not stay -inf)
+  for (double scale : {-0.35, 0.0}) {
+    CAPTURE(scale);
+    auto attn = [&](bool flash) {
+      return [&, flash](auto& tp, auto& v) {
+        if (flash) return flash_attention(tp, v[0], v[1], v[1], Tn, nh, 2, hd, scale, true);
+        return fused_attention(tp, v[0], v[1], v[1], GVar{}, Tn, nh, 2, hd, scale, true);
+      };
+    };
+    CHECK(worst(run(qk, attn(true)), run(qk, attn(false))) <= tol(dt));
+  }
 }
 
 TEST_CASE_TEMPLATE("flash attention with document starts agrees with the composite under a block-diagonal causal mask",

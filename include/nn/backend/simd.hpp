@@ -61,6 +61,22 @@ inline void swiglu_vjp(const float* a, const float* u, const float* g, float* da
     if (du) du[i] = detail::SwiGluMath::dup(a[i], g[i], s) + (acc_u ? du[i] : 0.0f);
   }
 }
+inline float scale_max(float* x, std::int64_t n, float sc) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) m = (x[i] *= sc) > m ? x[i] : m;
+  return m;
+}
+inline float exp_sum(float* x, std::int64_t n, float m) {
+  float s = 0;
+  for (std::int64_t i = 0; i < n; ++i) s += (x[i] = x[i] - m < -88.72f ? 0.0f : detail::m_exp(x[i] - m));
+  return s;
+}
+inline void probs_from_lse(float* x, std::int64_t n, float sc, float lse) {
+  for (std::int64_t i = 0; i < n; ++i) x[i] = detail::SoftmaxMath::p_from_lse(x[i] * sc, lse);
+}
+inline void softmax_vjp(const float* p, float* d, std::int64_t n, float dot, float sc) {
+  for (std::int64_t i = 0; i < n; ++i) d[i] = detail::SoftmaxMath::vjp(p[i], d[i], dot) * sc;
+}
 }  // namespace scalar_rows
 }  // namespace nn::simd
 #else
@@ -183,12 +199,14 @@ template <class V>
   });
 }
 
-/// max_j x_j (-inf for n = 0; NaN lanes lose to numbers, as Eigen's maxCoeff).
+/// max_j sc x_j (-inf for n = 0; NaN lanes lose to numbers, as Eigen's maxCoeff), storing each
+/// sc x_j to y unless y is null (an attention tile's scores scaled in place; sc = 1 is exact).
 template <class V>
-[[gnu::always_inline]] inline float max_body(const float* x, std::int64_t n) {
+[[gnu::always_inline]] inline float max_body(const float* x, std::int64_t n, float sc, float* y) {
   V mv = (V{} + -std::numeric_limits<float>::infinity());
   for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
-    V v = m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m);
+    V v = (m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m)) * sc;
+    if (y) store(y + i, v, m);
     if (m < lanes<V>)
       for (int l = static_cast<int>(m); l < lanes<V>; ++l) v[l] = -std::numeric_limits<float>::infinity();
     mv = v > mv ? v : mv;
@@ -198,19 +216,26 @@ template <class V>
   return r;
 }
 
-/// sum_j exp(x_j - m), two vectors of partial sums.
+/// sum_j exp(x_j - m), two vectors of partial sums, storing each exp(x_j - m) to y unless y is
+/// null (an online softmax's tile of probabilities, not yet normalised).
 template <class V>
-[[gnu::always_inline]] inline float sum_exp_body(const float* x, std::int64_t n, float m) {
+[[gnu::always_inline]] inline float sum_exp_body(const float* x, std::int64_t n, float m, float* y) {
   constexpr int W = lanes<V>;
   V s0{}, s1{};
   std::int64_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {
-    s0 += exp(load<V>(x + i) - m);
-    s1 += exp(load<V>(x + i + W) - m);
+    const V e0 = exp(load<V>(x + i) - m), e1 = exp(load<V>(x + i + W) - m);
+    if (y) {
+      store(y + i, e0);
+      store(y + i + W, e1);
+    }
+    s0 += e0;
+    s1 += e1;
   }
   for (; i < n; i += W) {
     const std::int64_t k = std::min<std::int64_t>(W, n - i);
     V e = exp((k == W ? load<V>(x + i) : load_part<V>(x + i, k)) - m);
+    if (y) store(y + i, e, k);
     for (std::int64_t l = k; l < W; ++l) e[l] = 0;
     s0 += e;
   }
@@ -225,6 +250,26 @@ template <class V>
     V v = detail::SoftmaxMath::ce_grad(full ? load<V>(x + i) : load_part<V>(x + i, m), lse, g);
     if (acc) v += full ? load<V>(o + i) : load_part<V>(o + i, m);
     store(o + i, v, m);
+  });
+}
+
+/// x = SoftmaxMath::p_from_lse(sc x, lse) = exp(sc x - lse) in place: a tile's probabilities
+/// recomputed from its raw scores and the forward's log-sum-exp.
+template <class V>
+[[gnu::always_inline]] inline void probs_from_lse_body(float* x, std::int64_t n, float sc, float lse) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const V v = m == lanes<V> ? load<V>(x + i) : load_part<V>(x + i, m);
+    store(x + i, detail::SoftmaxMath::p_from_lse(v * sc, lse), m);
+  });
+}
+
+/// d = SoftmaxMath::vjp(p, d, dot) sc = p (d - dot) sc in place: a tile's score gradients.
+template <class V>
+[[gnu::always_inline]] inline void softmax_vjp_body(const float* p, float* d, std::int64_t n, float dot, float sc) {
+  for_vectors<V>(n, [&](std::int64_t i, std::int64_t m) __attribute__((always_inline)) {
+    const bool full = m == lanes<V>;
+    const V pv = full ? load<V>(p + i) : load_part<V>(p + i, m), dv = full ? load<V>(d + i) : load_part<V>(d + i, m);
+    store(d + i, detail::SoftmaxMath::vjp(pv, dv, dot) * sc, m);
   });
 }
 
@@ -257,12 +302,26 @@ template <class V>
 // into them and so compiled for that set's instructions.
 #define NN_SIMD_ENTRIES(SUFFIX, W, ATTR)                                                                       \
   ATTR inline void exp_inplace_##SUFFIX(float* x, std::int64_t n) { exp_inplace_body<Vf<W>>(x, n); }            \
-  ATTR inline float max_##SUFFIX(const float* x, std::int64_t n) { return max_body<Vf<W>>(x, n); }              \
+  ATTR inline float max_##SUFFIX(const float* x, std::int64_t n) {                                            \
+    return max_body<Vf<W>>(x, n, 1.0f, nullptr);                                                               \
+  }                                                                                                            \
   ATTR inline float sum_exp_##SUFFIX(const float* x, std::int64_t n, float m) {                                \
-    return sum_exp_body<Vf<W>>(x, n, m);                                                                       \
+    return sum_exp_body<Vf<W>>(x, n, m, nullptr);                                                              \
   }                                                                                                            \
   ATTR inline void ce_grad_##SUFFIX(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {   \
     ce_grad_body<Vf<W>>(x, n, lse, g, o, acc);                                                                 \
+  }                                                                                                            \
+  ATTR inline float scale_max_##SUFFIX(float* x, std::int64_t n, float sc) {                                  \
+    return max_body<Vf<W>>(x, n, sc, x);                                                                       \
+  }                                                                                                            \
+  ATTR inline float exp_sum_##SUFFIX(float* x, std::int64_t n, float m) {                                      \
+    return sum_exp_body<Vf<W>>(x, n, m, x);                                                                    \
+  }                                                                                                            \
+  ATTR inline void probs_from_lse_##SUFFIX(float* x, std::int64_t n, float sc, float lse) {                    \
+    probs_from_lse_body<Vf<W>>(x, n, sc, lse);                                                                 \
+  }                                                                                                            \
+  ATTR inline void softmax_vjp_##SUFFIX(const float* p, float* d, std::int64_t n, float dot, float sc) {       \
+    softmax_vjp_body<Vf<W>>(p, d, n, dot, sc);                                                                 \
   }                                                                                                            \
   ATTR inline void swiglu_##SUFFIX(const float* a, const float* u, float* y, std::int64_t n) {                 \
     swiglu_body<Vf<W>>(a, u, y, n);                                                                            \
@@ -297,6 +356,18 @@ inline float sum_exp(const float* x, std::int64_t n, float m) { NN_SIMD_DISPATCH
 /// o (+)= g exp(x - lse): cross-entropy's row gradient (SoftmaxMath::ce_grad), before the target's -g.
 inline void ce_grad(const float* x, std::int64_t n, float lse, float g, float* o, bool acc) {
   NN_SIMD_DISPATCH(ce_grad, x, n, lse, g, o, acc)
+}
+/// x *= sc in place; returns the row's max (-inf for an empty row).
+inline float scale_max(float* x, std::int64_t n, float sc) { NN_SIMD_DISPATCH(scale_max, x, n, sc) }
+/// x = exp(x - m) in place (exact 0 below -88.72, as exp_inplace); returns sum_j x_j.
+inline float exp_sum(float* x, std::int64_t n, float m) { NN_SIMD_DISPATCH(exp_sum, x, n, m) }
+/// x = exp(sc x - lse) in place (SoftmaxMath::p_from_lse of the scaled scores).
+inline void probs_from_lse(float* x, std::int64_t n, float sc, float lse) {
+  NN_SIMD_DISPATCH(probs_from_lse, x, n, sc, lse)
+}
+/// d = p (d - dot) sc in place (SoftmaxMath::vjp, scaled).
+inline void softmax_vjp(const float* p, float* d, std::int64_t n, float dot, float sc) {
+  NN_SIMD_DISPATCH(softmax_vjp, p, d, n, dot, sc)
 }
 /// y = silu(a) u (SwiGluMath::y).
 inline void swiglu(const float* a, const float* u, float* y, std::int64_t n) { NN_SIMD_DISPATCH(swiglu, a, u, y, n) }

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "common.hpp"
 #include "matmul.hpp"
@@ -18,6 +19,21 @@ namespace detail {
 /// T = 256..4096 against 64 x 64, 96 x 128 and 48 x 256: smaller tiles spend their time packing
 /// each product's operands, not multiplying them.
 inline constexpr std::int64_t kFlashRows = 128, kFlashCols = 128;
+
+/// The span [a0, a1) of a flash tile's score row (room for kFlashCols; keys [lo, hi) visible)
+/// that its row math runs over. With a positive scale, [lo, hi) widened to whole 16-lane vectors,
+/// its hidden keys set to -inf, which the exp turns into exact zeros: no vector is partial (on
+/// the causal diagonal, where every row ends elsewhere, partial vectors' loads and stores made
+/// the row math slower than Eigen's passes, Zen 5). Otherwise -inf would not stay -inf when
+/// scaled, and the span is [lo, hi).
+template <class T>
+inline std::pair<std::int64_t, std::int64_t> flash_span(T* row, std::int64_t lo, std::int64_t hi, T scale) {
+  if (!(scale > T(0))) return {lo, hi};
+  const std::int64_t a0 = lo / 16 * 16, a1 = std::min(kFlashCols, (hi + 15) / 16 * 16);
+  std::fill(row + a0, row + lo, -std::numeric_limits<T>::infinity());
+  std::fill(row + hi, row + a1, -std::numeric_limits<T>::infinity());
+  return {a0, a1};
+}
 
 /// Causal attention's row (and key) block: the products of a block of queries stop at its last
 /// key, so the work above the diagonal left undone is all but half a block wide.
@@ -135,10 +151,8 @@ struct AttentionKernelsT {
               const std::int64_t i1 = std::min(T_, i0 + rb), kn = causal ? i1 : T_;
               detail::gemm_serial<T>(false, true, i1 - i0, kn, hd, G + qo + i0 * qs, qs, vt, ks, ds + i0 * T_, T_, false);  // g v^T
               for (std::int64_t i = i0; i < i1; ++i) {
-                detail::ArrayMap<T> d(ds + i * T_, kn);
-                detail::ConstArrayMap<T> pr(pt + i * T_, kn);
-                const T dot = (d * pr).sum();
-                d = detail::SoftmaxMath::vjp(pr, d, dot) * sc;
+                const T dot = (detail::ArrayMap<T>(ds + i * T_, kn) * detail::ConstArrayMap<T>(pt + i * T_, kn)).sum();
+                detail::softmax_vjp_row(pt + i * T_, ds + i * T_, kn, dot, sc);
               }
               if (GQ) detail::gemm_serial<T>(false, false, i1 - i0, hd, kn, ds + i0 * T_, T_, kt, ks, GQ + qo + i0 * qs, qs, acc_q);  // dS k
             }
@@ -206,17 +220,16 @@ struct AttentionKernelsT {
             // none, and with documents any tile before the row's document has none
             const std::int64_t lo = st ? std::clamp<std::int64_t>(st[i] - j0, 0, c) : 0;
             const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c, n = hi - lo;
-            detail::ArrayMap<T> row(s + i * Bc, c);
-            row.head(lo).setZero();
-            row.tail(c - hi).setZero();
-            if (n <= 0) continue;
-            auto vis = row.segment(lo, n);
-            vis *= sc;
-            const T mx = vis.maxCoeff();
-            const T mnew = std::max(m[i], mx);
-            vis -= mnew;
-            detail::exp_inplace(s + i * Bc + lo, n);
-            const T sum = vis.sum();
+            T* row = s + i * Bc;
+            if (n <= 0) {
+              std::fill(row, row + c, T(0));
+              continue;
+            }
+            const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
+            const T mnew = std::max(m[i], detail::scale_max(row + a0, a1 - a0, sc));
+            const T sum = detail::exp_sum(row + a0, a1 - a0, mnew);
+            std::fill(row, row + a0, T(0));
+            std::fill(row + std::min(a1, c), row + c, T(0));
             if (j0 == kbeg) {
               l[i] = sum;
             } else {
@@ -295,22 +308,23 @@ struct AttentionKernelsT {
                 const std::int64_t lo = St ? std::clamp<std::int64_t>(St[b * T_ + i0 + i] - j0, 0, c) : 0;
                 const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
                 const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
-                detail::ArrayMap<T> row(p + i * Bc, c);
-                // detail::SoftmaxMath::p_from_lse, exp(s - lse), with the exp done in place, vectorised
-                row.segment(lo, n) = row.segment(lo, n) * sc - L[bh * T_ + i0 + i];
-                detail::exp_inplace(p + i * Bc + lo, n);
-                row.head(lo).setZero();
-                row.tail(c - lo - n).setZero();
+                T* row = p + i * Bc;
+                if (n <= 0) {
+                  std::fill(row, row + c, T(0));
+                  continue;
+                }
+                const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
+                detail::probs_from_lse(row + a0, a1 - a0, sc, L[bh * T_ + i0 + i]);
+                std::fill(row, row + a0, T(0));
+                std::fill(row + std::min(a1, c), row + c, T(0));
               }
               if (GV) detail::gemm_serial<T>(true, false, c, hd, r, p, Bc, G + o, qs, GV + (b * T_ + j0) * ks + kh * hd,
                                              ks, !first_v);  // p^T g
               first_v = false;
               if (!GQ && !GK) continue;
               detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
-              for (std::int64_t i = 0; i < r; ++i) {
-                detail::ArrayMap<T> d(ds + i * Bc, c);
-                d = detail::SoftmaxMath::vjp(detail::ConstArrayMap<T>(p + i * Bc, c), d, D[bh * T_ + i0 + i]) * sc;
-              }
+              for (std::int64_t i = 0; i < r; ++i)
+                detail::softmax_vjp_row(p + i * Bc, ds + i * Bc, c, D[bh * T_ + i0 + i], sc);
               if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
                                              acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
               if (GK) detail::gemm_serial<T>(true, false, c, hd, r, ds, Bc, Q + o, qs, GK + (b * T_ + j0) * ks + kh * hd,

@@ -225,17 +225,59 @@ inline void exp_inplace(T* x, std::int64_t n) {
   }
 }
 
+// The row steps of a softmax (cpu::softmax, flash attention's tiles and their vjp), one pass over
+// the row each: float at the CPU's vector width (simd.hpp), double through Eigen.
+
+/// x *= sc in place; returns max_j x_j (-inf for n = 0).
+template <class T>
+inline T scale_max(T* x, std::int64_t n, T sc) {
+  if constexpr (std::is_same_v<T, float>) return simd::scale_max(x, n, sc);
+  ArrayMap<T> r(x, n);
+  r *= sc;
+  return n > 0 ? r.maxCoeff() : -std::numeric_limits<T>::infinity();
+}
+
+/// x = exp(x - m) in place (exact zeros where exp underflows, as exp_inplace); returns sum_j x_j.
+template <class T>
+inline T exp_sum(T* x, std::int64_t n, T m) {
+  if constexpr (std::is_same_v<T, float>) return simd::exp_sum(x, n, m);
+  ArrayMap<T> r(x, n);
+  r -= m;
+  exp_inplace(x, n);
+  return r.sum();
+}
+
+/// x = SoftmaxMath::p_from_lse(sc x, lse) in place: probabilities recomputed from raw scores.
+template <class T>
+inline void probs_from_lse(T* x, std::int64_t n, T sc, T lse) {
+  if constexpr (std::is_same_v<T, float>) return simd::probs_from_lse(x, n, sc, lse);
+  ArrayMap<T> r(x, n);
+  r = r * sc - lse;
+  exp_inplace(x, n);
+}
+
+/// d = SoftmaxMath::vjp(p, d, dot) sc in place: score gradients from probabilities p and
+/// dot = sum_j p_j d_j.
+template <class T>
+inline void softmax_vjp_row(const T* p, T* d, std::int64_t n, T dot, T sc) {
+  if constexpr (std::is_same_v<T, float>) return simd::softmax_vjp(p, d, n, dot, sc);
+  ArrayMap<T> r(d, n);
+  r = SoftmaxMath::vjp(ConstArrayMap<T>(p, n), r, dot) * sc;
+}
+
 /// row = softmax(scale * row + add) in place (add may be null): max-subtracted, a row whose
 /// every entry is -inf kept finite in its max, as cpu::softmax.
 template <class T>
 inline void softmax_row(T* row, std::int64_t n, T scale, const T* add) {
   ArrayMap<T> r(row, n);
-  if (add) r = r * scale + ConstArrayMap<T>(add, n);
-  else if (scale != T(1)) r *= scale;
-  const T m = SoftmaxMath::finite_max(r.maxCoeff());
-  r -= m;
-  exp_inplace(row, n);
-  r *= T(1) / r.sum();
+  T m;
+  if (add) {
+    r = r * scale + ConstArrayMap<T>(add, n);
+    m = r.maxCoeff();
+  } else {
+    m = scale_max(row, n, scale);
+  }
+  r *= T(1) / exp_sum(row, n, SoftmaxMath::finite_max(m));
 }
 
 /// y = sqrt(x), correctly rounded (what std::sqrt gives), vectorised with the x86 sqrt

@@ -30,9 +30,8 @@ struct SoftmaxKernelsT {
           const T ls = std::log((in - m).exp().sum());
           out = detail::SoftmaxMath::log_p(in, m, ls);
         } else {
-          out = in - m;
-          detail::exp_inplace(ys + r * V, V);
-          out *= T(1) / out.sum();
+          out = in;
+          out *= T(1) / detail::exp_sum(ys + r * V, V, m);
         }
       });
     });
