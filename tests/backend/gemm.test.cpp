@@ -135,7 +135,7 @@ TEST_CASE("the threaded split (shared B panels, or columns when rows are few) gi
   for (auto [M, N, K, ta, tb] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool>{300, 70, 200, false, true},
                                  {40, 500, 130, true, false}, {97, 97, 97, true, true},
                                  {20, 3000, 50, false, true}, {130, 600, 800, false, false},
-                                 // 4 B blocks x 3 K slices: the shared B buffer refilled (and its barriers passed) many times
+                                 // 4 B blocks x 3 K slices: the shared B buffer refilled many times
                                  {200, 1500, 900, true, false}}) {
     const std::vector<float> A = random_values<float>(static_cast<std::size_t>(M * K), 8);
     const std::vector<float> B = random_values<float>(static_cast<std::size_t>(K * N), 9);
