@@ -116,19 +116,47 @@ using Vi = typename lane_types<W>::i;
 template <class V>
 inline constexpr int lanes = static_cast<int>(sizeof(V) / sizeof(float));
 
+// x86 with GCC: AVX-512's and AVX's own max / min and AVX-512's scalef, spelled as GCC's builtins
+// (an intrinsic is a function compiled for its own ISA, which GCC will not inline into exp, a
+// template compiled for none; a builtin is expanded where exp lands, inside a kernel of that ISA).
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#define NN_SIMD_X86_BUILTINS 1
+#endif
+
+/// min(hi, max(lo, x)) lane by lane, a NaN lane of x kept (x86's max / min return their second
+/// operand where either is NaN, as `lo > x ? lo : x` does): one instruction a bound on AVX2 and
+/// AVX-512 where GCC spells the conditional as a compare and a blend.
+template <class V>
+[[gnu::always_inline]] inline V clamp(V x, float lo, float hi) {
+#if defined(NN_SIMD_X86_BUILTINS)
+  if constexpr (lanes<V> == 16)
+    return __builtin_ia32_minps512_mask(V{} + hi, __builtin_ia32_maxps512_mask(V{} + lo, x, V{}, 0xffff, 4), V{},
+                                        0xffff, 4);
+  else if constexpr (lanes<V> == 8)
+    return __builtin_ia32_minps256(V{} + hi, __builtin_ia32_maxps256(V{} + lo, x));
+#endif
+  const V xl = (V{} + lo) > x ? (V{} + lo) : x;
+  return (V{} + hi) < xl ? (V{} + hi) : xl;
+}
+
 /// exp of each lane: Cephes' expf. n = round(x log2(e)), r = x - n ln 2 (ln 2 in two parts,
 /// exact products), e^r by a degree-5 polynomial on |r| <= ln(2)/2, times 2^n built in the exponent
 /// field in two halves (2^(n/2) 2^(n - n/2): no half is denormal or overflows). About 1 ulp, as
 /// Eigen's and glibc's. x < -88.72 gives exactly 0 (where exp is 0 or a denormal: an additively
 /// masked score, -1e9, contributes nothing, as layers/mask.hpp promises), x > 88.72 gives +inf,
 /// NaN stays NaN.
+///
+/// AVX-512 multiplies by 2^n with one vscalefps (y 2^n rounded once, which is what the two
+/// halves give: the first product is exact, the second rounds) in place of nine integer and float
+/// instructions: the same bits for every float (a sweep of every 7th bit pattern, NaNs, infinities
+/// and denormals included, found none apart), 16.3 -> 10.9 cycles a vector in a row's sum of
+/// exps (Xeon family 6 model 167). tests/backend/simd.test.cpp holds the kernel sets to each other.
 template <class V>
 [[gnu::always_inline]] inline V exp(V x) {
   using I = Vi<lanes<V>>;
   constexpr float kLo = -88.72f, kHi = 88.72f;
-  // clamped, one bound at a time (each a max / min instruction); NaN lanes compare false: stay NaN
-  V xc = (V{} + kLo) > x ? (V{} + kLo) : x;
-  xc = (V{} + kHi) < xc ? (V{} + kHi) : xc;
+  // clamped, one bound at a time; NaN lanes stay NaN
+  const V xc = clamp(x, kLo, kHi);
   // n = x log2(e) rounded to the nearest integer: adding 1.5 * 2^23 leaves n in the low bits of
   // the mantissa (|n| <= 128), and subtracting it again gives n as a float
   constexpr float kRound = 12582912.0f;
@@ -142,15 +170,22 @@ template <class V>
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r2 + r + 1.0f;
-  I n;
-  std::memcpy(&n, &t, sizeof(V));
-  n -= 0x4B400000;  // kRound's bits
-  const I n1 = n >> 1, n2 = n - n1;
-  const I b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-  V p1, p2;
-  std::memcpy(&p1, &b1, sizeof(V));
-  std::memcpy(&p2, &b2, sizeof(V));
-  y = (y * p1) * p2;
+#if defined(NN_SIMD_X86_BUILTINS)
+  if constexpr (lanes<V> == 16) {
+    y = __builtin_ia32_scalefps512_mask(y, fn, V{}, 0xffff, 4);  // y 2^fn (fn is integral)
+  } else
+#endif
+  {
+    I n;
+    std::memcpy(&n, &t, sizeof(V));
+    n -= 0x4B400000;  // kRound's bits
+    const I n1 = n >> 1, n2 = n - n1;
+    const I b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+    V p1, p2;
+    std::memcpy(&p1, &b1, sizeof(V));
+    std::memcpy(&p2, &b2, sizeof(V));
+    y = (y * p1) * p2;
+  }
   y = x < kLo ? V{} : y;
   return x > kHi ? (V{} + std::numeric_limits<float>::infinity()) : y;
 }
