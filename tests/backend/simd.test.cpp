@@ -31,13 +31,14 @@ struct Set {
   float (*exp_sum)(float*, std::int64_t, float);
   void (*probs_from_lse)(float*, std::int64_t, float, float);
   void (*softmax_vjp)(const float*, float*, std::int64_t, float, float);
+  void (*adam)(float*, const float*, float*, float*, std::int64_t, const detail::AdamMath<float>&);
 };
 
 #define NN_SIMD_SET(S)                                                                                          \
   Set {                                                                                                         \
     #S, simd::exp_inplace_##S, simd::max_##S, simd::sum_exp_##S, simd::ce_grad_##S, simd::swiglu_##S,           \
         simd::swiglu_vjp_##S, simd::scale_max_##S, simd::exp_sum_##S, simd::probs_from_lse_##S,                \
-        simd::softmax_vjp_##S                                                                                   \
+        simd::softmax_vjp_##S, simd::adam_##S                                                                   \
   }
 
 std::vector<Set> sets() {
@@ -230,5 +231,35 @@ TEST_CASE("simd softmax tile rows: scale_max, exp_sum, probs_from_lse, softmax_v
       }
       CHECK(d[0] == g[0]);
     }
+  }
+}
+
+TEST_CASE("simd::adam: one Adam / AdamW step against float64, every tail length, nothing written past the run") {
+  for (const Set& s : sets()) {
+    CAPTURE(s.name);
+    for (const double wd : {0.0, 0.1})
+      for (std::int64_t n = 0; n <= 70; ++n) {
+        CAPTURE(n);
+        const std::vector<float> p0 = random_row(n + 1, 11 + static_cast<unsigned>(n), -1, 1),
+                                 g = random_row(n + 1, 12 + static_cast<unsigned>(n), -2, 2),
+                                 m0 = random_row(n + 1, 13 + static_cast<unsigned>(n), -0.5f, 0.5f),
+                                 v0 = random_row(n + 1, 14 + static_cast<unsigned>(n), 0, 0.5f);
+        std::vector<float> p = p0, m = m0, v = v0;
+        const auto f = detail::AdamMath<float>::make(3e-3, 5, 0.9, 0.999, 1e-8, wd, true);
+        // the reference on f's own (float) coefficients: what is left is float32 arithmetic's rounding
+        const detail::AdamMath<double> fd{f.B1, f.B2, f.E, f.C1, f.C2, f.decay, f.c1, f.c2, f.decoupled};
+        s.adam(p.data(), g.data(), m.data(), v.data(), n, f);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const auto k = static_cast<std::size_t>(i);
+          const double mw = fd.m(double(m0[k]), double(g[k])), vw = fd.v(double(v0[k]), double(g[k]));
+          const double pd = wd ? double(p0[k]) * fd.decay : double(p0[k]), dw = fd.delta(mw, std::sqrt(vw));
+          // a few roundings of float32 (2^-24 each) on the terms' magnitudes
+          CHECK(std::fabs(m[k] - mw) <= 2.5e-7 * (std::fabs(fd.B1 * m0[k]) + std::fabs(fd.C1 * g[k])));
+          CHECK(std::fabs(v[k] - vw) <= 2.5e-7 * (std::fabs(fd.B2 * v0[k]) + std::fabs(fd.C2 * g[k] * g[k])));
+          CHECK(std::fabs(p[k] - (pd - dw)) <= 6e-7 * (std::fabs(pd) + std::fabs(dw)));
+        }
+        const auto e = static_cast<std::size_t>(n);  // one past the run: untouched
+        CHECK((p[e] == p0[e] && m[e] == m0[e] && v[e] == v0[e]));
+      }
   }
 }

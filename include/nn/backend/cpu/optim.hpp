@@ -37,6 +37,12 @@ struct OptimKernelsT {
       T* vs = static_cast<T*>(v.raw());
       const auto f = detail::AdamMath<T>::make(lr.item(), step.item(), b1, b2, eps, decoupled_wd, bias_correction);
       const std::int64_t n = p.numel();
+      if constexpr (std::is_same_v<T, float>) {  // one pass at the CPU's vector width (simd.hpp)
+        detail::parallel_chunks(n, [&](std::int64_t i0, std::int64_t i1) {
+          simd::adam(ps + i0, gs + i0, ms + i0, vs + i0, i1 - i0, f);
+        });
+        return;
+      }
       // AdamMath's arithmetic as Eigen array passes over cache-sized chunks (vectorised), the
       // square root by sqrt_exact (correctly rounded, as CUDA's sqrt).
       detail::parallel_chunks(n, [&](std::int64_t i0, std::int64_t i1) {
