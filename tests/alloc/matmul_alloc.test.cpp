@@ -4,6 +4,12 @@
 // zero operator-new and zero malloc calls on every thread, on the GEMM path this build uses (nn's
 // own engine by default; build with NN_USE_BLAS for CBLAS), at 1 and 2 threads. The only exception, reported rather than
 // failed, is what OpenBLAS mallocs inside itself.
+//
+// The claim holds at a fixed team size: a team of another size gives each thread another share of
+// a product, so a thread's workspace may grow once, on the first replay at that size. nn's teams
+// shrink on their own when other processes take the cores (backend/threads.hpp), as CTest's
+// parallel jobs do, so every case here holds the size fixed (FixedTeams), and the last case
+// checks the re-warming: one replay at the new size, then none allocates.
 #include <doctest/doctest.h>
 
 #include <set>
@@ -33,6 +39,14 @@ void set_threads(int n) {
   openblas_set_num_threads(n);
 #endif
 }
+
+/// Turns nn's team-size adaptation off for a test case's lifetime, so that the counted replays run
+/// at the warm-up's team size whatever else the machine is doing.
+struct FixedTeams {
+  bool was = adaptive_threads();
+  FixedTeams() { set_adaptive_threads(false); }
+  ~FixedTeams() { set_adaptive_threads(was); }
+};
 
 std::string gemm_path() { return cpu_info().gemm; }
 
@@ -184,6 +198,7 @@ void check_case(const Case& c, int threads) {
 }  // namespace
 
 TEST_CASE("replaying matmul forward and backward allocates nothing (after one warm-up)") {
+  FixedTeams fixed;
   MESSAGE("GEMM path: " << gemm_path() << "; malloc counted: " << std::string(alloc::malloc_hooked() ? "yes" : "no"));
   for (int threads : {1, 2}) {
     set_threads(threads);
@@ -207,6 +222,7 @@ static void check_replays_allocate_nothing(GTape<cpu>& tp, GVar loss, const std:
 }
 
 TEST_CASE("a replayed matmul with a swapped input allocates nothing") {
+  FixedTeams fixed;
   // The Linear pattern of a training loop: x is an input slot set() to a new batch each step.
   GTape<cpu> tp;
   Tensor W = test::random_tensor({256, 320}, DType::f32, 1);
@@ -235,6 +251,7 @@ TEST_CASE("a replayed matmul with a swapped input allocates nothing") {
 // (detail::parallel_for): `#pragma omp parallel for if (false)` would still build a one-thread
 // libgomp team, a malloc and a free on every call.
 TEST_CASE("replaying a small training step allocates nothing") {
+  FixedTeams fixed;
   GTape<cpu> tp;
   Tensor W = test::random_tensor({64, 32}, DType::f32, 1), Bias = test::random_tensor({64}, DType::f32, 2);
   Tensor X = test::random_tensor({8, 32}, DType::f32, 3);
@@ -262,6 +279,7 @@ struct DropMlp {
 // The issue's claim itself: a compiled step (forward, backward, dropout's fresh key, the AdamW
 // update with a changing learning rate) replays without a heap allocation, at 1 and 2 threads.
 TEST_CASE("a compiled training step (MLP, dropout, AdamW) replays without allocating") {
+  FixedTeams fixed;
   for (int threads : {1, 2}) {
     CAPTURE(threads);
     set_threads(threads);
@@ -294,6 +312,7 @@ TEST_CASE("a compiled training step (MLP, dropout, AdamW) replays without alloca
 // Gradient checkpointing's recomputation runs into the tape's segment pool: a replay of a step
 // with checkpointed blocks (whose backward reruns each block's forward) allocates nothing either.
 TEST_CASE("replaying a step with checkpoint segments allocates nothing") {
+  FixedTeams fixed;
   GTape<cpu> tp;
   Tensor W1 = test::random_tensor({64, 32}, DType::f32, 1), W2 = test::random_tensor({32, 64}, DType::f32, 2);
   Tensor X = test::random_tensor({8, 32}, DType::f32, 3);
@@ -304,4 +323,46 @@ TEST_CASE("replaying a step with checkpoint segments allocates nothing") {
       return add(tp, in, matmul(tp, silu(tp, matmul(tp, rmsnorm(tp, in, 1e-6), w1, false, true)), w2, false, true));
     }, h);
   check_replays_allocate_nothing(tp, sum(tp, mul(tp, h, h)), "2 replays of 3 checkpointed blocks");
+}
+
+namespace {
+/// The naive reference above (reference() alone is ambiguous outside this namespace: nn has one).
+Ref naive(const Case& c, const Tensor& A, const Tensor& B, const Tensor& G) { return reference(c, A, B, G); }
+}  // namespace
+
+// What a team-size change costs (adaptation shrinking a team, or giving it back its size): the
+// first replay at the new size may grow the workspaces of the threads whose share grew; from the
+// second on, nothing allocates again. A product none of the cases above has run, so that its
+// shares are new to every thread.
+TEST_CASE("after a team-size change, one replay re-warms and then replays allocate nothing") {
+  FixedTeams fixed;
+  const Case c{"team-size change", {560, 264}, {560, 392}, true, false};  // a^T: (264, 560) @ (560, 392)
+  Tensor A = test::random_tensor(c.a, DType::f32, 21), B = test::random_tensor(c.b, DType::f32, 22);
+  set_threads(1);
+  GTape<cpu> tp;
+  GVar a = tp.param(A), b = tp.param(B);
+  GVar y = matmul(tp, a, b, true, false);
+  Tensor G = test::random_tensor(tp.shape(y), DType::f32, 23);
+  tp.backward(y, G);
+  for (int threads : {2, 1, 2}) {
+    CAPTURE(threads);
+    set_threads(threads);
+    tp.replay_forward();  // the first replay at this size: may grow a thread's workspace
+    tp.backward(y, G);
+    alloc::CountScope scope;
+    for (int rep = 0; rep < 2; ++rep) {
+      tp.replay_forward();
+      tp.backward(y, G);
+    }
+    const alloc::Counts n = scope.stop();  // before the message's std::string is made
+    check_none(n, "2 replays after a team-size change and one re-warming replay");
+  }
+  const Ref r = naive(c, A, B, G);
+  CHECK(test::rel_err(tp.value(y).to_doubles(), r.y) < 1e-5);
+  CHECK(test::rel_err(tp.grad(a).to_doubles(), r.ga) < 1e-5);
+  CHECK(test::rel_err(tp.grad(b).to_doubles(), r.gb) < 1e-5);
+#if defined(_OPENMP)
+  set_threads(omp_get_num_procs());
+#endif
+  report_tolerated();
 }
