@@ -4099,6 +4099,14 @@ using ReduceKernels = ReduceKernelsT<>;
 #define NN_GEMM_UNROLL(n) _Pragma(NN_GEMM_STR(GCC unroll n))
 #endif
 
+// NN_PIN_REGISTER(v): v must be in a vector register here (not folded into its users as a memory
+// operand). An empty asm with v as its in/out operand; nothing on other targets or under nvcc.
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
+#define NN_PIN_REGISTER(v) asm("" : "+v"(v))
+#else
+#define NN_PIN_REGISTER(v) ((void)0)
+#endif
+
 namespace nn {
 namespace detail {
 
@@ -4167,6 +4175,20 @@ struct Shape<T, Isa::avx512> {
   static constexpr index KC = 384, NB = 384, MB = 1536;
 };
 
+/// Whether the AVX2 micro-kernel pins each B vector in a register (NN_PIN_REGISTER). Each one
+/// feeds MR FMAs, but GCC tuned for AMD Zen 2/3 (-mtune=znver2/znver3, what -march=native gives
+/// there) folds the 256-bit load into every FMA instead: 24 loads a depth pair for 4, and the
+/// kernel ran at 61-66% of its speed (55-65 -> 86-97 GFLOP/s with the pin, one thread, AMD EPYC
+/// family 25 model 1, FMA peak 90). No other tuning folds them (generic, haswell to
+/// sapphirerapids, znver1, checked with GCC 12), and there the asm would only move GCC's schedule
+/// (3% slower under generic tuning), so the pin is for those tunings alone; the 512- and 128-bit
+/// kernels keep their loads in registers under every tuning.
+#if defined(__tune_znver2__) || defined(__tune_znver3__) || defined(__tune_znver4__) || defined(__tune_znver5__)
+inline constexpr bool kPinAvx2B = true;
+#else
+inline constexpr bool kPinAvx2B = false;
+#endif
+
 /// The one micro-kernel body: C[MR x NR] (row stride ldc) = (or +=, unless overwrite) the sum over
 /// k < kc of A(i, k) * B(k, j), k in order. B(k, j) is b[k*ldb + j]: a packed B panel (ldb = NR,
 /// packed by pack_b below) or NR columns of a row-major op(B) read in place (ldb its row stride).
@@ -4183,7 +4205,16 @@ template <class T, int W, int MR, int NV, bool DirectA>
   const auto depth = [&](index k) [[gnu::always_inline]] {
     V bv[NV];
     NN_GEMM_UNROLL(8)
-    for (int j = 0; j < NV; ++j) __builtin_memcpy(&bv[j], b + k * ldb + j * W, sizeof(V));
+    for (int j = 0; j < NV; ++j) {
+      if constexpr (kPinAvx2B && sizeof(V) == 32) {
+        V v;
+        __builtin_memcpy(&v, b + k * ldb + j * W, sizeof(V));
+        NN_PIN_REGISTER(v);
+        bv[j] = v;
+      } else {
+        __builtin_memcpy(&bv[j], b + k * ldb + j * W, sizeof(V));
+      }
+    }
     NN_GEMM_UNROLL(16)
     for (int i = 0; i < MR; ++i) {
       const T ai = DirectA ? a[i * lda + k] : a[k * MR + i];
