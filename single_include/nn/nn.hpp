@@ -4309,9 +4309,14 @@ inline T widen(S s) {
   else return static_cast<T>(s);
 }
 
-/// Whether the packers may use AVX-512: the kernel set in use is (NN_CPU_ISA lowers both alike).
+/// Whether the packers may use AVX-512 (or AVX2): the kernel set in use is (NN_CPU_ISA lowers
+/// both alike).
 inline bool pack_avx512() {
   static const bool yes = detail::choose_isa(detail::detect_cpu_features()) == Isa::avx512;
+  return yes;
+}
+inline bool pack_avx2() {
+  static const bool yes = detail::choose_isa(detail::detect_cpu_features()) == Isa::avx2;
   return yes;
 }
 
@@ -4369,10 +4374,77 @@ inline bool pack_avx512() {
 }
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
+/// dst[d * L + l] = src[l * ld + d] for d < 8 and l < n (n <= 8; lanes past n are not written):
+/// transpose16's AVX2 form, an 8 x 8 block of floats transposed in registers.
+[[gnu::target("avx2"), gnu::always_inline]] inline void transpose8(const float* src, index ld, int n, float* dst,
+                                                                  index L) {
+  __m256 r[8], t[8], u[8];
+  NN_GEMM_UNROLL(8)
+  for (int l = 0; l < 8; ++l) r[l] = l < n ? _mm256_loadu_ps(src + l * ld) : _mm256_setzero_ps();
+  // within each 128-bit half (depths 0-3 | 4-7): t pairs lines, u gathers 4 lines per depth
+  NN_GEMM_UNROLL(4)
+  for (int p = 0; p < 4; ++p) {
+    t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);      // depths 0, 1 | 4, 5 of 2 lines
+    t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);  // depths 2, 3 | 6, 7
+  }
+  NN_GEMM_UNROLL(2)
+  for (int g = 0; g < 2; ++g) {
+    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);          // depth 0 | 4 of lines 4g..4g+3
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);      // depth 1 | 5
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);  // depth 2 | 6
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);  // depth 3 | 7
+  }
+  NN_GEMM_UNROLL(8)
+  for (int d = 0; d < 8; ++d) {
+    // depth d: its half of u[d % 4] (lines 0-3) beside the same half of u[4 + d % 4] (lines 4-7)
+    const __m256 v = d < 4 ? _mm256_permute2f128_ps(u[d], u[4 + d], 0x20)
+                           : _mm256_permute2f128_ps(u[d - 4], u[d], 0x31);
+    float* o = dst + d * L;
+    if (n == 8) {
+      _mm256_storeu_ps(o, v);
+    } else if (n == 6) {  // an AVX2 A panel (MR = 6): plain stores, not a masked one
+      _mm_storeu_ps(o, _mm256_castps256_ps128(v));
+      _mm_storel_pi(reinterpret_cast<__m64*>(o + 4), _mm256_extractf128_ps(v, 1));
+    } else {
+      alignas(32) float row[8];
+      _mm256_store_ps(row, v);
+      for (int l = 0; l < n; ++l) o[l] = row[l];
+    }
+  }
+}
+
+/// pack_panel's L full lines running along k (src + l*ld + k) on AVX2: 8 depths x 8 lines at a
+/// time through transpose8, each panel row stored whole, each line's 16 depths (a cache line) read
+/// at once. The element loop it replaces packed a 576 x 576 weight at 0.34 ns per element built
+/// for the baseline and at 1.1 built -march=native (GCC turns the strided reads into vgatherdps,
+/// slow on Zen 3); this way 0.17-0.20 either way, against 0.14 for a memcpy of the same matrix
+/// (AMD EPYC family 25 model 1; 8 depths at a time: 0.26).
+template <int L>
+[[gnu::target("avx2")]] void pack_lines_avx2(const float* src, index ld, index kc, float* dst) {
+  const index k16 = kc / 16 * 16, k8 = kc / 8 * 8;
+  for (index k = 0; k < k16; k += 16)
+    NN_GEMM_UNROLL(4)
+    for (int l0 = 0; l0 < L; l0 += 8) {
+      transpose8(src + l0 * ld + k, ld, std::min(8, L - l0), dst + k * L + l0, L);
+      transpose8(src + l0 * ld + k + 8, ld, std::min(8, L - l0), dst + (k + 8) * L + l0, L);
+    }
+  for (index k = k16; k < k8; k += 8)
+    NN_GEMM_UNROLL(4)
+    for (int l0 = 0; l0 < L; l0 += 8) transpose8(src + l0 * ld + k, ld, std::min(8, L - l0), dst + k * L + l0, L);
+  for (index k = k8; k < kc; ++k)
+    for (int l = 0; l < L; ++l) dst[k * L + l] = src[l * ld + k];
+}
+#endif
+
 template <int L, class S, class T>
 inline void pack_panel(const S* src, index ld, bool contiguous, index n, index kc, T* dst) {
 #if defined(__x86_64__) || defined(__i386__)
   if constexpr (std::is_same_v<S, float> && std::is_same_v<T, float>) {
+    if (!contiguous && n == L && kc >= 8 && pack_avx2()) {
+      pack_lines_avx2<L>(src, ld, kc, dst);
+      return;
+    }
     if (!contiguous && n == L && kc >= 16 && pack_avx512()) {
       const index k16 = kc / 16 * 16;
       // 16 lines x 16 depths at a time, each line read front to back; the blocks of one 16 depths

@@ -150,6 +150,47 @@ TEST_CASE("the threaded split (shared B panels, or columns when rows are few) gi
 #endif
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+namespace {
+/// pack(src, ld, kc, dst) against the element loop dst[k * L + l] = src[l * ld + k] for a strip of
+/// L lines, every depth from 1 to 41 (whole 16- and 8-depth steps and tails), a padded ld, and
+/// guard values past the panel that must stay as they were.
+template <int L, class Pack>
+void check_line_packer(const char* name, Pack pack) {
+  const std::int64_t ld = 61;
+  const std::vector<float> src = random_values<float>(static_cast<std::size_t>(L * ld), 31);
+  for (std::int64_t kc = 1; kc <= 41; ++kc) {
+    std::vector<float> dst(static_cast<std::size_t>(kc * L + 8), -7.0f);
+    pack(src.data() + 3, ld, kc, dst.data());
+    bool same = true;
+    for (std::int64_t k = 0; k < kc; ++k)
+      for (int l = 0; l < L; ++l) same = same && dst[k * L + l] == src[l * ld + 3 + k];
+    for (std::size_t g = static_cast<std::size_t>(kc * L); g < dst.size(); ++g) same = same && dst[g] == -7.0f;
+    CHECK_MESSAGE(same, name << " L=" << L << " kc=" << kc);
+  }
+}
+}  // namespace
+
+TEST_CASE("the packers' register transposes equal the element loop") {
+  // The AVX2 one runs only where AVX2 is the kernel set in use, so it is tested here directly on
+  // every CPU that has AVX2: A panels of 6 lines, B panels of 8 and 16, and 12 (a part block).
+  const auto& f = detail::detect_cpu_features();
+  if (f.best_isa() >= Isa::avx2) {
+    check_line_packer<6>("avx2", gemm::pack_lines_avx2<6>);
+    check_line_packer<8>("avx2", gemm::pack_lines_avx2<8>);
+    check_line_packer<16>("avx2", gemm::pack_lines_avx2<16>);
+    check_line_packer<12>("avx2", gemm::pack_lines_avx2<12>);  // a part block of 4 lines
+  }
+  // and the dispatching entry, whichever transpose this CPU's kernel set uses (or none)
+  check_line_packer<16>("pack_panel", [](const float* src, std::int64_t ld, std::int64_t kc, float* dst) {
+    gemm::pack_panel<16>(src, ld, false, 16, kc, dst);
+  });
+  check_line_packer<6>("pack_panel", [](const float* src, std::int64_t ld, std::int64_t kc, float* dst) {
+    gemm::pack_panel<6>(src, ld, false, 6, kc, dst);
+  });
+}
+#endif
+
 TEST_CASE_TEMPLATE("B read in place (few A rows) and narrow products (run as their transpose) are bit-identical to packed",
                    T, float, double) {
   // In place: op(B) = X with at most kInPlaceBRows rows of A; the same product with X stored
