@@ -72,6 +72,10 @@ struct QuantPackB {
         for (index q = 0; q < nc; q += NR) {
           const index cols = std::min<index>(NR, nc - q);
           T* to = dst + q * kc + k * NR;  // panel q / NR starts q * kc values in
+          if (cols == NR) {  // a fixed size the compiler inlines (a libc memmove call per 64 bytes
+            std::memcpy(to, run + q, sizeof(T) * NR);  // was 1.2% of the main job's QLoRA step)
+            continue;
+          }
           std::copy_n(run + q, cols, to);
           std::fill(to + cols, to + NR, T(0));
         }
