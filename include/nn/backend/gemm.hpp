@@ -380,15 +380,17 @@ inline bool pack_avx2() {
 template <int L>
 [[gnu::target("avx2")]] void pack_lines_avx2(const float* src, index ld, index kc, float* dst) {
   const index k16 = kc / 16 * 16, k8 = kc / 8 * 8;
-  for (index k = 0; k < k16; k += 16)
+  for (index k = 0; k < k16; k += 16) {
     NN_GEMM_UNROLL(4)
     for (int l0 = 0; l0 < L; l0 += 8) {
       transpose8(src + l0 * ld + k, ld, std::min(8, L - l0), dst + k * L + l0, L);
       transpose8(src + l0 * ld + k + 8, ld, std::min(8, L - l0), dst + (k + 8) * L + l0, L);
     }
-  for (index k = k16; k < k8; k += 8)
+  }
+  for (index k = k16; k < k8; k += 8) {
     NN_GEMM_UNROLL(4)
     for (int l0 = 0; l0 < L; l0 += 8) transpose8(src + l0 * ld + k, ld, std::min(8, L - l0), dst + k * L + l0, L);
+  }
   for (index k = k8; k < kc; ++k)
     for (int l = 0; l < L; ++l) dst[k * L + l] = src[l * ld + k];
 }
