@@ -3,6 +3,7 @@
 // tests/oracle/gen_quant_mlx.py): nn::quantize's codes, scales and biases and nn::dequantize's
 // values bit for bit, quantized_matmul against mx.quantized_matmul, and in float64 against
 // dequantize-then-matmul; its gradient; the refusals.
+#include <array>
 #include <cstring>
 
 #include "support/check.hpp"
@@ -218,6 +219,89 @@ TEST_CASE("the float32 reader with bfloat16, float16 and float64 scales: the vec
     }
   }
 }
+
+#if defined(NN_OWN_GEMM)
+TEST_CASE("the quantized B packers (W^T and W) equal the scalar decoder panel for panel, bit for bit") {
+  // A panel of op(B) = W^T (x @ W^T, W quantized) is decoded 16 lines x 16 depths into zmm
+  // registers and transposed there on AVX-512, 8 x 8 in ymm on AVX2, and through a decoded run
+  // per line otherwise: each must hold, at depth k and column c, the scalar decoder's W[j0 + c]
+  // [k0 + k] (which is dequantize()'s, above), and 0 past the last line. The AVX2 form is called
+  // directly on every AVX2 CPU as well as through the dispatching QuantPackB; 37 lines leave a
+  // panel of 5; k0 = 64 starts inside the matrix; kc = 24 is no multiple of 16. Then x @ W's.
+  constexpr int NR = 16;
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (const Quant q : {Quant::affine(32, 4), Quant::affine(64, 8), Quant::affine(16, 6), Quant::affine(32, 5),
+                          Quant::affine(64, 3), Quant::affine(32, 2), Quant::affine(16, 4)}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(q.group);
+      CAPTURE(q.bits);
+      const std::int64_t rows = 37, cols = 192;
+      const QuantizedMatrix m = quantize(nn::test::random_tensor(Shape{rows, cols}, DType::f32, 13, -2, 2).to(dt), q);
+      const detail::QuantReader<float> rd(m.weight, m.scales, m.biases, q);
+      for (const auto& [k0, kc] : std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 192}, {64, 128}, {32, 24}}) {
+        CAPTURE(k0);
+        CAPTURE(kc);
+        const std::int64_t panels = (rows + NR - 1) / NR;
+        std::vector<float> want(static_cast<std::size_t>(panels * NR * kc), 0.0f), line(static_cast<std::size_t>(2 * kc));
+        for (std::int64_t j = 0; j < rows; ++j) {
+          rd.run(j, k0, kc, line.data(), 2);  // a strided run: the scalar loop
+          for (std::int64_t k = 0; k < kc; ++k)
+            want[static_cast<std::size_t>((j / NR) * NR * kc + k * NR + j % NR)] = line[static_cast<std::size_t>(2 * k)];
+        }
+        const auto same = [&](const std::vector<float>& got) {
+          return std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0;
+        };
+        std::vector<float> got(want.size(), -7.0f);
+        gemm::QuantPackB<NR, float>{&rd, true}(got.data(), 0, rows, k0, kc);
+        CHECK_MESSAGE(same(got), "QuantPackB");
+#if defined(NN_QUANT_AVX2)
+        if (detail::detect_cpu_features().best_isa() >= Isa::avx2) {
+          std::fill(got.begin(), got.end(), -7.0f);
+          detail::with_code_bits(q.bits, [&]<int BITS>() {
+            detail::with_scale_dtype(m.scales.dtype(), [&]<DType SDT>() {
+              for (std::int64_t p = 0; p < panels; ++p)
+                gemm::affine_pack_transposed_avx2<NR, BITS, SDT>(rd, p * NR, std::min<std::int64_t>(NR, rows - p * NR), k0,
+                                                                 kc, got.data() + p * NR * kc);
+            });
+          });
+          CHECK_MESSAGE(same(got), "affine_pack_transposed_avx2");
+        }
+#endif
+      }
+      // x @ W: depth k of each panel is a run of row k0 + k over columns j0 .. j0 + nc (AVX2: decoded
+      // 8 codes at a time into the panels, a part of 8 one at a time; j0 = 4 takes the run buffer)
+      for (const auto& [k0, kc, j0, nc] : std::vector<std::array<std::int64_t, 4>>{
+               {0, 37, 0, 192}, {5, 30, 64, 101}, {36, 1, 8, 40}, {2, 9, 4, 77}}) {
+        CAPTURE(k0);
+        CAPTURE(kc);
+        CAPTURE(j0);
+        CAPTURE(nc);
+        const std::int64_t panels = (nc + NR - 1) / NR;
+        std::vector<float> want(static_cast<std::size_t>(panels * NR * kc), 0.0f), line(static_cast<std::size_t>(2 * nc));
+        for (std::int64_t k = 0; k < kc; ++k) {
+          rd.run(k0 + k, j0, nc, line.data(), 2);
+          for (std::int64_t c = 0; c < nc; ++c)
+            want[static_cast<std::size_t>((c / NR) * NR * kc + k * NR + c % NR)] = line[static_cast<std::size_t>(2 * c)];
+        }
+        std::vector<float> got(want.size(), -7.0f);
+        gemm::QuantPackB<NR, float>{&rd, false}(got.data(), j0, nc, k0, kc);
+        CHECK_MESSAGE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0, "QuantPackB, x @ W");
+#if defined(NN_QUANT_AVX2)
+        if (j0 % 8 == 0 && detail::detect_cpu_features().best_isa() >= Isa::avx2) {
+          std::fill(got.begin(), got.end(), -7.0f);
+          detail::with_code_bits(q.bits, [&]<int BITS>() {
+            detail::with_scale_dtype(m.scales.dtype(), [&]<DType SDT>() {
+              gemm::affine_pack_rows_avx2<NR, BITS, SDT>(rd, j0, nc, k0, kc, got.data());
+            });
+          });
+          CHECK_MESSAGE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0, "affine_pack_rows_avx2");
+        }
+#endif
+      }
+    }
+  }
+}
+#endif
 
 TEST_CASE("quantized_matmul on few rows (streamed W) and many (packed W) equals float64 dequantize-then-matmul") {
   // The 1-8 row products stream W (a dot per output for x @ W^T, an axpy per depth for x @ W);

@@ -334,11 +334,11 @@ inline bool pack_avx2() {
 #if defined(__x86_64__) || defined(__i386__)
 /// dst[d * L + l] = src[l * ld + d] for d < 8 and l < n (n <= 8; lanes past n are not written):
 /// transpose16's AVX2 form, an 8 x 8 block of floats transposed in registers.
-[[gnu::target("avx2"), gnu::always_inline]] inline void transpose8(const float* src, index ld, int n, float* dst,
-                                                                  index L) {
-  __m256 r[8], t[8], u[8];
-  NN_GEMM_UNROLL(8)
-  for (int l = 0; l < 8; ++l) r[l] = l < n ? _mm256_loadu_ps(src + l * ld) : _mm256_setzero_ps();
+/// transpose8 from registers: line l of the block is r[l] (lines past n are not stored). The
+/// quantized packer decodes its lines straight into r.
+[[gnu::target("avx2"), gnu::always_inline]] inline void transpose8_store(const __m256 (&r)[8], int n, float* dst,
+                                                                        index L) {
+  __m256 t[8], u[8];
   // within each 128-bit half (depths 0-3 | 4-7): t pairs lines, u gathers 4 lines per depth
   NN_GEMM_UNROLL(4)
   for (int p = 0; p < 4; ++p) {
@@ -369,6 +369,13 @@ inline bool pack_avx2() {
       for (int l = 0; l < n; ++l) o[l] = row[l];
     }
   }
+}
+[[gnu::target("avx2"), gnu::always_inline]] inline void transpose8(const float* src, index ld, int n, float* dst,
+                                                                  index L) {
+  __m256 r[8];
+  NN_GEMM_UNROLL(8)
+  for (int l = 0; l < 8; ++l) r[l] = l < n ? _mm256_loadu_ps(src + l * ld) : _mm256_setzero_ps();
+  transpose8_store(r, n, dst, L);
 }
 
 /// pack_panel's L full lines running along k (src + l*ld + k) on AVX2: 8 depths x 8 lines at a

@@ -48,6 +48,76 @@ template <int NR, int BITS, DType SDT>
     }
   }
 }
+
+/// affine_pack_transposed's AVX2 form: 8 lines x 8 depths at a time decoded into ymm registers
+/// (codes8) and transposed there (gemm::transpose8_store); k0, kc and the group multiples of 8.
+/// Decoding each line into a run and transposing the runs afterwards (the staged path below) wrote
+/// and read every value once more: that path's decode and transpose were about 5% of the main
+/// job's QLoRA step on AVX2 (perf, AMD EPYC family 25 model 1).
+template <int NR, int BITS, DType SDT>
+[[gnu::target("avx2")]] inline void affine_pack_transposed_avx2(const detail::QuantReader<float>& rd, index j, index n,
+                                                                index k0, index kc, float* dst) {
+  static_assert(NR % 8 == 0);
+  for (int l0 = 0; l0 < NR; l0 += 8) {
+    const int lines = static_cast<int>(std::clamp<index>(n - l0, 0, 8));
+    for (index k = 0; k < kc; k += 8) {
+      const index g = (k0 + k) / rd.q.group;
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) {
+        if (l < lines) {
+          const index row = j + l0 + l, si = row * rd.groups_per_row + g;
+          const float s = detail::scale_f32<SDT>(rd.scales, si), b = detail::scale_f32<SDT>(rd.biases, si);
+          __m256 p = _mm256_mul_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(detail::codes8<BITS>(
+                                                          rd.codes + row * rd.row_bytes, static_cast<std::uint64_t>(k0 + k))));
+          asm("" : "+x"(p));  // round(s * q) + b: the product kept out of an FMA
+          r[l] = _mm256_add_ps(p, _mm256_set1_ps(b));
+        } else {
+          r[l] = _mm256_setzero_ps();
+        }
+      }
+      transpose8_store(r, 8, dst + k * NR + l0, NR);
+    }
+  }
+}
+
+/// The panels of op(B) = W (x @ W, dX = dY @ W in QLoRA's backward) from an affine float32 W on
+/// AVX2: depth k of every panel is a run of row k0 + k over columns c0 .. c0 + n, decoded 8 codes
+/// at a time straight into the panels (c0 and the group multiples of 8; a last part of 8
+/// one code at a time; columns past n zero). Decoding the whole run first and copying it into the
+/// panels stored and loaded every value once more.
+template <int NR, int BITS, DType SDT>
+[[gnu::target("avx2")]] inline void affine_pack_rows_avx2(const detail::QuantReader<float>& rd, index c0, index n,
+                                                          index k0, index kc, float* dst) {
+  static_assert(NR % 8 == 0);
+  const index n8 = n / 8 * 8, padded = (n + NR - 1) / NR * NR, G = rd.q.group;
+  // column c of depth k lands at panel c / NR, row k, lane c % NR
+  const auto at = [&](index k, index c) { return dst + (c / NR) * NR * kc + k * NR + c % NR; };
+  for (index k = 0; k < kc; ++k) {
+    const index row = k0 + k, sbase = row * rd.groups_per_row;
+    const std::uint8_t* codes = rd.codes + row * rd.row_bytes;
+    index g = c0 / G, gend = (g + 1) * G - c0;  // the group's end, as a column of this block
+    float s = detail::scale_f32<SDT>(rd.scales, sbase + g), b = detail::scale_f32<SDT>(rd.biases, sbase + g);
+    const auto next_group = [&] {
+      ++g;
+      gend += G;
+      s = detail::scale_f32<SDT>(rd.scales, sbase + g), b = detail::scale_f32<SDT>(rd.biases, sbase + g);
+    };
+    index c = 0;
+    for (; c < n8; c += 8) {
+      if (c >= gend) next_group();
+      __m256 p = _mm256_mul_ps(_mm256_set1_ps(s),
+                               _mm256_cvtepi32_ps(detail::codes8<BITS>(codes, static_cast<std::uint64_t>(c0 + c))));
+      asm("" : "+x"(p));  // round(s * q) + b: the product kept out of an FMA
+      _mm256_storeu_ps(at(k, c), _mm256_add_ps(p, _mm256_set1_ps(b)));
+    }
+    for (; c < n; ++c) {
+      if (c >= gend) next_group();
+      *at(k, c) = detail::affine_value<BITS>(codes, rd.row_bytes, s, b, c0 + c);
+    }
+    for (; c < padded; ++c) *at(k, c) = 0.0f;
+  }
+}
 #endif
 
 /// The B packer (DensePackB's contract) of a quantized matrix W read through `rd`: op(B)(k, j) =
@@ -63,6 +133,18 @@ struct QuantPackB {
     // transposing the runs (pack_panel: 16 x 16 in registers) beats writing the decoded values
     // NR apart, and lets the decoder run eight codes at a time.
     alignas(64) static thread_local unsigned char rows_buf[49152];
+#if defined(NN_QUANT_AVX2) && (defined(__x86_64__) || defined(__i386__))
+    if constexpr (std::is_same_v<T, float>) {
+      if (!trans && (j_off + j0) % 8 == 0 && rd->q.mode == QuantMode::affine && rd->q.group % 8 == 0 &&
+          detail::quant_avx2() && !detail::quant_avx512()) {
+        detail::with_code_bits(rd->q.bits, [&]<int BITS>() {
+          detail::with_scale_dtype(rd->sdt,
+                                   [&]<DType SDT>() { affine_pack_rows_avx2<NR, BITS, SDT>(*rd, j_off + j0, nc, k0, kc, dst); });
+        });
+        return;
+      }
+    }
+#endif
     if (!trans && sizeof(T) * static_cast<std::size_t>(nc) <= sizeof(rows_buf)) {
       // each depth is a run of one row of W over the block's columns: decoded in one call (one
       // dispatch, whole vectors), then cut into the NR-wide panels
@@ -90,6 +172,17 @@ struct QuantPackB {
             for (index q = 0; q < nc; q += NR)
               affine_pack_transposed<NR, BITS, SDT>(*rd, j_off + j0 + q, std::min<index>(NR, nc - q), k0, kc,
                                                     dst + q * kc);
+          });
+        });
+        return;
+      }
+      if (trans && k0 % 8 == 0 && kc % 8 == 0 && rd->q.mode == QuantMode::affine && rd->q.group % 8 == 0 &&
+          detail::quant_avx2()) {
+        detail::with_code_bits(rd->q.bits, [&]<int BITS>() {
+          detail::with_scale_dtype(rd->sdt, [&]<DType SDT>() {
+            for (index q = 0; q < nc; q += NR)
+              affine_pack_transposed_avx2<NR, BITS, SDT>(*rd, j_off + j0 + q, std::min<index>(NR, nc - q), k0, kc,
+                                                         dst + q * kc);
           });
         });
         return;
