@@ -24,6 +24,8 @@
 #include <omp.h>
 #endif
 
+namespace alloc_matmul_alloc {  // one unity source with the other alloc files: its names stay its own
+
 using namespace nn;
 namespace alloc = nn::test::alloc;
 
@@ -366,3 +368,5 @@ TEST_CASE("after a team-size change, one replay re-warms and then replays alloca
 #endif
   report_tolerated();
 }
+
+}  // namespace alloc_matmul_alloc

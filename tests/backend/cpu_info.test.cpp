@@ -8,6 +8,8 @@
 #include <set>
 #include <sstream>
 
+namespace backend_cpu_info {  // one unity source with the other backend files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("the detected features agree with /proc/cpuinfo's flags") {
@@ -61,3 +63,5 @@ TEST_CASE("NN_CPU_ISA lowers the kernel set and can never raise it past the CPU"
   if (old) setenv("NN_CPU_ISA", saved.c_str(), 1);
   else unsetenv("NN_CPU_ISA");
 }
+
+}  // namespace backend_cpu_info

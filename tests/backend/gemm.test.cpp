@@ -14,6 +14,8 @@
 #include <omp.h>
 #endif
 
+namespace backend_gemm {  // one unity source with the other backend files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -529,3 +531,5 @@ TEST_CASE("bf16 products: the emulation is the f32 product of the rounded operan
           }
         }
 }
+
+}  // namespace backend_gemm

@@ -19,6 +19,8 @@
 #include <nn/backend/cpu_info.hpp>
 #include <nn/backend/gemm.hpp>
 
+namespace backend_micro_kernel {  // one unity source with the other backend files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -83,3 +85,5 @@ TEST_CASE_TEMPLATE("each micro-kernel is the in-order multiply-add chain, bit fo
   CHECK(gemm::kPinAvx2B);  // the tuned program really builds the pinned path
 #endif
 }
+
+}  // namespace backend_micro_kernel

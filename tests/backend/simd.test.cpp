@@ -14,6 +14,8 @@
 
 #include <nn/nn.hpp>
 
+namespace backend_simd {  // one unity source with the other backend files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -263,3 +265,5 @@ TEST_CASE("simd::adam: one Adam / AdamW step against float64, every tail length,
       }
   }
 }
+
+}  // namespace backend_simd

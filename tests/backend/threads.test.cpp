@@ -14,6 +14,8 @@
 #include <omp.h>
 #endif
 
+namespace backend_threads {  // one unity source with the other backend files: its names stay its own
+
 using nn::detail::TeamLoad;
 
 namespace {
@@ -124,3 +126,5 @@ TEST_CASE("team() runs the body on the team it was given, and a product is the s
   omp_set_num_threads(prev);
 }
 #endif
+
+}  // namespace backend_threads

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <limits>
 
+namespace core_anomaly {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -173,3 +175,5 @@ TEST_CASE("anomaly: the README's example") {
         "[anomaly] unary log (node 1, in 'layers.3.mlp', inputs (2, 2) float32): forward produced NaN at [1, 0] "
         "(element 2) of (2, 2) float32");
 }
+
+}  // namespace core_anomaly

@@ -12,6 +12,8 @@
 #include "support/error_of.hpp"
 #include "support/fusion_graph.hpp"
 
+namespace core_fusion {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -112,9 +114,9 @@ TEST_CASE("fusion: a chain becomes one node; its intermediates are unreadable, t
   CHECK(tp.size() == before);                // nodes keep their indices: GVars stay valid
   CHECK(tp.node(y).def->prim == Prim::fused);
   CHECK(tp.node(h).fused_into == y.index);
-  const std::string e = ::test::error_of([&] { (void)tp.value(s); });
+  const std::string e = nn::test::error_of([&] { (void)tp.value(s); });
   CHECK(e.find("fused into node " + std::to_string(y.index)) != std::string::npos);
-  CHECK(::test::error_of([&] { (void)add(tp, s, s); }).find("fused into node") != std::string::npos);
+  CHECK(nn::test::error_of([&] { (void)add(tp, s, s); }).find("fused into node") != std::string::npos);
   const std::string rep = fusion_report(tp);
   CHECK(rep.find("add#" + std::to_string(h.index)) != std::string::npos);
   CHECK(rep.find("silu#" + std::to_string(y.index)) != std::string::npos);
@@ -244,3 +246,5 @@ TEST_CASE("fusion: a compiled step fused equals it unfused, and reports its grou
   CHECK(la == lb);
   CHECK(wa == wb);
 }
+
+}  // namespace core_fusion

@@ -10,6 +10,8 @@
 
 #include "support/check.hpp"
 
+namespace core_grad_checkpoint {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -219,3 +221,5 @@ TEST_CASE("checkpoint: misuse is an nn::Error, and a throwing segment leaves a w
   tp.backward(loss);
   CHECK(norm_of(tp.grad(tp.param(w))) > 0);
 }
+
+}  // namespace core_grad_checkpoint

@@ -8,6 +8,8 @@
 #include <functional>
 #include <random>
 
+namespace core_memory_plan {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -224,3 +226,5 @@ TEST_CASE("plan_memory: a forward-only tape keeps only its output") {
   // Twelve (4, 6) values in the eager tape; the plan needs two blocks (an op's input and output).
   CHECK(planned.bytes() == 2 * 24 * sizeof(float) + 24 * sizeof(float));
 }
+
+}  // namespace core_memory_plan

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <utility>
 
+namespace core_readme_tour {  // one unity source with the other core files: its names stay its own
+
 namespace {
 /// Sends std::cout into a string for the lifetime of the guard, so the tour's output is checked.
 struct CaptureCout {
@@ -68,3 +70,5 @@ TEST_CASE("the README tour runs and says what it claims") {
   CHECK(s.find("[matmul] inner dimensions differ: (4, 3) @ (2, 3) (3 vs 2)") != std::string::npos);
   CHECK(tp.size() == 5);  // two leaves and three ops: the replays and the failed matmul added none
 }
+
+}  // namespace core_readme_tour

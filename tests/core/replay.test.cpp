@@ -6,6 +6,8 @@
 
 #include "support/check.hpp"
 
+namespace core_replay {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -149,3 +151,5 @@ TEST_CASE("replay really recomputes: a changed param changes the loss and its gr
   CHECK(tp.value(s.loss).item() != loss0);
   CHECK(tp.grad(GVar{&tp, 4}).to_doubles() != gw0);
 }
+
+}  // namespace core_replay

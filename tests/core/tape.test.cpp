@@ -2,6 +2,8 @@
 // The tape: leaves, accumulation of gradients on fan-out, replay, errors.
 #include "support/check.hpp"
 
+namespace core_tape {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("a variable used three times accumulates three contributions") {
@@ -115,3 +117,5 @@ TEST_CASE("the tape's float dtype: set, or from the first float32/float64 leaf; 
   CHECK(tp.float_dtype() == DType::f64);  // set explicitly: kept
   test::check_error([&] { tp.set_float_dtype(DType::bf16); }, {"[tape]", "bfloat16"});
 }
+
+}  // namespace core_tape

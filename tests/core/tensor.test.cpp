@@ -10,6 +10,8 @@
 
 #include "support/check.hpp"
 
+namespace core_tensor {  // one unity source with the other core files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -447,3 +449,5 @@ TEST_CASE("every misuse raises nn::Error naming the call, shapes and dtypes") {
   test::check_error([&] { empty.copy_from(f64); }, {"[copy_from]", "empty"});
   test::check_error([&] { Tensor::zeros({-1}); }, {"[shape]", "negative"});
 }
+
+}  // namespace core_tensor

@@ -6,6 +6,8 @@
 
 #include <filesystem>
 
+namespace io_checkpoint {  // one unity source with the other io files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -305,3 +307,5 @@ TEST_CASE("a version-1 checkpoint (the whole model, no run metadata) still loads
     CHECK(fresh.step() == 0);
   }
 }
+
+}  // namespace io_checkpoint

@@ -19,6 +19,8 @@
 #include <unistd.h>
 #endif
 
+namespace io_safetensors {  // one unity source with the other io files: its names stay its own
+
 using namespace nn;
 using nn::test::TempDir;
 namespace fs = std::filesystem;
@@ -778,3 +780,5 @@ TEST_CASE("files for the Python / MLX read-back check") {
   MESSAGE("read-back files written to " << out.string()
                                         << " (python3 tests/oracle/check_safetensors_readback.py " << out.string() << ")");
 }
+
+}  // namespace io_safetensors

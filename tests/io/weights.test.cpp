@@ -5,6 +5,8 @@
 
 #include <filesystem>
 
+namespace io_weights {  // one unity source with the other io files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -115,3 +117,5 @@ TEST_CASE("load_into checks the whole checkpoint first: a bad optimizer entry ch
   CHECK(random::state().to_doubles() == key_before.to_doubles());
   test::check_error([&] { load_into(tmp("a_missing.safetensors"), b, other); }, {"a_missing.safetensors"});
 }
+
+}  // namespace io_weights

@@ -3,6 +3,8 @@
 // softmax and log_softmax through their primitive names.
 #include "layer_case.hpp"
 
+namespace layers_activations {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("activations match PyTorch / MLX's definitions (float64 and float32)") {
@@ -46,3 +48,5 @@ TEST_CASE("activations: errors name the layer") {
   test::check_error([&] { silu(tp, ids); }, {"[silu]", "int64"});
   test::check_error([&] { gelu(tp, ids); }, {"[gelu]", "int64"});
 }
+
+}  // namespace layers_activations

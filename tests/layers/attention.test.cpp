@@ -2,6 +2,8 @@
 // layers/attention.hpp: head and gqa_attention (MHA, GQA, MQA; RoPE; causal + padding mask).
 #include "layer_case.hpp"
 
+namespace layers_attention {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -189,3 +191,5 @@ TEST_CASE("gqa_attention: errors name the layer and the shapes") {
   test::check_error([&] { head(tp, q, 4, 6); }, {"[head]", "head 4", "(2, 4, 24)"});
   test::check_error([&] { head(tp, q, 0, 5); }, {"[head]", "(2, 4, 24)", "size 5"});
 }
+
+}  // namespace layers_attention

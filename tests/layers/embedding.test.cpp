@@ -2,6 +2,8 @@
 // layers/embedding.hpp: lookup, repeated ids accumulating into the table's gradient.
 #include "layer_case.hpp"
 
+namespace layers_embedding {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("embedding matches torch.nn.functional.embedding (repeated ids accumulate)") {
@@ -30,3 +32,5 @@ TEST_CASE("embedding: errors name the layer") {
   test::check_error([&] { embedding(tp, ids, tp.constant(Tensor::zeros({5}))); }, {"[embedding]", "(5)"});
   test::check_error([&] { embedding(tp, ids, table); }, {"id 5", "5 rows"});
 }
+
+}  // namespace layers_embedding

@@ -2,6 +2,8 @@
 // The seed's helpers: param / constant / input registration and the constant fills.
 #include "support/check.hpp"
 
+namespace layers_helpers {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("helpers: param, constant, input and fills register what they say") {
@@ -31,3 +33,5 @@ TEST_CASE("helpers: param, constant, input and fills register what they say") {
   GVar xp = rmsnorm(tp, x, 1e-6);
   CHECK(test::rel_err(tp.value(xn), tp.value(xp)) == 0.0);
 }
+
+}  // namespace layers_helpers

@@ -2,6 +2,8 @@
 // layers/linear.hpp: linear (weight (out, in)) and lora_linear (mlx-lm orientation).
 #include "layer_case.hpp"
 
+namespace layers_linear {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("linear and lora_linear match PyTorch (float64 and float32)") {
@@ -74,3 +76,5 @@ TEST_CASE("linear: shape errors name the layer and the shapes") {
   GVar bb = tp.constant(Tensor::zeros({2, 4}, DType::f32));
   test::check_error([&] { lora_linear(tp, x, w5, a, bb, 1.0); }, {"[lora_linear]", "(4, 2)", "(2, 4)", "(4, 5)"});
 }
+
+}  // namespace layers_linear

@@ -4,6 +4,8 @@
 // with its composite reference -pick(log_softmax(x), t), stability, finite differences.
 #include "layer_case.hpp"
 
+namespace layers_loss {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -184,3 +186,5 @@ TEST_CASE("cross_entropy: shapes and errors name the layer and the shapes") {
   GVar bad = tp.constant(Tensor::from<std::int32_t>({2, 3}, {0, 1, 2, 3, 5, 0}));
   test::check_error([&] { cross_entropy(tp, x, bad); }, {"cross_entropy", "target 5", "5 classes"});
 }
+
+}  // namespace layers_loss

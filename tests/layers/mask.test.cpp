@@ -2,6 +2,8 @@
 // layers/mask.hpp: additive causal, key-padding and combined masks.
 #include "layer_case.hpp"
 
+namespace layers_mask {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("causal_mask_fill: masked strictly above the diagonal") {
@@ -34,3 +36,5 @@ TEST_CASE("padding and attention masks from keep (B, T)") {
                                               0, M, M, 0, 0, M, 0, 0, M});
   test::check_error([] { attention_mask_fill(Tensor::ones({3})); }, {"[attention_mask_fill]", "(B, S)", "(3)"});
 }
+
+}  // namespace layers_mask

@@ -2,6 +2,8 @@
 // layers/norm.hpp: rmsnorm and layernorm (affine, gain only, plain).
 #include "layer_case.hpp"
 
+namespace layers_norm {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("rmsnorm and layernorm match PyTorch (float64 and float32)") {
@@ -55,3 +57,5 @@ TEST_CASE("norms: errors name the layer and the shapes") {
   test::check_error([&] { layernorm(tp, ids); }, {"[layernorm]", "int32", "(2)"});
   test::check_error([&] { rmsnorm(tp, x, -1.0); }, {"[rmsnorm]", "eps"});
 }
+
+}  // namespace layers_norm

@@ -7,6 +7,8 @@
 
 #include "layer_case.hpp"
 
+namespace layers_qwen2_block {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -159,3 +161,5 @@ TEST_CASE("GATE (torch-free): the block builds, loss ~ ln(vocab) at init, every 
       for (std::int64_t j = 0; j < c.C; ++j) CHECK(gx[static_cast<std::size_t>((c.T + t) * c.C + j)] == 0.0);
   }
 }
+
+}  // namespace layers_qwen2_block

@@ -2,6 +2,8 @@
 // layers/rope.hpp: rope_fill tables, rope in NEOX and traditional form, partial dims.
 #include "layer_case.hpp"
 
+namespace layers_rope {  // one unity source with the other layers files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -69,3 +71,5 @@ TEST_CASE("rope: errors name the layer and the shapes") {
   test::check_error([&] { rope(tp, x, f64.cos, f64.sin); }, {"[rope]", "float64"});
   test::check_error([&] { rope(tp, x, big.cos, other_t.sin); }, {"[rope]", "cos (5, 4)", "sin (4, 3)"});
 }
+
+}  // namespace layers_rope

@@ -8,6 +8,8 @@
 
 #include <nn/lm/adapters.hpp>
 
+namespace lm_adapters {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using namespace nn::lm;
 
@@ -198,3 +200,5 @@ TEST_CASE("lora_key_path: command-line keys to their paths inside a decoder laye
   CHECK(lora_key_path("gate_proj") == "mlp.gate_proj");
   CHECK(lora_key_path("mlp.up_proj") == "mlp.up_proj");  // already a path
 }
+
+}  // namespace lm_adapters

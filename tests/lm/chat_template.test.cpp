@@ -19,6 +19,8 @@
 
 #include "support/error_of.hpp"
 
+namespace lm_chat_template {  // one unity source with the other lm files: its names stay its own
+
 using nn::lm::ChatTemplate;
 using Json = nlohmann::ordered_json;
 
@@ -34,8 +36,8 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-using test::contains;
-using test::error_of;
+using nn::test::contains;
+using nn::test::error_of;
 
 std::string render(const std::string& src, const Json& ctx = Json::object()) { return ChatTemplate(src, "t.jinja").render(ctx); }
 
@@ -177,3 +179,5 @@ TEST_CASE("chat templates: errors name the construct and the line") {
   big.max_output = 1 << 20;
   CHECK(contains(error_of([&] { big.render(Json::object()); }), "passed 1048576 bytes"));
 }
+
+}  // namespace lm_chat_template

@@ -12,6 +12,8 @@
 
 #include <nn/lm/data.hpp>
 
+namespace lm_data {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using namespace nn::lm;
 
@@ -180,3 +182,5 @@ TEST_CASE("files: a directory with train/valid, a single file split, and clear e
   test::check_error([&] { load_jsonl(kind, tok); }, {"kind.jsonl:1", "needs \"text\""});
   test::check_error([&] { load_jsonl("/nonexistent/x.jsonl", tok); }, {"cannot open"});
 }
+
+}  // namespace lm_data

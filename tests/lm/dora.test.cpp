@@ -12,6 +12,8 @@
 #include <nn/lm/adapters.hpp>
 #include <nn/lm/load.hpp>
 
+namespace lm_dora {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 namespace fs = std::filesystem;
 
@@ -231,3 +233,5 @@ TEST_CASE("DoraLinear over a bfloat16 base (set_precision): the products read it
     CHECK(n > 0);
   }
 }
+
+}  // namespace lm_dora

@@ -7,6 +7,8 @@
 
 #include "support/lm_step.hpp"
 
+namespace lm_fusion {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -24,3 +26,5 @@ TEST_CASE("fusion: a fused compiled LoRA / DoRA step equals the eager one bit fo
       if (dora || std::string(model) == "qwen2") CHECK(st.groups > 0);
     }
 }
+
+}  // namespace lm_fusion

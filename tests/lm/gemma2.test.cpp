@@ -13,6 +13,8 @@
 #include <nn/lm/gguf_export.hpp>
 #include <nn/lm/pretrained.hpp>
 
+namespace lm_gemma2 {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -175,3 +177,5 @@ TEST_CASE("Gemma 2: configs nn cannot run are refused by name") {
   j["query_pre_attn_scalar"] = 0;
   test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "query_pre_attn_scalar"});
 }
+
+}  // namespace lm_gemma2

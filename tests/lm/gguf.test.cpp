@@ -14,6 +14,8 @@
 
 #include <nn/lm/load.hpp>
 
+namespace lm_gguf {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using lm::GgufFile;
 
@@ -641,3 +643,5 @@ TEST_CASE("gguf_config: rope_freqs (llama.cpp's Llama 3 remap) and linear scalin
     CHECK(std::string(e.what()).find("rope_freqs") == std::string::npos);
   }
 }
+
+}  // namespace lm_gguf

@@ -17,6 +17,8 @@
 #include <sys/resource.h>
 #endif
 
+namespace lm_gguf_export {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using namespace nn::lm;
 namespace fs = std::filesystem;
@@ -478,3 +480,5 @@ TEST_CASE("save_gguf from a Hugging Face folder: convert_hf_to_gguf's tensors an
   save_gguf(tmp("hf-same.gguf"), load_pretrained(folder).model, folder, "same");
   CHECK(GgufFile(tmp("hf-same.gguf")).tensor_info("blk.0.attn_q.weight").type == 0);
 }
+
+}  // namespace lm_gguf_export

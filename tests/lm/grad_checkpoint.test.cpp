@@ -5,6 +5,8 @@
 // eager and compiled; and the tape holds less.
 #include "support/lm_step.hpp"
 
+namespace lm_grad_checkpoint {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using test::lm_batch;
 using test::lm_loss;
@@ -83,3 +85,5 @@ TEST_CASE("grad_checkpoint: the decoder's tape holds less (GTape::bytes)") {
   MESSAGE("2-layer fixture decoder, tape bytes after backward: " << without << " without, " << with << " with grad_checkpoint");
   CHECK(with < without);
 }
+
+}  // namespace lm_grad_checkpoint

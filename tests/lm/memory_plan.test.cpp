@@ -6,6 +6,8 @@
 // holds less than the unplanned step; switching it records again.
 #include "support/lm_step.hpp"
 
+namespace lm_memory_plan {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using test::lm_batch;
 using test::lm_loss;
@@ -69,3 +71,5 @@ TEST_CASE("memory plan: the planned step holds less, and switching the plan reco
   CHECK(planned * 2 < unplanned);
   CHECK(std::isfinite(planned_loss));
 }
+
+}  // namespace lm_memory_plan

@@ -13,6 +13,8 @@
 #include <nn/lm/load.hpp>
 #include <nn/lm/pretrained.hpp>
 
+namespace lm_mlx_quantized {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using nn::test::TempDir;
 namespace fs = std::filesystem;
@@ -183,3 +185,5 @@ TEST_CASE("mlx-lm quantized folders: errors name the file, the layer and the for
   // A wrongly shaped model: the config's hidden size is not what the codes hold.
   fails_with(edited_copy(d, "llama_q4", [](auto& j) { j["intermediate_size"] = 192; }), "config makes it");
 }
+
+}  // namespace lm_mlx_quantized

@@ -14,6 +14,8 @@
 #include <nn/lm/load.hpp>
 #include <nn/lm/pretrained.hpp>
 
+namespace lm_model {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using nn::test::TempDir;
 namespace fs = std::filesystem;
@@ -588,3 +590,5 @@ TEST_CASE("anomaly mode names the norm between attention and MLP by its own path
   test::check_error([&] { m.logits(tp, ids); },
                     {"[anomaly] ", "in 'model.layers." + std::to_string(last) + ".post_attention_layernorm'", "+Inf"});
 }
+
+}  // namespace lm_model

@@ -10,6 +10,8 @@
 
 #include <nn/lm/load.hpp>
 
+namespace lm_packing {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using namespace nn::lm;
 
@@ -134,3 +136,5 @@ TEST_CASE("packed rows: a mask beside the packing, or positions missing, is an n
   test::check_error([&] { m.hidden(tp, ids, tp.constant(causal_mask_fill(4, DType::f64)), Packing{st, st}); },
                     {"[CausalLM]", "no mask"});
 }
+
+}  // namespace lm_packing

@@ -14,6 +14,8 @@
 #include <nn/lm/gguf_export.hpp>
 #include <nn/lm/pretrained.hpp>
 
+namespace lm_phi3 {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -188,3 +190,5 @@ TEST_CASE("Phi-3: configs nn cannot run are refused by name") {
   j["sliding_window"] = -1;
   test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "sliding_window"});
 }
+
+}  // namespace lm_phi3

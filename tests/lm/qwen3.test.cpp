@@ -10,6 +10,8 @@
 #include <nn/lm/gguf_export.hpp>
 #include <nn/lm/pretrained.hpp>
 
+namespace lm_qwen3 {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -77,3 +79,5 @@ TEST_CASE("Qwen3: save_hf and save_gguf write files load_hf and load_gguf read b
   CHECK(g.find_tensor("blk.0.attn_q_norm.weight") != nullptr);
   CHECK(test::rel_err(run_logits(lm::load_gguf(g, DType::f32)), ref) == 0.0);
 }
+
+}  // namespace lm_qwen3

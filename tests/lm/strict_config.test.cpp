@@ -13,6 +13,8 @@
 #include <new>
 #include <stdexcept>
 
+namespace lm_strict_config {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using namespace nn::lm;
 
@@ -129,3 +131,5 @@ TEST_CASE("strict config: a GGUF tokenizer's tokens, types and ids are checked a
   test::check_error([&] { tok("gguf_tok_eos_2e32.gguf"); },
                     {"gguf_tok_eos_2e32.gguf", "tokenizer.ggml.eos_token_id", "id 4294967299 is out of range"});
 }
+
+}  // namespace lm_strict_config

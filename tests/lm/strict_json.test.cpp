@@ -7,6 +7,8 @@
 
 #include <nn/lm.hpp>
 
+namespace lm_strict_json {  // one unity source with the other lm files: its names stay its own
+
 using namespace nn;
 using namespace nn::lm;
 
@@ -35,3 +37,5 @@ TEST_CASE("strict JSON: a NUL byte or trailing text is refused by every loader, 
   // The valid prefix alone parses: the refusal is about what follows it.
   CHECK(lm::detail::parse_json_strict("{\"a\": 1}  \n", "t", "x")["a"] == 1);
 }
+
+}  // namespace lm_strict_json

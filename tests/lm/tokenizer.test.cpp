@@ -20,6 +20,8 @@
 
 #include "support/error_of.hpp"
 
+namespace lm_tokenizer {  // one unity source with the other lm files: its names stay its own
+
 using nlohmann::json;
 using nn::lm::Tokenizer;
 
@@ -190,8 +192,8 @@ nn::lm::GgufTokenizerData gguf_from_json(const json& j, const std::string& pre) 
   return d;
 }
 
-using test::contains;
-using test::error_of;
+using nn::test::contains;
+using nn::test::error_of;
 
 }  // namespace
 
@@ -684,3 +686,5 @@ TEST_CASE("tokenizer: full corpus (NN_TOKENIZER_FULL_DIR)") {
   const Tokenizer g = Tokenizer::from_gguf(spm_gguf(sexp["gguf"]), "spm.gguf");
   check_chunks(g, schunks, sexp["variants"]["llama"]["chunks"], false, "full/spm_gguf", nullptr, true);
 }
+
+}  // namespace lm_tokenizer

@@ -3,6 +3,8 @@
 // an input shape, the train/eval mode, the frozen set or a hyperparameter changes.
 #include "support/check.hpp"
 
+namespace modules_compile {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -82,3 +84,5 @@ TEST_CASE("a compiled step re-records once on a shape, mode, freeze or hyperpara
   step(x2, y2);
   CHECK(step.recordings() == 5);
 }
+
+}  // namespace modules_compile

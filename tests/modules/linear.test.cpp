@@ -3,6 +3,8 @@
 // tests/oracle/gen_random.py), names, forward against the layer builders.
 #include "support/check.hpp"
 
+namespace modules_linear {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -80,3 +82,5 @@ TEST_CASE("Linear forward equals x W^T + b from primitives") {
   CHECK(l.in_features() == 5);
   CHECK(l.out_features() == 4);
 }
+
+}  // namespace modules_linear

@@ -2,6 +2,8 @@
 // LoraLinear: mlx-lm's init and names, frozen base, scale and rslora, fuse, dropout.
 #include "support/check.hpp"
 
+namespace modules_lora {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("LoraLinear::from_base draws mlx-lm's lora_a and zero lora_b, and freezes the base") {
@@ -78,3 +80,5 @@ TEST_CASE("LoraLinear dropout applies to the adapter input only, and only in tra
   CHECK(test::rel_err(eval, eval2) == 0.0);
   CHECK(test::rel_err(train, eval) > 0.0);
 }
+
+}  // namespace modules_lora

@@ -5,6 +5,8 @@
 
 #include <nn/module.hpp>
 
+namespace modules_module {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -178,3 +180,5 @@ TEST_CASE("a weight bound twice on one tape is one leaf with both contributions"
   tp.backward(l);
   CHECK(tp.grad(a).item() == 6.0);
 }
+
+}  // namespace modules_module

@@ -3,6 +3,8 @@
 // builders they wrap.
 #include "support/check.hpp"
 
+namespace modules_norm {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 TEST_CASE("RmsNorm and LayerNorm options") {
@@ -56,3 +58,5 @@ TEST_CASE("Dropout follows train(); its mask is MLX's bernoulli for the tape's k
   CHECK(d(t2, x2).index == x2.index);  // identity in evaluation
   test::check_error([] { Dropout(1.0); }, {"[Dropout]", "[0, 1)"});
 }
+
+}  // namespace modules_norm

@@ -2,6 +2,9 @@
 // The module seed's examples, ported to C++: they compile and run as written in the README.
 #include "support/check.hpp"
 
+// (nn.hpp came with check.hpp: the snippet's own include below adds nothing inside the namespace)
+namespace modules_seed_examples {  // one unity source with the other modules files: its names stay its own
+
 // --8<-- [start:mlp]
 #include <nn/nn.hpp>
 
@@ -69,3 +72,5 @@ TEST_CASE("the seed's Attention struct reflects as documented") {
   CHECK(a.num_params() == 64 + 8 + 8 + 1);
   CHECK(a.num_trainable() == 64 + 8 + 1);
 }
+
+}  // namespace modules_seed_examples

@@ -7,6 +7,8 @@
 
 #include "support/check.hpp"
 
+namespace modules_structure {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -265,3 +267,5 @@ TEST_CASE("an optimizer's hyperparameters come from NN_OPTIMIZER, with its type"
   af.warmup_init();
   CHECK(af.hyper_hash() != ha);
 }
+
+}  // namespace modules_structure

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 
+namespace modules_tree {  // one unity source with the other modules files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -121,3 +123,5 @@ TEST_CASE("copies of a model share storage; nn::clone is a snapshot") {
   CHECK(snap.layers[0].weight.value.data<double>()[0] == before);
   CHECK(test::rel_err(snap.layers[1].bias.value, m.layers[1].bias.value) == 0.0);
 }
+
+}  // namespace modules_tree

@@ -9,6 +9,8 @@ using namespace nn;
 using test::Tape;
 using test::Vars;
 
+namespace ops_elementwise {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 const char* const kFile = "elementwise.json";
@@ -205,3 +207,5 @@ TEST_CASE("elementwise errors name the op, both shapes and the dtypes") {
   test::check_error([&] { where(tp, tp.constant(Tensor::zeros({3}, DType::u8)), a, a64); },
                     {"[where]", "float32", "float64"});
 }
+
+}  // namespace ops_elementwise

@@ -6,6 +6,8 @@
 
 using namespace nn;
 
+namespace ops_fused {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 /// The output and every input's gradient for a random cotangent.
@@ -396,3 +398,5 @@ TEST_CASE("fused primitives: errors name the op and the shapes") {
   test::check_error([&] { flash_attention(tp, x, k, k, 4, 3, 2, 2, 1.0); }, {"[flash_attention]", "n_kv_heads = 2"});
   test::check_error([&] { fused_swiglu(tp, x, k); }, {"[swiglu]", "(2, 4, 6)", "(2, 4, 2)"});
 }
+
+}  // namespace ops_fused

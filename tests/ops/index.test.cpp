@@ -9,6 +9,8 @@ using namespace nn;
 using test::Tape;
 using test::Vars;
 
+namespace ops_index {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 const char* const kFile = "index.json";
@@ -91,3 +93,5 @@ TEST_CASE("index errors name the op, the shapes and the bad id") {
   test::check_error([&] { pick(tp, x, idx4); }, {"[pick]", "index 5", "5 classes"});
   test::check_error([&] { pick(tp, x, fids); }, {"[pick]", "float32"});
 }
+
+}  // namespace ops_index

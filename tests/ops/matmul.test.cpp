@@ -9,6 +9,8 @@ using namespace nn;
 using test::Tape;
 using test::Vars;
 
+namespace ops_matmul {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 const char* const kFile = "matmul.json";
@@ -176,3 +178,5 @@ TEST_CASE("autocast bf16: a float32 weight's product and both gradients on bf16-
   CHECK(test::rel_err(a.value(ya), b.value(yb)) == 0.0);
   test::check_error([&] { a.set_autocast(DType::i32); }, {"[tape]", "autocast", "int32"});
 }
+
+}  // namespace ops_matmul

@@ -8,6 +8,8 @@ using namespace nn;
 using test::Tape;
 using test::Vars;
 
+namespace ops_reduce {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 const char* const kFile = "reduce.json";
@@ -90,3 +92,5 @@ TEST_CASE("reduce errors name the op and the shape") {
   test::check_error([&] { max(tp, s, 0); }, {"[max]", "scalar"});
   test::check_error([&] { max(tp, ids, 0); }, {"[max]", "int64", "(4)"});
 }
+
+}  // namespace ops_reduce

@@ -12,6 +12,8 @@
 using namespace nn;
 namespace reg = nn::test::registry;
 
+namespace ops_registry {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 using Case = reg::OpCase<cpu>;
@@ -145,3 +147,5 @@ TEST_CASE("registry: a replay equals an eager recording on the new data, bit for
           CHECK_MESSAGE(same_bytes(tp.grad(vs[k]), want.grads[k]), c.name << ": replayed gradient of input " << k);
     }
 }
+
+}  // namespace ops_registry

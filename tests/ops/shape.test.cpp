@@ -8,6 +8,8 @@ using namespace nn;
 using test::Tape;
 using test::Vars;
 
+namespace ops_shape {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 const char* const kFile = "shape.json";
@@ -107,3 +109,5 @@ TEST_CASE("shape errors name the op and the shapes") {
   test::check_error([&] { broadcast_to(tp, y, Shape{2, 4}); }, {"[broadcast_to]", "(2, 5)", "(2, 4)"});
   test::check_error([&] { broadcast_to(tp, ids, Shape{2, 3}); }, {"[broadcast_to]", "int64", "(3)"});
 }
+
+}  // namespace ops_shape

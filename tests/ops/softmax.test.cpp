@@ -9,6 +9,8 @@ using namespace nn;
 using test::Tape;
 using test::Vars;
 
+namespace ops_softmax {  // one unity source with the other ops files: its names stay its own
+
 namespace {
 
 const char* const kFile = "softmax.json";
@@ -82,3 +84,5 @@ TEST_CASE("softmax errors name the op and the shape") {
   test::check_error([&] { softmax(tp, i); }, {"[softmax]", "int32", "(2, 3)"});
   test::check_error([&] { log_softmax(tp, i); }, {"[log_softmax]", "int32", "(2, 3)"});
 }
+
+}  // namespace ops_softmax

@@ -3,6 +3,8 @@
 // min(max_norm / (norm + 1e-6), 1) factor, a new tree (the input untouched), frozen leaves empty.
 #include "optim/net.hpp"
 
+namespace optim_clip {  // one unity source with the other optim files: its names stay its own
+
 using namespace nn;
 using namespace nn::test::optim;
 
@@ -45,3 +47,5 @@ TEST_CASE("clip_grad_norm keeps the gradients' dtype") {
   CHECK(clipped.e.value.dtype() == DType::f32);
   CHECK(clipped.e.value.to_doubles()[0] == doctest::Approx(1.0 / std::sqrt(91.0)).epsilon(1e-6));
 }
+
+}  // namespace optim_clip

@@ -7,6 +7,8 @@
 
 #include "optim/net.hpp"
 
+namespace optim_mlx_trajectory {  // one unity source with the other optim files: its names stay its own
+
 using namespace nn;
 using namespace nn::test::optim;
 using nn::test::rel_err;
@@ -308,3 +310,5 @@ TEST_CASE("schedules give MLX's float32 values at every step") {
     MESSAGE("schedule " << name << ": worst " << worst << " ulp from MLX (float32)");
   }
 }
+
+}  // namespace optim_mlx_trajectory

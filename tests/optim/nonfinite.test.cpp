@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+namespace optim_nonfinite {  // one unity source with the other optim files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -84,3 +86,5 @@ TEST_CASE("anomaly mode in a compiled step: a replay names the op, before the up
   test::check_error([&] { step(Tensor::from<double>({}, {-2.0})); }, {"[optimizer] the gradient of 'v' holds NaN or Inf"});
   CHECK(m.v.value.to_doubles() == v);
 }
+
+}  // namespace optim_nonfinite

@@ -2,6 +2,8 @@
 // Optimizer API smoke test: every optimizer steps a tiny model and lowers its loss.
 #include "support/check.hpp"
 
+namespace optim_smoke {  // one unity source with the other optim files: its names stay its own
+
 using namespace nn;
 
 namespace {
@@ -75,3 +77,5 @@ TEST_CASE("a copied optimizer owns its state; MultiOptimizer reports its first m
   mo.set_learning_rate(0.25);
   CHECK(mo.learning_rate() == 0.25);
 }
+
+}  // namespace optim_smoke

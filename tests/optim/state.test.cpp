@@ -6,6 +6,8 @@
 
 #include "optim/net.hpp"
 
+namespace optim_state {  // one unity source with the other optim files: its names stay its own
+
 using namespace nn;
 using namespace nn::test::optim;
 using nn::test::check_error;
@@ -275,3 +277,5 @@ TEST_CASE("Adafactor's factored slots have their own shapes, checked on load and
   no_lr.update(m, g);
   CHECK(no_lr.step() == 1);
 }
+
+}  // namespace optim_state

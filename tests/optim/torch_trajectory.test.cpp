@@ -5,6 +5,8 @@
 
 #include "optim/net.hpp"
 
+namespace optim_torch_trajectory {  // one unity source with the other optim files: its names stay its own
+
 using namespace nn;
 using namespace nn::test::optim;
 using nn::test::rel_err;
@@ -60,3 +62,5 @@ TEST_CASE("Sgd, Adam and AdamW match torch.optim in float64") {
   for (auto& [family, e] : worst.by_family)
     MESSAGE("PyTorch " << fx.at("torch_version").get<std::string>() << " f64, " << family << ": worst relative error " << e);
 }
+
+}  // namespace optim_torch_trajectory

@@ -7,6 +7,8 @@
 
 #include "support/check.hpp"
 
+namespace quant_modules {  // one unity source with the other quant files: its names stay its own
+
 using namespace nn;
 using nn::test::rel_err;
 
@@ -186,3 +188,5 @@ TEST_CASE("the README's quantization snippet compiles and runs") {
   CHECK(merged.quant() == Quant::affine(64, 4));
   CHECK(std::holds_alternative<QuantizedLinear>(model.proj));
 }
+
+}  // namespace quant_modules

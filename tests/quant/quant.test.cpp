@@ -8,6 +8,8 @@
 
 #include "support/check.hpp"
 
+namespace quant_quant {  // one unity source with the other quant files: its names stay its own
+
 using namespace nn;
 using nn::test::check_error;
 using nn::test::rel_err;
@@ -503,3 +505,5 @@ TEST_CASE("quantized weights never get a gradient; shapes and formats are checke
   check_error([&] { quantized_matmul(tp, x, w, tp.constant(Tensor::zeros(Shape{8, 1}, DType::f32)), std::nullopt, Quant::mxfp8()); },
               {"quantized_matmul", "mxfp8 scales must be uint8 (E8M0)"});
 }
+
+}  // namespace quant_quant

@@ -3,6 +3,8 @@
 // gradient, replay with a new key in the slot, the identity cases and the errors.
 #include "support/check.hpp"
 
+namespace random_dropout {  // one unity source with the other random files: its names stay its own
+
 using namespace nn;
 using nlohmann::json;
 
@@ -175,3 +177,5 @@ TEST_CASE("dropout refuses p outside [0, 1) and keys that are not MLX keys") {
   test::check_error([&] { dropout(tp, ints, 0.5, key); }, {"[dropout]", "int32"});
   test::check_error([&] { bernoulli(tp, 1.5, Shape{3}, key); }, {"[bernoulli]", "1.5"});
 }
+
+}  // namespace random_dropout

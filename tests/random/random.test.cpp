@@ -3,6 +3,8 @@
 // seed sequence and the layer initialisers (fixtures from tests/oracle/gen_random.py).
 #include "support/check.hpp"
 
+namespace random_random {  // one unity source with the other random files: its names stay its own
+
 using namespace nn;
 using nlohmann::json;
 
@@ -327,3 +329,5 @@ TEST_CASE("next_key_into and linear_bias continue the same sequence as next_key 
   CHECK(bit_patterns(w) == bit_patterns(full.weight));
   CHECK(bit_patterns(bias) == bit_patterns(full.bias));
 }
+
+}  // namespace random_random

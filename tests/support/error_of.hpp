@@ -8,7 +8,7 @@
 
 #include <nn/config.hpp>
 
-namespace test {
+namespace nn::test {
 
 /// What `f()` raised as nn::Error, or "(no error)".
 template <class F>
@@ -23,4 +23,4 @@ std::string error_of(F&& f) {
 
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-}  // namespace test
+}  // namespace nn::test
