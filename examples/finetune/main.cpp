@@ -71,7 +71,7 @@ std::string generate(const CausalLM& m, const Tokenizer& tok, const std::string&
 std::unique_ptr<finetune::Trainer> make_trainer(const Args& a, CausalLM& model) {
   // cuda_trainer.cu in finetune_cuda; no_cuda.cpp (an error that says how to get it) in finetune
   if (a.device == "cuda") return finetune::make_cuda_trainer(a, model);
-  return std::make_unique<finetune::TrainerOn<cpu>>(a, model);
+  return finetune::make_cpu_trainer(a, model);  // cpu_trainer.cpp
 }
 
 /// This rank's rows of a global batch: rank, rank + size, ... (mlx-lm's strided shard).
@@ -88,7 +88,7 @@ std::vector<std::size_t> my_rows(std::span<const std::size_t> rows, const nn::di
 /// buffers, so a row at a time keeps the run's peak memory at the step's (the sum is the same up
 /// to rounding). Rows are padded as the training batches are (mlx-lm: to a multiple of 32).
 /// loss_sum(batch): the batch's summed loss on the device the model is on (Trainer::loss_sum
-/// while training, finetune::batch_loss_sum<cpu> on the host).
+/// while training, finetune::host_loss_sum on the host).
 template <class LossSum>
 double evaluate(LossSum&& loss_sum, DType dt, const std::vector<Example>& data, int batches, int batch, int max_seq,
                 const nn::distributed::Group& g) {
@@ -268,7 +268,7 @@ int run(const Args& a) {
 
   auto report_test = [&]() {  // on the host: after training, or --test alone
     model.train(false);
-    const double t = evaluate([&](const Batch& b) { return finetune::batch_loss_sum<cpu>(model, b); }, model.dtype(),
+    const double t = evaluate([&](const Batch& b) { return finetune::host_loss_sum(model, b); }, model.dtype(),
                               test_set, a.test_batches, a.batch, a.max_seq_length, world);
     std::printf("Test loss %.3f, Test ppl %.3f.\n", t, std::exp(t));
   };

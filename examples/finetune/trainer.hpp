@@ -179,6 +179,12 @@ class TrainerOn final : public Trainer {
   bool on_device_ = B::device != nn::Device::cpu;
 };
 
+/// cpu_trainer.cpp: a TrainerOn<nn::cpu>. Its own translation unit, so the compiled step's code
+/// (the heaviest of the program) compiles beside main.cpp on another core.
+std::unique_ptr<Trainer> make_cpu_trainer(const Options& a, nn::lm::CausalLM& model);
+/// cpu_trainer.cpp: batch_loss_sum<nn::cpu> (evaluation on the host, outside a trainer).
+double host_loss_sum(const nn::lm::CausalLM& m, const nn::lm::Batch& bt);
+
 /// cuda_trainer.cu (finetune_cuda): a TrainerOn<nn::cuda>, or an nn::Error when no CUDA device
 /// is present; no_cuda.cpp (finetune): an nn::Error saying the program was built without CUDA.
 std::unique_ptr<Trainer> make_cuda_trainer(const Options& a, nn::lm::CausalLM& model);
