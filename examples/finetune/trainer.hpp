@@ -69,16 +69,15 @@ class OnHost {
 };
 
 /// The summed next-token loss of one batch on GTape<B>, recorded with its kernels deferred and
-/// planned forward-only on the CPU: the tape holds the logits and a layer's transients, not
-/// every intermediate (GTape::plan_memory). (Other backends record it plainly.)
+/// planned forward-only on the CPU: the tape holds a layer's transients and a block of the
+/// vocabulary's logits (CausalLM::loss), not every intermediate (GTape::plan_memory). (Other backends record it plainly.)
 template <class B>
 double batch_loss_sum(const nn::lm::CausalLM& m, const nn::lm::Batch& bt) {
   using nn::detail::on_backend;
   nn::GTape<B> tp;
   auto build = [&] {
-    return nn::cross_entropy(tp, m.logits(tp, tp.constant(on_backend<B>(bt.inputs))),
-                             tp.constant(on_backend<B>(bt.targets)), tp.constant(on_backend<B>(bt.mask)),
-                             nn::Reduction::sum);
+    return m.loss(tp, tp.constant(on_backend<B>(bt.inputs)), tp.constant(on_backend<B>(bt.targets)),
+                  tp.constant(on_backend<B>(bt.mask)), nn::Reduction::sum);
   };
   nn::GVar loss;
   if constexpr (B::device == nn::Device::cpu) loss = tp.record_planned(build, false);
@@ -159,12 +158,11 @@ class TrainerOn final : public Trainer {
   static nn::Tensor in(const nn::Tensor& t) { return t.defined() ? nn::detail::on_backend<B>(t) : t; }
   static nn::Tensor host(const nn::Tensor& t) { return t.device() == nn::Device::cpu ? t : t.to(nn::Device::cpu); }
   static nn::GVar loss(nn::GTape<B>& tp, const CausalLM& m, nn::GVar ids, nn::GVar targets, nn::GVar mask) {
-    return nn::cross_entropy(tp, m.logits(tp, ids), targets, mask, nn::Reduction::mean);
+    return m.loss(tp, ids, targets, mask, nn::Reduction::mean);
   }
   static nn::GVar packed_loss(nn::GTape<B>& tp, const CausalLM& m, nn::GVar ids, nn::GVar targets, nn::GVar mask,
                               nn::GVar starts, nn::GVar positions) {
-    return nn::cross_entropy(tp, m.logits(tp, ids, nn::lm::Packing{starts, positions}), targets, mask,
-                             nn::Reduction::mean);
+    return m.loss(tp, ids, nn::lm::Packing{starts, positions}, targets, mask, nn::Reduction::mean);
   }
   using LossFn = nn::GVar (*)(nn::GTape<B>&, const CausalLM&, nn::GVar, nn::GVar, nn::GVar);
   using PackedLossFn = nn::GVar (*)(nn::GTape<B>&, const CausalLM&, nn::GVar, nn::GVar, nn::GVar, nn::GVar, nn::GVar);

@@ -27,6 +27,7 @@
 #include "ops/attention.hpp"
 #include "ops/glu.hpp"
 #include "ops/quantized.hpp"
+#include "ops/linear_cross_entropy.hpp"
 #include "ops/fused.hpp"
 #include "layers/helpers.hpp"
 #include "layers/linear.hpp"

@@ -33,6 +33,7 @@
   X(struct, detail::AttentionPrim<cpu>) X(struct, detail::FlashAttentionPrim<cpu>)                     \
   X(struct, detail::SwigluPrim<cpu>) X(struct, detail::QuantizedMatmulPrim<cpu>)                       \
   X(struct, detail::QuantizedGatherPrim<cpu>) X(struct, detail::FusedPrim<cpu>)                      \
+  X(struct, detail::LinearCrossEntropyPrim<cpu>)                                                       \
   X(class, GTape<cpu>) X(class, Sgd<cpu>) X(class, Adam<cpu>) X(class, AdamW<cpu>) X(class, Lion<cpu>) \
   X(class, Muon<cpu>) X(class, Adafactor<cpu>)
 

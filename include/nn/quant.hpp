@@ -390,6 +390,17 @@ struct QuantReader {
         sdt(s.dtype()),
         q(quant) {}
 
+  /// The same matrix from row r0 on, its rows r0.. read as rows 0..: a block of rows, no copy
+  /// (linear_cross_entropy's vocabulary blocks).
+  QuantReader rows_from(std::int64_t r0) const {
+    QuantReader r = *this;
+    const std::int64_t skip = r0 * groups_per_row * static_cast<std::int64_t>(dtype_size(sdt));
+    r.codes += r0 * row_bytes;
+    r.scales = static_cast<const char*>(scales) + skip;
+    if (biases) r.biases = static_cast<const char*>(biases) + skip;
+    return r;
+  }
+
   /// out[i * stride] = W[r, c0 + i] for i < n.
   void run(std::int64_t r, std::int64_t c0, std::int64_t n, T* out, std::int64_t stride) const {
     const std::uint8_t* row = codes + r * row_bytes;

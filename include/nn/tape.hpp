@@ -117,6 +117,7 @@ struct Node {
   const Tensor* bound = nullptr;  // a param leaf's tensor, re-read on every replay
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
+  std::int32_t pos = -1;          // its index on the tape
   std::int32_t scope = -1;        // the tape.scope() it was recorded in (GTape::scope_path), or -1
   std::int32_t segment = -1;      // the checkpoint segment it was recorded in (GTape::begin_segment), or -1
   // An intermediate of a closed checkpoint segment: its value, gradient and saved buffers are
@@ -591,6 +592,13 @@ class GTape {
   const Tensor& in(const Node<B>& n, std::size_t k) const {
     return nodes_[static_cast<std::size_t>(n.inputs[k])].value;
   }
+  /// Whether a backward sweep will follow this forward of node n and reach it: a replay of a
+  /// tape planned with its backward (plan_memory), or of one whose backward() already ran. A
+  /// primitive whose vjp is cheapest computed inside its forward (linear_cross_entropy) does it
+  /// then, and in its vjp otherwise.
+  bool backward_follows(const Node<B>& n) const {
+    return loss_ >= 0 && n.pos <= loss_ && n.requires_grad;
+  }
   /// Whether input k of node n wants a gradient.
   bool needs_grad(const Node<B>& n, std::size_t k) const {
     return nodes_[static_cast<std::size_t>(n.inputs[k])].requires_grad;
@@ -670,6 +678,7 @@ class GTape {
   }
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
+    nodes_.back().pos = static_cast<std::int32_t>(nodes_.size() - 1);
     nodes_.back().leaf = k;
     nodes_.back().scope = scope_stack_.empty() ? -1 : scope_stack_.back();
     nodes_.back().segment = open_segment_;

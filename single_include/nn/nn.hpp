@@ -13,20 +13,21 @@
 // nn/backend/cpu/index.hpp, nn/backend/cpu/random.hpp, nn/backend/cpu/softmax.hpp,
 // nn/backend/cpu/cross_entropy.hpp, nn/backend/cpu/norm.hpp, nn/backend/cpu/rope.hpp,
 // nn/backend/cpu/attention.hpp, nn/backend/cpu/glu.hpp, nn/backend/cpu/fused.hpp,
-// nn/backend/cpu/quantized.hpp, nn/backend/cpu/optim.hpp, nn/tape.hpp, nn/anomaly.hpp,
-// nn/grad_checkpoint.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp, nn/ops/reduce.hpp,
-// nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
+// nn/backend/cpu/quantized.hpp, nn/backend/cpu/linear_cross_entropy.hpp, nn/backend/cpu/optim.hpp,
+// nn/tape.hpp, nn/anomaly.hpp, nn/grad_checkpoint.hpp, nn/ops/common.hpp, nn/ops/elementwise.hpp,
+// nn/ops/reduce.hpp, nn/ops/matmul.hpp, nn/ops/shape.hpp, nn/ops/index.hpp, nn/ops/softmax.hpp,
 // nn/ops/cross_entropy.hpp, nn/ops/random.hpp, nn/ops/norm.hpp, nn/ops/rope.hpp,
-// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/ops/fused.hpp,
-// nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp, nn/layers/activations.hpp,
-// nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp, nn/layers/embedding.hpp,
-// nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp, nn/io/atomic_file.hpp,
-// nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp, nn/modules/linear.hpp,
-// nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp, nn/modules/dropout.hpp,
-// nn/modules/quantized.hpp, nn/modules/dora.hpp, nn/modules/lora.hpp, nn/optim.hpp,
-// nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp, nn/optim/adam.hpp,
-// nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/adafactor.hpp, nn/optim/multi.hpp,
-// nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp, nn/precompiled.hpp
+// nn/ops/attention.hpp, nn/ops/glu.hpp, nn/ops/quantized.hpp, nn/ops/linear_cross_entropy.hpp,
+// nn/ops/fused.hpp, nn/layers/helpers.hpp, nn/layers/linear.hpp, nn/layers/norm.hpp,
+// nn/layers/activations.hpp, nn/layers/rope.hpp, nn/layers/mask.hpp, nn/layers/attention.hpp,
+// nn/layers/embedding.hpp, nn/layers/loss.hpp, nn/layers/dropout.hpp, nn/io/safetensors.hpp,
+// nn/io/atomic_file.hpp, nn/module.hpp, nn/statics.hpp, nn/tree.hpp, nn/modules.hpp,
+// nn/modules/linear.hpp, nn/modules/embedding.hpp, nn/modules/norm.hpp, nn/modules/rope.hpp,
+// nn/modules/dropout.hpp, nn/modules/quantized.hpp, nn/modules/dora.hpp, nn/modules/lora.hpp,
+// nn/optim.hpp, nn/optim/optimizer.hpp, nn/optim/schedules.hpp, nn/optim/sgd.hpp,
+// nn/optim/adam.hpp, nn/optim/lion.hpp, nn/optim/muon.hpp, nn/optim/adafactor.hpp,
+// nn/optim/multi.hpp, nn/optim/clip.hpp, nn/compile.hpp, nn/io/weights.hpp, nn/io/checkpoint.hpp,
+// nn/precompiled.hpp
 #pragma once
 
 // ---- begin nn/nn.hpp ----
@@ -953,7 +954,7 @@ constexpr const char* binary_name(Binary b) {
   X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
   X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
   X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)  \
-  X(fused)
+  X(fused) X(linear_cross_entropy)
 
 enum class Prim : std::uint8_t {
 #define NN_PRIM_ENUMERATOR(p) p,
@@ -1044,6 +1045,26 @@ struct Quant {
 struct QuantMatmulAttrs {
   Quant q;
   bool transpose = true;
+};
+
+/// The weight of a linear_cross_entropy's head (ops/linear_cross_entropy.hpp), a (V, C) matrix
+/// in nn.Linear's layout: dense `w`, or quantized rows (`codes`, `scales`, `biases`, the last
+/// undefined in the fp modes) in format `q`.
+struct HeadWeight {
+  Tensor w;
+  Tensor codes, scales, biases;
+  Quant q;
+  bool quantized() const { return codes.defined(); }
+  std::int64_t rows() const { return quantized() ? codes.dim(0) : w.dim(0); }
+};
+
+/// linear_cross_entropy's options: the cross-entropy's (ignore_index; sum or mean), and whether
+/// the node has per-row weights `keep` (the mean is then sum(keep * loss) / sum(keep)).
+struct LinearCrossEntropyAttrs {
+  CrossEntropyAttrs ce;
+  bool has_keep = false;
+  QuantMatmulAttrs head;  // head.q: the quantized head's format (unused for a dense head)
+  bool quantized = false;
 };
 
 /// A fused elementwise group's program (ops/fused.hpp makes it; backend/cpu/fused.hpp runs it):
@@ -2085,6 +2106,17 @@ struct QuantReader {
         biases(b.defined() ? b.raw() : nullptr),
         sdt(s.dtype()),
         q(quant) {}
+
+  /// The same matrix from row r0 on, its rows r0.. read as rows 0..: a block of rows, no copy
+  /// (linear_cross_entropy's vocabulary blocks).
+  QuantReader rows_from(std::int64_t r0) const {
+    QuantReader r = *this;
+    const std::int64_t skip = r0 * groups_per_row * static_cast<std::int64_t>(dtype_size(sdt));
+    r.codes += r0 * row_bytes;
+    r.scales = static_cast<const char*>(scales) + skip;
+    if (biases) r.biases = static_cast<const char*>(biases) + skip;
+    return r;
+  }
 
   /// out[i * stride] = W[r, c0 + i] for i < n.
   void run(std::int64_t r, std::int64_t c0, std::int64_t n, T* out, std::int64_t stride) const {
@@ -6134,7 +6166,9 @@ struct MatmulKernelsT {
     return M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
   }
 
-  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
+ public:
+  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths (also the
+  /// products of linear_cross_entropy's vocabulary blocks).
   template <class T>
   static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
                    const T* Bp, std::int64_t ldb, T* C, bool acc) {
@@ -8352,58 +8386,64 @@ struct QuantizedKernelsT {
                                const QuantMatmulAttrs& a, Tensor& y, bool acc) {
     detail::dispatch_float(y.dtype(), "quantized_matmul", [&]<class T>() {
       const std::int64_t K = x.dim(-1), M = x.numel() / std::max<std::int64_t>(K, 1), N = y.dim(-1);
-      const detail::QuantReader<T> rd(wq, scales, biases, a.q);
-      const T* X = x.data<T>();
-      T* Y = y.data<T>();
-      if (M == 0 || N == 0) return;
+      quantized_product<T>(detail::QuantReader<T>(wq, scales, biases, a.q), x.data<T>(), y.data<T>(), M, N, K,
+                           a.transpose, acc);
+    });
+  }
+
+  /// The same on raw rows: Y (M, N) (+)= X (M, K) @ op(W), W read through rd (a block of a
+  /// matrix's rows: QuantReader::rows_from), X and Y contiguous.
+  template <class T>
+  static void quantized_product(const detail::QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N,
+                                std::int64_t K, bool transpose, bool acc) {
+    if (M == 0 || N == 0) return;
 #if defined(NN_OWN_GEMM)
 #if defined(NN_QUANT_AVX2)
-      const std::int64_t dot_rows = detail::affine_dot_rows512_applies(rd) ? 2 * kFewRows : kFewRows;
+    const std::int64_t dot_rows = detail::affine_dot_rows512_applies(rd) ? 2 * kFewRows : kFewRows;
 #else
-      const std::int64_t dot_rows = kFewRows;
+    const std::int64_t dot_rows = kFewRows;
 #endif
-      if (a.transpose ? M <= dot_rows && K <= 8192 : M <= kFewRowsAxpy) {
-        const int threads = gemm::team_threads(M, N, K);
-        if (threads > 1)
-          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
-            detail::quantized_rows(rd, X, Y, M, N, K, d0, d1, a.transpose, acc);
-          });
-        else
-          detail::quantized_rows(rd, X, Y, M, N, K, 0, N, a.transpose, acc);
+    if (transpose ? M <= dot_rows && K <= 8192 : M <= kFewRowsAxpy) {
+      const int threads = gemm::team_threads(M, N, K);
+      if (threads > 1)
+        gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+          detail::quantized_rows(rd, X, Y, M, N, K, d0, d1, transpose, acc);
+        });
+      else
+        detail::quantized_rows(rd, X, Y, M, N, K, 0, N, transpose, acc);
+      return;
+    }
+    gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
+      using S = gemm::Shape<T, I>;
+      const auto kern = gemm::micro_kernels<T, I>();
+      const gemm::DensePackA<S::MR, T> pa{gemm::Matrix<T>{X, K, false}};
+      const int threads = gemm::team_threads(M, N, K);
+      if (threads > 1 && M < 24 * threads) {  // few rows: each thread packs its own columns
+        gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+          gemm::gemm_blocked<T, S>(kern, M, d1 - d0, K, pa, gemm::QuantPackB<S::NR, T>{&rd, transpose, d0}, Y + d0,
+                                   N, acc);
+        });
         return;
       }
-      gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
-        using S = gemm::Shape<T, I>;
-        const auto kern = gemm::micro_kernels<T, I>();
-        const gemm::DensePackA<S::MR, T> pa{gemm::Matrix<T>{X, K, false}};
-        const int threads = gemm::team_threads(M, N, K);
-        if (threads > 1 && M < 24 * threads) {  // few rows: each thread packs its own columns
-          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
-            gemm::gemm_blocked<T, S>(kern, M, d1 - d0, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose, d0}, Y + d0,
-                                     N, acc);
-          });
-          return;
-        }
 #if defined(_OPENMP)
-        if (threads > 1)
-          return gemm::gemm_team<T, S>(threads, kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose}, Y, N,
-                                       acc);
+      if (threads > 1)
+        return gemm::gemm_team<T, S>(threads, kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, transpose}, Y, N,
+                                     acc);
 #endif
-        gemm::gemm_blocked<T, S>(kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose}, Y, N, acc);
-      });
-#else
-      // no packing hook on this compiler: blocks of 128 rows of W dequantized into a workspace
-      constexpr std::int64_t R = 128;
-      const std::int64_t wrows = a.transpose ? N : K, wcols = a.transpose ? K : N;
-      T* buf = static_cast<T*>(detail::gemm_workspace(sizeof(T) * static_cast<std::size_t>(R * wcols), 2));
-      for (std::int64_t r0 = 0; r0 < wrows; r0 += R) {
-        const std::int64_t nr = std::min(R, wrows - r0);
-        for (std::int64_t r = 0; r < nr; ++r) rd.run(r0 + r, 0, wcols, buf + r * wcols, 1);
-        if (a.transpose) detail::gemm_serial<T>(false, true, M, nr, K, X, K, buf, K, Y + r0, N, acc);
-        else detail::gemm_serial<T>(false, false, M, N, nr, X + r0, K, buf, N, Y, N, acc || r0 > 0);
-      }
-#endif
+      gemm::gemm_blocked<T, S>(kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, transpose}, Y, N, acc);
     });
+#else
+    // no packing hook on this compiler: blocks of 128 rows of W dequantized into a workspace
+    constexpr std::int64_t R = 128;
+    const std::int64_t wrows = transpose ? N : K, wcols = transpose ? K : N;
+    T* buf = static_cast<T*>(detail::gemm_workspace(sizeof(T) * static_cast<std::size_t>(R * wcols), 2));
+    for (std::int64_t r0 = 0; r0 < wrows; r0 += R) {
+      const std::int64_t nr = std::min(R, wrows - r0);
+      for (std::int64_t r = 0; r < nr; ++r) rd.run(r0 + r, 0, wcols, buf + r * wcols, 1);
+      if (transpose) detail::gemm_serial<T>(false, true, M, nr, K, X, K, buf, K, Y + r0, N, acc);
+      else detail::gemm_serial<T>(false, false, M, N, nr, X + r0, K, buf, N, Y, N, acc || r0 > 0);
+    }
+#endif
   }
 
   /// y (n, D) = rows ids[0..n) of the quantized table W (V, D), dequantized to y's dtype.
@@ -8428,6 +8468,228 @@ using QuantizedKernels = QuantizedKernelsT<>;
 }  // namespace cpu_kernels
 }  // namespace nn
 // ---- end nn/backend/cpu/quantized.hpp ----
+// ---- begin nn/backend/cpu/linear_cross_entropy.hpp ----
+// nn::cpu's linear_cross_entropy (ops/linear_cross_entropy.hpp): an LM head's product and the
+// softmax cross-entropy over its logits in one pass over blocks of the vocabulary, so the (R, V)
+// logits are never held. Per block of the head's rows W_blk (nb, C), for the rows that count:
+//   S = x W_blk^T                           (R, nb), the block's logits
+//   m_r, l_r: the running max and sum of exp(S - m) (flash attention's online softmax)
+//   acc_r = acc_r * exp(m_old - m_new) + exp(S_r - m_new) W_blk     (only when the gradient is wanted)
+// and at the end
+//   lse_r = m_r + log l_r,   loss_r = lse_r - S[r, t_r],
+//   dloss_r / dx_r = acc_r / l_r - W[t_r]   (softmax_r @ W minus the target's row).
+// The same two products per block as the logits and their gradient would take, and no more.
+// A trainable (dense) head's gradient needs the final lse first, so it takes a second pass:
+//   D = c_r (exp(S - lse_r) - onehot(t_r)),  gW_blk (+)= D^T x,  gx (+)= D W_blk.
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+
+
+namespace nn {
+
+namespace cpu_kernels {
+
+// A class template with one instance, `LinearCrossEntropyKernels` (why: backend/cpu.hpp).
+template <class = void>
+struct LinearCrossEntropyKernelsT {
+  /// Vocabulary rows per block for R rows of x: S (R, block) near 1 MB, so it stays in cache
+  /// between its product, the row pass and the second product; at least 256, a multiple of 64.
+  static std::int64_t block_rows(std::int64_t R, std::int64_t V) {
+    const std::int64_t b = (std::int64_t{1} << 18) / std::max<std::int64_t>(R, 1) / 64 * 64;
+    return std::max<std::int64_t>(1, std::min(std::clamp<std::int64_t>(b, 256, 4096), V));
+  }
+  // The workspace's integer part (a counted row's row of x and its target), rounded to 64 bytes.
+  static std::size_t ints_bytes(std::int64_t R) { return (2 * sizeof(std::int64_t) * static_cast<std::size_t>(R) + 63) / 64 * 64; }
+  /// Bytes of workspace the kernels need for x (R, C) of dtype dt and a head of V rows.
+  static std::size_t linear_cross_entropy_workspace(std::int64_t R, std::int64_t C, std::int64_t V, DType dt) {
+    return ints_bytes(R) + dtype_size(dt) * static_cast<std::size_t>(R * (2 * C + block_rows(R, V) + 5));
+  }
+
+  /// The forward: y = the loss (sum, or mean: over the targets not ignored, or sum(keep * loss) /
+  /// sum(keep) with keep), lse (R) per row (0 for a row that does not count), and with dx, the
+  /// loss's gradient with respect to x (R, C) for an upstream gradient of 1.
+  static void linear_cross_entropy(const Tensor& x, const HeadWeight& w, const Tensor& t, const Tensor& keep,
+                                   const LinearCrossEntropyAttrs& a, Tensor& y, Tensor& lse, Tensor& work, Tensor* dx) {
+    detail::dispatch_float(x.dtype(), "linear_cross_entropy", [&]<class T>() {
+      Pass<T> p(x, w, t, keep, a, work);
+      y.data<T>()[0] = p.online(lse.data<T>(), dx ? dx->data<T>() : nullptr);
+    });
+  }
+
+  /// The vjp: gx (+)= g dx and, for a dense head that wants one, gw (+)= its gradient. dx_fresh:
+  /// dx holds the forward's gradient for these inputs (the forward computed it because a backward
+  /// pass was planned); otherwise it is computed here, by the same pass, so the result is the
+  /// same bit for bit either way.
+  static void linear_cross_entropy_vjp(const Tensor& x, const HeadWeight& w, const Tensor& t, const Tensor& keep,
+                                       const LinearCrossEntropyAttrs& a, const Tensor& lse, Tensor& dx, bool dx_fresh,
+                                       const Tensor& g, Tensor& work, GradOut gx, GradOut gw) {
+    detail::dispatch_float(x.dtype(), "linear_cross_entropy", [&]<class T>() {
+      const T gs = g.data<T>()[0];
+      const std::int64_t C = x.dim(-1), R = x.numel() / std::max<std::int64_t>(C, 1);
+      if (!gw.g) {
+        if (!gx.g) return;
+        if (!dx_fresh) {
+          Pass<T> p(x, w, t, keep, a, work);
+          p.online(p.lse_scratch(), dx.data<T>());
+        }
+        detail::ArrayMap<T> o(gx.g->data<T>(), R * C);
+        const detail::ConstArrayMap<T> d(dx.data<T>(), R * C);
+        if (gx.acc) o += gs * d;
+        else o = gs * d;
+        return;
+      }
+      Pass<T> p(x, w, t, keep, a, work);
+      p.weight_grad(lse.data<T>(), gs, gx.g ? gx.g->data<T>() : nullptr, gx.acc, gw.g->data<T>(), gw.acc);
+    });
+  }
+
+ private:
+  // One call's state: the rows that count gathered into xa, their weights and the workspace.
+  template <class T>
+  struct Pass {
+    const HeadWeight& w;
+    std::optional<detail::QuantReader<T>> q;
+    const T* wd = nullptr;                  // the dense head
+    std::int64_t R, C, V, NB, Ra = 0;       // rows, width, classes, block, rows that count
+    T den = 1;                              // the loss's divisor
+    std::int64_t *idx, *kt;                 // workspace: a counted row's row of x, its target
+    T *xa, *acc, *s, *m, *l, *st, *c, *lt;  // (Ra, C) x2, (Ra, NB), then per row
+
+    Pass(const Tensor& x, const HeadWeight& hw, const Tensor& t, const Tensor& keep, const LinearCrossEntropyAttrs& a,
+         Tensor& work)
+        : w(hw) {
+      C = x.dim(-1);
+      R = x.numel() / std::max<std::int64_t>(C, 1);
+      V = hw.rows();
+      NB = block_rows(R, V);
+      if (hw.quantized()) q.emplace(hw.codes, hw.scales, hw.biases, a.head.q);
+      else wd = hw.w.data<T>();
+      idx = static_cast<std::int64_t*>(work.raw());
+      kt = idx + R;
+      xa = reinterpret_cast<T*>(static_cast<unsigned char*>(work.raw()) + ints_bytes(R));
+      acc = xa + R * C;
+      s = acc + R * C;
+      m = s + R * NB;
+      l = m + R;
+      st = l + R;
+      c = st + R;
+      lt = c + R;
+      const T* kp = a.has_keep ? keep.data<T>() : nullptr;
+      const std::int64_t ignore = a.ce.ignore_index;
+      T kept = 0;
+      for (std::int64_t r = 0; r < R; ++r) {  // serial, in row order: deterministic
+        const std::int64_t k = detail::load_index(t, r);
+        if (k != ignore && (k < 0 || k >= V))
+          detail::fail("linear_cross_entropy", "target ", k, " at row ", r, " is out of range for ", V,
+                       " classes (ignore_index is ", ignore, ")");
+        const T wr = kp ? kp[r] : T(k != ignore);
+        kept += kp ? wr : T(k != ignore);
+        if (k == ignore || wr == T(0)) continue;
+        idx[Ra] = r;
+        kt[Ra] = k;
+        c[Ra] = wr;
+        ++Ra;
+      }
+      if (a.ce.reduction == Reduction::mean) den = kept;
+      const T* X = x.data<T>();
+      for (std::int64_t i = 0; i < Ra; ++i) std::copy_n(X + idx[i] * C, C, xa + i * C);
+    }
+
+    T* lse_scratch() { return lt; }  // an lse the caller does not keep (the vjp's recomputation)
+
+    // S = xa W[v0 : v0 + nb]^T
+    void logits(std::int64_t v0, std::int64_t nb) const {
+      if (q) QuantizedKernelsT<>::quantized_product<T>(q->rows_from(v0), xa, s, Ra, nb, C, true, false);
+      else MatmulKernelsT<>::gemm<T>(false, true, Ra, nb, C, xa, C, wd + v0 * C, C, s, false);
+    }
+    // y (Ra, C) (+)= S W[v0 : v0 + nb]
+    void times(T* y, std::int64_t v0, std::int64_t nb, bool add) const {
+      if (q) QuantizedKernelsT<>::quantized_product<T>(q->rows_from(v0), s, y, Ra, C, nb, false, add);
+      else MatmulKernelsT<>::gemm<T>(false, false, Ra, C, nb, s, nb, wd + v0 * C, C, y, add);
+    }
+    static T row_max(const T* x, std::int64_t n) {
+      if constexpr (std::is_same_v<T, float>) return simd::max(x, n);
+      else return detail::ConstArrayMap<T>(x, n).maxCoeff();
+    }
+
+    // The online pass; returns the loss, writes lse (R) and, with dx, the gradient (R, C).
+    T online(T* lse, T* dx) {
+      for (std::int64_t v0 = 0; v0 < V; v0 += NB) {
+        const std::int64_t nb = std::min(NB, V - v0);
+        logits(v0, nb);
+        detail::parallel_for(Ra, Ra * nb > detail::kParallelGrain, [&](std::int64_t i) {
+          T* row = s + i * nb;
+          const std::int64_t k = kt[i] - v0;
+          if (k >= 0 && k < nb) st[i] = row[k];
+          const T mn = v0 == 0 ? row_max(row, nb) : std::max(m[i], row_max(row, nb));
+          const T sum = detail::exp_sum(row, nb, mn);
+          if (v0 == 0) {
+            l[i] = sum;
+          } else {
+            const T alpha = detail::SoftmaxMath::rebase(m[i], mn);  // the earlier blocks' terms, on the new max
+            l[i] = l[i] * alpha + sum;
+            if (dx && alpha != T(1)) detail::ArrayMap<T>(acc + i * C, C) *= alpha;
+          }
+          m[i] = mn;
+        });
+        if (dx) times(acc, v0, nb, v0 > 0);
+      }
+      T total = 0;  // serial, in row order: deterministic
+      std::fill_n(lse, R, T(0));
+      for (std::int64_t i = 0; i < Ra; ++i) {
+        const T li = detail::SoftmaxMath::lse(m[i], l[i]);
+        lse[idx[i]] = li;
+        total += c[i] * detail::SoftmaxMath::ce_loss(li, st[i]);
+      }
+      if (dx) {
+        std::fill_n(dx, R * C, T(0));
+        detail::parallel_for(Ra, Ra * C > detail::kParallelGrain, [&](std::int64_t i) {
+          T* o = dx + idx[i] * C;
+          target_row(kt[i], o);
+          const T inv = T(1) / l[i], coef = c[i] / den;
+          detail::ArrayMap<T>(o, C) = coef * (detail::ConstArrayMap<T>(acc + i * C, C) * inv - detail::ConstArrayMap<T>(o, C));
+        });
+      }
+      return total / den;
+    }
+
+    // W[k] into out (C)
+    void target_row(std::int64_t k, T* out) const {
+      if (q) q->run(k, 0, C, out, 1);
+      else std::copy_n(wd + k * C, C, out);
+    }
+
+    // The second pass of a trainable head: gw (V, C) (+)= D^T xa and gx (R, C) (+)= D W per block.
+    void weight_grad(const T* lse, T gs, T* gx, bool gx_acc, T* gw, bool gw_acc) {
+      for (std::int64_t i = 0; i < Ra; ++i) st[i] = lse[idx[i]];
+      for (std::int64_t v0 = 0; v0 < V; v0 += NB) {
+        const std::int64_t nb = std::min(NB, V - v0);
+        logits(v0, nb);
+        detail::parallel_for(Ra, Ra * nb > detail::kParallelGrain, [&](std::int64_t i) {
+          T* row = s + i * nb;
+          const T cf = gs * (c[i] / den);
+          if constexpr (std::is_same_v<T, float>) simd::ce_grad(row, nb, st[i], cf, row, false);
+          else detail::ArrayMap<T>(row, nb) = detail::SoftmaxMath::ce_grad(detail::ConstArrayMap<T>(row, nb), st[i], cf);
+          const std::int64_t k = kt[i] - v0;
+          if (k >= 0 && k < nb) row[k] -= cf;
+        });
+        MatmulKernelsT<>::gemm<T>(true, false, nb, C, Ra, s, nb, xa, C, gw + v0 * C, gw_acc);
+        if (gx) times(acc, v0, nb, v0 > 0);
+      }
+      if (!gx) return;
+      if (!gx_acc) std::fill_n(gx, R * C, T(0));
+      for (std::int64_t i = 0; i < Ra; ++i)
+        detail::ArrayMap<T>(gx + idx[i] * C, C) += detail::ConstArrayMap<T>(acc + i * C, C);
+    }
+  };
+};
+using LinearCrossEntropyKernels = LinearCrossEntropyKernelsT<>;
+
+}  // namespace cpu_kernels
+}  // namespace nn
+// ---- end nn/backend/cpu/linear_cross_entropy.hpp ----
 // ---- begin nn/backend/cpu/optim.hpp ----
 // nn::cpu's optimizer updates: one fused pass per parameter in MLX's arithmetic order (optim/;
 // the formulas in backend/math.hpp), and the small kernels Muon and clip_grad_norm compose.
@@ -8578,6 +8840,7 @@ struct cpu : cpu_kernels::ElementwiseKernels,
              cpu_kernels::GluKernels,
              cpu_kernels::FusedKernels,
              cpu_kernels::QuantizedKernels,
+             cpu_kernels::LinearCrossEntropyKernels,
              cpu_kernels::OptimKernels {
   static constexpr Device device = Device::cpu;
   static constexpr const char* name = "cpu";
@@ -8800,6 +9063,7 @@ struct Node {
   const Tensor* bound = nullptr;  // a param leaf's tensor, re-read on every replay
   bool requires_grad = false;
   bool grad_live = false;         // grad holds a contribution from the current backward
+  std::int32_t pos = -1;          // its index on the tape
   std::int32_t scope = -1;        // the tape.scope() it was recorded in (GTape::scope_path), or -1
   std::int32_t segment = -1;      // the checkpoint segment it was recorded in (GTape::begin_segment), or -1
   // An intermediate of a closed checkpoint segment: its value, gradient and saved buffers are
@@ -9274,6 +9538,13 @@ class GTape {
   const Tensor& in(const Node<B>& n, std::size_t k) const {
     return nodes_[static_cast<std::size_t>(n.inputs[k])].value;
   }
+  /// Whether a backward sweep will follow this forward of node n and reach it: a replay of a
+  /// tape planned with its backward (plan_memory), or of one whose backward() already ran. A
+  /// primitive whose vjp is cheapest computed inside its forward (linear_cross_entropy) does it
+  /// then, and in its vjp otherwise.
+  bool backward_follows(const Node<B>& n) const {
+    return loss_ >= 0 && n.pos <= loss_ && n.requires_grad;
+  }
   /// Whether input k of node n wants a gradient.
   bool needs_grad(const Node<B>& n, std::size_t k) const {
     return nodes_[static_cast<std::size_t>(n.inputs[k])].requires_grad;
@@ -9353,6 +9624,7 @@ class GTape {
   }
   Node<B>& push(LeafKind k) {
     nodes_.emplace_back();
+    nodes_.back().pos = static_cast<std::int32_t>(nodes_.size() - 1);
     nodes_.back().leaf = k;
     nodes_.back().scope = scope_stack_.empty() ? -1 : scope_stack_.back();
     nodes_.back().segment = open_segment_;
@@ -11221,6 +11493,180 @@ GVar quantized_gather(GTape<B>& tp, GVar ids, GVar wq, GVar scales, std::optiona
 
 }  // namespace nn
 // ---- end nn/ops/quantized.hpp ----
+// ---- begin nn/ops/linear_cross_entropy.hpp ----
+// linear_cross_entropy: an LM head's product and the softmax cross-entropy over its logits as one
+// primitive, so the (rows, vocab) logits are never stored (SmolLM2's 49152-wide head over 256
+// tokens: 50 MB of logits, and as much again for their gradient in an unplanned step). The
+// kernel (backend/cpu/linear_cross_entropy.hpp) walks the vocabulary in blocks with an online
+// softmax, as flash attention walks keys, and skips rows that carry no loss (ignored targets,
+// keep = 0: a prompt under --mask-prompt). When a backward pass is planned (a compiled step),
+// the forward also forms d loss / d x in the same pass, so the step runs the same two products
+// per block as logits + their gradient; otherwise the vjp computes it by the same pass.
+// Its composite reference is cross_entropy(x @ W^T, targets[, keep]); tests/ops/
+// linear_cross_entropy.test.cpp and the op registry check the two agree.
+
+#include <optional>
+
+
+namespace nn {
+
+/// An LM head as linear_cross_entropy reads it: a dense weight w (V, C) (nn.Linear's layout; a
+/// tied embedding's table), or a quantized one (codes, scales, biases in format q). No bias.
+struct HeadVars {
+  GVar w;
+  GVar codes, scales;
+  std::optional<GVar> biases;
+  Quant q;
+
+  HeadVars() = default;
+  explicit HeadVars(GVar weight) : w(weight) {}
+  HeadVars(GVar c, GVar s, std::optional<GVar> b, Quant quant) : codes(c), scales(s), biases(b), q(quant) {}
+  bool quantized() const { return codes.valid(); }
+};
+
+namespace detail {
+
+/// True when backend B has the fused kernels (the CPU backend does; elsewhere the layer runs the
+/// head's product and cross_entropy as two ops).
+template <class B>
+concept HasLinearCrossEntropy = requires(const Tensor& x, Tensor& y, const HeadWeight& w,
+                                         const LinearCrossEntropyAttrs& a, GradOut g) {
+  B::linear_cross_entropy(x, w, x, x, a, y, y, y, &y);  // (x, head, targets, keep, attrs, loss, lse, work, dx)
+  B::linear_cross_entropy_vjp(x, w, x, x, a, x, y, true, x, y, g, g);  // (..., lse, dx, dx_fresh, g, work, gx, gw)
+  { B::linear_cross_entropy_workspace(1, 1, 1, DType::f32) } -> std::convertible_to<std::size_t>;
+};
+
+/// inputs: 0 x (..., C), 1 targets (...) integer, [2 keep (...) float, when has_keep], then the
+/// head: w (V, C), or codes, scales[, biases]. out: () the summed or mean loss.
+/// saved[0] lse per row, saved[1] the kernels' workspace, saved[2] d loss / d x when the forward
+/// computed it (a backward pass follows: GTape::backward_follows), absent otherwise.
+template <class B>
+struct LinearCrossEntropyPrim {
+  static const LinearCrossEntropyAttrs& attrs(const Node<B>& n) { return attrs_of<LinearCrossEntropyAttrs>(n); }
+  static std::size_t head_at(const Node<B>& n) { return attrs(n).has_keep ? 3 : 2; }
+  static HeadWeight head(const GTape<B>& tp, const Node<B>& n) {
+    const std::size_t h = head_at(n);
+    HeadWeight w;
+    if (!attrs(n).quantized) {
+      w.w = tp.in(n, h);
+      return w;
+    }
+    w.codes = tp.in(n, h);
+    w.scales = tp.in(n, h + 1);
+    if (n.inputs.size() > h + 2) w.biases = tp.in(n, h + 2);
+    w.q = attrs(n).head.q;
+    return w;
+  }
+  static Tensor keep(const GTape<B>& tp, const Node<B>& n) { return attrs(n).has_keep ? tp.in(n, 2) : Tensor(); }
+  static bool head_needs_grad(const GTape<B>& tp, const Node<B>& n) {
+    return !attrs(n).quantized && tp.needs_grad(n, head_at(n));
+  }
+  // The gradient is formed in the forward when only x wants one and a backward pass follows.
+  static bool dx_in_forward(const GTape<B>& tp, const Node<B>& n) {
+    return tp.backward_follows(n) && tp.needs_grad(n, 0) && !head_needs_grad(tp, n);
+  }
+  static Tensor rows(const Tensor& x) { return x.reshape(Shape{x.numel() / x.dim(-1), x.dim(-1)}); }
+  static Tensor& work(GTape<B>& tp, Node<B>& n, const Tensor& x) {
+    const std::size_t bytes = B::linear_cross_entropy_workspace(x.dim(0), x.dim(1), head(tp, n).rows(), x.dtype());
+    return tp.scratch(n, 1, Shape{static_cast<std::int64_t>(bytes)}, DType::u8);
+  }
+
+  static void forward(GTape<B>& tp, Node<B>& n) {
+    const Tensor x = rows(tp.in(n, 0));
+    Tensor& lse = tp.scratch(n, 0, Shape{x.dim(0)}, x.dtype());
+    Tensor& ws = work(tp, n, x);
+    Tensor* dx = nullptr;
+    if (dx_in_forward(tp, n)) dx = &tp.scratch(n, 2, x.shape(), x.dtype());
+    else if (n.saved.size() > 2) n.saved.resize(2);  // an older gradient no longer matches
+    B::linear_cross_entropy(x, head(tp, n), tp.in(n, 1), keep(tp, n), attrs(n), n.value, lse, ws, dx);
+  }
+  static void vjp(GTape<B>& tp, Node<B>& n) {
+    const bool want_w = head_needs_grad(tp, n);
+    if (!tp.needs_grad(n, 0) && !want_w) return;
+    const Tensor x = rows(tp.in(n, 0));
+    const bool fresh = n.saved.size() > 2 && n.saved[2].defined();
+    Tensor& dx = tp.scratch(n, 2, x.shape(), x.dtype());
+    Tensor& ws = work(tp, n, x);
+    const auto g = tp.template grad_outs<6>(n);
+    B::linear_cross_entropy_vjp(x, head(tp, n), tp.in(n, 1), keep(tp, n), attrs(n), n.saved[0], dx, fresh, n.grad, ws,
+                                g[0], want_w ? g[head_at(n)] : GradOut{});
+  }
+  // With the gradient formed in the forward, the vjp reads only its saved buffers; else it
+  // reruns the pass over every input.
+  static std::uint32_t vjp_reads(const GTape<B>& tp, const Node<B>& n) {
+    return dx_in_forward(tp, n) ? 0u : (1u << n.inputs.size()) - 1u;
+  }
+  static const OpDef<B> def;  // defined below the struct, so only a call instantiates the kernels
+};
+template <class B>
+const OpDef<B> LinearCrossEntropyPrim<B>::def{.prim = Prim::linear_cross_entropy, .forward = &forward, .vjp = &vjp,
+                                              .vjp_reads = &vjp_reads};
+
+}  // namespace detail
+
+/// The fused primitive (backends with detail::HasLinearCrossEntropy; see linear_cross_entropy
+/// in layers/loss.hpp for the form that runs everywhere):
+///   x: (..., C) float, head: (V, C), targets: (...) integer, keep: (...) x's dtype or GVar{}
+///   -> () = sum_r c_r (lse(x_r W^T) - (x_r W^T)[t_r]), divided by sum_r c_r for the mean,
+/// where c_r = keep_r (1 without keep) and 0 where t_r == ignore_index; without keep the mean is
+/// over the targets not ignored (PyTorch's rule), with keep it is sum(keep * loss) / sum(keep)
+/// (mlx-lm's length mask). Gradients: x, and a dense head's weight; keep takes none.
+template <class B>
+  requires detail::HasLinearCrossEntropy<B>
+GVar fused_linear_cross_entropy(GTape<B>& tp, GVar x, const HeadVars& head, GVar targets, GVar keep = {},
+                                Reduction reduction = Reduction::mean, std::int64_t ignore_index = -100) {
+  const char* op = "linear_cross_entropy";
+  detail::require_float(tp, x, op);
+  detail::require_ids(tp, targets, op);
+  const Shape& xs = tp.shape(x);
+  const Shape& ts = tp.shape(targets);
+  if (reduction == Reduction::none)
+    detail::fail(op, "returns a summed or mean loss; per-row losses need cross_entropy over the logits");
+  Shape lead;
+  for (int i = 0; i + 1 < xs.rank(); ++i) lead.push_back(xs[i]);
+  if (xs.rank() < 1 || xs.dim(-1) == 0 || !(ts == lead))
+    detail::fail(op, "x ", xs.str(), " and targets ", ts.str(),
+                 " do not fit: expected x (..., C) and targets (...) of x's leading dims");
+  LinearCrossEntropyAttrs a;
+  a.ce = {ignore_index, reduction};
+  std::vector<GVar> in{x, targets};
+  if (keep.valid()) {
+    detail::require_same_dtype(tp, x, keep, op);
+    if (!(tp.shape(keep) == ts))
+      detail::fail(op, "keep ", tp.shape(keep).str(), " must have the targets' shape ", ts.str());
+    if (tp.requires_grad(keep)) detail::fail(op, "keep (the rows' weights) cannot require a gradient here");
+    a.has_keep = true;
+    in.push_back(keep);
+  }
+  std::int64_t V = 0, C = 0;
+  if (head.quantized()) {
+    C = detail::check_quantized_inputs(tp, head.codes, head.scales, head.biases, head.q, op);
+    V = tp.shape(head.codes).dim(0);
+    const DType sd = tp.dtype(head.scales);
+    if (head.q.mode == QuantMode::affine && sd != tp.dtype(x) && sd != DType::bf16 && sd != DType::f16)
+      detail::fail(op, "scales of ", dtype_name(sd), " beside x of ", dtype_name(tp.dtype(x)),
+                   ": they must match, or be bfloat16/float16");
+    a.quantized = true;
+    a.head = {head.q, true};
+    in.push_back(head.codes);
+    in.push_back(head.scales);
+    if (head.biases) in.push_back(*head.biases);
+  } else {
+    detail::require_same_dtype(tp, x, head.w, op);
+    const Shape& ws = tp.shape(head.w);
+    if (ws.rank() != 2) detail::fail(op, "the head's weight must be (V, C), got ", ws.str());
+    V = ws[0];
+    C = ws[1];
+    in.push_back(head.w);
+  }
+  if (C != xs.dim(-1) || V == 0)
+    detail::fail(op, "x ", xs.str(), " @ W^T with W (", V, ", ", C, "): inner dimensions differ (", xs.dim(-1), " vs ",
+                 C, ")");
+  return tp.record(detail::LinearCrossEntropyPrim<B>::def, in, a, Shape{}, tp.dtype(x));
+}
+
+}  // namespace nn
+// ---- end nn/ops/linear_cross_entropy.hpp ----
 // ---- begin nn/ops/fused.hpp ----
 // Fusion of elementwise chains on a recorded tape (the first seed's gpfuse): a pass over the
 // tape finds groups of unary, binary and where nodes whose intermediate values nothing else
@@ -12539,6 +12985,35 @@ GVar cross_entropy_rows(GTape<B>& tp, GVar logits, GVar targets, GVar keep, std:
                  tp.shape(targets).str());
   return detail::weighted(tp, softmax_cross_entropy_rows(tp, logits, targets, Reduction::none, ignore_index), keep,
                           reduction);
+}
+
+namespace detail {
+/// linear_cross_entropy as two ops: the logits x @ W^T, then cross_entropy (its reference, and
+/// what runs where the fused primitive cannot).
+template <class B>
+GVar linear_cross_entropy_composite(GTape<B>& tp, GVar x, const HeadVars& head, GVar targets, GVar keep,
+                                    Reduction reduction, std::int64_t ignore_index) {
+  GVar logits = head.quantized() ? quantized_matmul(tp, x, head.codes, head.scales, head.biases, head.q, true)
+                                 : matmul(tp, x, head.w, false, true);
+  return keep.valid() ? cross_entropy(tp, logits, targets, keep, reduction, ignore_index)
+                      : cross_entropy(tp, logits, targets, reduction, ignore_index);
+}
+}  // namespace detail
+
+/// cross_entropy(x @ W^T, targets[, keep]) for an LM head W (V, C), dense or quantized
+/// (HeadVars), without storing the (..., V) logits where the backend has the fused primitive
+/// (the CPU's: fused_linear_cross_entropy, ops/linear_cross_entropy.hpp): the same loss and
+/// gradients up to rounding, in the memory of one block of the vocabulary. Per-row losses
+/// (Reduction::none), a keep that wants a gradient, and other backends take the two ops.
+///   x: (..., C), targets: (...) integer, keep: (...) or GVar{} -> () for mean / sum.
+template <class B>
+GVar linear_cross_entropy(GTape<B>& tp, GVar x, const HeadVars& head, GVar targets, GVar keep = {},
+                          Reduction reduction = Reduction::mean, std::int64_t ignore_index = -100) {
+  if constexpr (detail::HasLinearCrossEntropy<B>) {
+    if (reduction != Reduction::none && !(keep.valid() && tp.requires_grad(keep)) && !is_floating(tp.dtype(targets)))
+      return fused_linear_cross_entropy(tp, x, head, targets, keep, reduction, ignore_index);
+  }
+  return detail::linear_cross_entropy_composite(tp, x, head, targets, keep, reduction, ignore_index);
 }
 
 }  // namespace nn
@@ -17097,6 +17572,7 @@ void load_into(const std::filesystem::path& path, M& model, Optimizer& opt, cons
   X(struct, detail::AttentionPrim<cpu>) X(struct, detail::FlashAttentionPrim<cpu>)                     \
   X(struct, detail::SwigluPrim<cpu>) X(struct, detail::QuantizedMatmulPrim<cpu>)                       \
   X(struct, detail::QuantizedGatherPrim<cpu>) X(struct, detail::FusedPrim<cpu>)                      \
+  X(struct, detail::LinearCrossEntropyPrim<cpu>)                                                       \
   X(class, GTape<cpu>) X(class, Sgd<cpu>) X(class, Adam<cpu>) X(class, AdamW<cpu>) X(class, Lion<cpu>) \
   X(class, Muon<cpu>) X(class, Adafactor<cpu>)
 

@@ -164,6 +164,15 @@ TEST_CASE("plan_memory: every primitive's vjp_reads keeps what its vjp reads (in
   };
   ops.emplace_back("attention", attention_op(false));
   ops.emplace_back("flash_attention", attention_op(true));
+  // the head (V 4, C 6) trainable: the vjp reads x and W; frozen: the forward forms x's gradient
+  // and the vjp reads neither, so both may be overwritten before it runs
+  for (const bool frozen : {false, true})
+    ops.emplace_back(frozen ? "linear_cross_entropy frozen head" : "linear_cross_entropy",
+                     [frozen](GTape<cpu>& tp, GVar a, GVar b, GVar, GVar) {
+                       const GVar t = tp.constant(Tensor::from<std::int64_t>({4}, {0, 3, 2, -100}));
+                       const GVar l = fused_linear_cross_entropy(tp, a, HeadVars(frozen ? stop_gradient(tp, b) : b), t);
+                       return broadcast_to(tp, reshape(tp, l, {1, 1}), Shape{4, 6});
+                     });
   ops.emplace_back("softmax", [](GTape<cpu>& tp, GVar a, GVar, GVar, GVar) { return softmax(tp, a); });
   ops.emplace_back("log_softmax", [](GTape<cpu>& tp, GVar a, GVar, GVar, GVar) { return log_softmax(tp, a); });
   ops.emplace_back("rmsnorm", [](GTape<cpu>& tp, GVar a, GVar, GVar, GVar v) { return fused_rmsnorm(tp, a, v, 1e-5); });

@@ -288,6 +288,23 @@ std::vector<OpCase<B>> cases() {
            true, "",
            [=](T tp, V v) { return matmul(tp, v[0], tp.constant(qw(tp, tp.dtype(v[0]), q).w), false, tr); }});
   }
+  // the LM head's product and cross-entropy in one primitive, against the two ops: a dense head
+  // (x's and W's gradients), and a quantized one with keep weights (x's)
+  if constexpr (detail::HasLinearCrossEntropy<B>) {
+    add({Prim::linear_cross_entropy, "linear_cross_entropy/dense", {real({2, 3, 8}), real({300, 8}), ids({2, 3}, 300)},
+         [](T tp, V v) { return fused_linear_cross_entropy(tp, v[0], HeadVars(v[1]), v[2]); }, true, "",
+         [](T tp, V v) { return detail::linear_cross_entropy_composite(tp, v[0], HeadVars(v[1]), v[2], GVar{}, Reduction::mean, -100); }});
+    add({Prim::linear_cross_entropy, "linear_cross_entropy/quantized_keep", {real({2, 3, 64}), ids({2, 3}, 48), constant({2, 3}, 0, 2)},
+         [=](T tp, V v) {
+           QW w = qw(tp, tp.dtype(v[0]), Quant::affine(32, 4));
+           return fused_linear_cross_entropy(tp, v[0], HeadVars(w.wq, w.s, w.b, Quant::affine(32, 4)), v[1], v[2], Reduction::sum);
+         },
+         true, "",
+         [=](T tp, V v) {
+           const GVar w = tp.constant(qw(tp, tp.dtype(v[0]), Quant::affine(32, 4)).w);
+           return detail::linear_cross_entropy_composite(tp, v[0], HeadVars(w), v[1], v[2], Reduction::sum, -100);
+         }});
+  }
   add({Prim::quantized_gather, "quantized_gather", {ids({2, 5}, 48)},
        [=](T tp, V v) {
          QW w = qw(tp, tp.float_dtype(), Quant::affine(32, 4));

@@ -33,6 +33,7 @@
 #include "cpu/glu.hpp"
 #include "cpu/fused.hpp"
 #include "cpu/quantized.hpp"
+#include "cpu/linear_cross_entropy.hpp"
 #include "cpu/optim.hpp"
 
 namespace nn {
@@ -52,6 +53,7 @@ struct cpu : cpu_kernels::ElementwiseKernels,
              cpu_kernels::GluKernels,
              cpu_kernels::FusedKernels,
              cpu_kernels::QuantizedKernels,
+             cpu_kernels::LinearCrossEntropyKernels,
              cpu_kernels::OptimKernels {
   static constexpr Device device = Device::cpu;
   static constexpr const char* name = "cpu";

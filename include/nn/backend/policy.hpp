@@ -76,7 +76,7 @@ constexpr const char* binary_name(Binary b) {
   X(unary) X(binary) X(where) X(stop_gradient) X(reshape) X(permute) X(slice) X(concat) X(broadcast_to)  \
   X(sum) X(max) X(matmul) X(gather_rows) X(pick) X(softmax) X(cross_entropy) X(bernoulli) X(dropout)     \
   X(rmsnorm) X(rope) X(attention) X(flash_attention) X(swiglu) X(quantized_matmul) X(quantized_gather)  \
-  X(fused)
+  X(fused) X(linear_cross_entropy)
 
 enum class Prim : std::uint8_t {
 #define NN_PRIM_ENUMERATOR(p) p,
@@ -167,6 +167,26 @@ struct Quant {
 struct QuantMatmulAttrs {
   Quant q;
   bool transpose = true;
+};
+
+/// The weight of a linear_cross_entropy's head (ops/linear_cross_entropy.hpp), a (V, C) matrix
+/// in nn.Linear's layout: dense `w`, or quantized rows (`codes`, `scales`, `biases`, the last
+/// undefined in the fp modes) in format `q`.
+struct HeadWeight {
+  Tensor w;
+  Tensor codes, scales, biases;
+  Quant q;
+  bool quantized() const { return codes.defined(); }
+  std::int64_t rows() const { return quantized() ? codes.dim(0) : w.dim(0); }
+};
+
+/// linear_cross_entropy's options: the cross-entropy's (ignore_index; sum or mean), and whether
+/// the node has per-row weights `keep` (the mean is then sum(keep * loss) / sum(keep)).
+struct LinearCrossEntropyAttrs {
+  CrossEntropyAttrs ce;
+  bool has_keep = false;
+  QuantMatmulAttrs head;  // head.q: the quantized head's format (unused for a dense head)
+  bool quantized = false;
 };
 
 /// A fused elementwise group's program (ops/fused.hpp makes it; backend/cpu/fused.hpp runs it):

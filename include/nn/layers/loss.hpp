@@ -5,6 +5,8 @@
 
 #include "../ops/cross_entropy.hpp"
 #include "../ops/elementwise.hpp"
+#include "../ops/linear_cross_entropy.hpp"
+#include "../ops/matmul.hpp"
 #include "../ops/reduce.hpp"
 #include "../ops/shape.hpp"
 #include "../ops/softmax.hpp"
@@ -127,6 +129,35 @@ GVar cross_entropy_rows(GTape<B>& tp, GVar logits, GVar targets, GVar keep, std:
                  tp.shape(targets).str());
   return detail::weighted(tp, softmax_cross_entropy_rows(tp, logits, targets, Reduction::none, ignore_index), keep,
                           reduction);
+}
+
+namespace detail {
+/// linear_cross_entropy as two ops: the logits x @ W^T, then cross_entropy (its reference, and
+/// what runs where the fused primitive cannot).
+template <class B>
+GVar linear_cross_entropy_composite(GTape<B>& tp, GVar x, const HeadVars& head, GVar targets, GVar keep,
+                                    Reduction reduction, std::int64_t ignore_index) {
+  GVar logits = head.quantized() ? quantized_matmul(tp, x, head.codes, head.scales, head.biases, head.q, true)
+                                 : matmul(tp, x, head.w, false, true);
+  return keep.valid() ? cross_entropy(tp, logits, targets, keep, reduction, ignore_index)
+                      : cross_entropy(tp, logits, targets, reduction, ignore_index);
+}
+}  // namespace detail
+
+/// cross_entropy(x @ W^T, targets[, keep]) for an LM head W (V, C), dense or quantized
+/// (HeadVars), without storing the (..., V) logits where the backend has the fused primitive
+/// (the CPU's: fused_linear_cross_entropy, ops/linear_cross_entropy.hpp): the same loss and
+/// gradients up to rounding, in the memory of one block of the vocabulary. Per-row losses
+/// (Reduction::none), a keep that wants a gradient, and other backends take the two ops.
+///   x: (..., C), targets: (...) integer, keep: (...) or GVar{} -> () for mean / sum.
+template <class B>
+GVar linear_cross_entropy(GTape<B>& tp, GVar x, const HeadVars& head, GVar targets, GVar keep = {},
+                          Reduction reduction = Reduction::mean, std::int64_t ignore_index = -100) {
+  if constexpr (detail::HasLinearCrossEntropy<B>) {
+    if (reduction != Reduction::none && !(keep.valid() && tp.requires_grad(keep)) && !is_floating(tp.dtype(targets)))
+      return fused_linear_cross_entropy(tp, x, head, targets, keep, reduction, ignore_index);
+  }
+  return detail::linear_cross_entropy_composite(tp, x, head, targets, keep, reduction, ignore_index);
 }
 
 }  // namespace nn

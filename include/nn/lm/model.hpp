@@ -27,6 +27,7 @@
 #include "../grad_checkpoint.hpp"
 #include "../layers/activations.hpp"
 #include "../layers/attention.hpp"
+#include "../layers/loss.hpp"
 #include "../layers/mask.hpp"
 #include "../layers/rope.hpp"
 #include "../module.hpp"
@@ -59,6 +60,25 @@ GVar embed(GTape<B>& tp, const TokenEmbedding& e, GVar ids) {
 template <class B>
 GVar embed_as_linear(GTape<B>& tp, const TokenEmbedding& e, GVar h) {
   return std::visit([&](const auto& m) { return m.as_linear(tp, h); }, e);
+}
+
+/// The LM head as one matrix for linear_cross_entropy (a Linear or QuantizedLinear without a
+/// bias; a tied embedding's table); nullopt for a head it cannot take (a bias, an adapter).
+template <class B>
+std::optional<HeadVars> head_vars(GTape<B>& tp, const Projection& p) {
+  if (const auto* l = std::get_if<Linear>(&p); l && !l->bias) return HeadVars(nn::param(tp, l->weight));
+  if (const auto* q = std::get_if<QuantizedLinear>(&p); q && !q->bias) {
+    auto w = nn::detail::bind_quantized(tp, q->weight, q->scales, q->biases);
+    return HeadVars(w.wq, w.scales, w.biases, q->quant());
+  }
+  return std::nullopt;
+}
+template <class B>
+std::optional<HeadVars> head_vars(GTape<B>& tp, const TokenEmbedding& e) {
+  if (const auto* d = std::get_if<Embedding>(&e)) return HeadVars(nn::param(tp, d->weight));
+  const auto& q = std::get<QuantizedEmbedding>(e);
+  auto w = nn::detail::bind_quantized(tp, q.weight, q.scales, q.biases);
+  return HeadVars(w.wq, w.scales, w.biases, q.quant());
 }
 
 inline Tensor zeros_or_empty(const Shape& s, DType dt, bool zero) {
@@ -411,6 +431,39 @@ struct CausalLM {
     auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
     GVar out = lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
     return config_.final_logit_softcapping > 0 ? detail::softcap(tp, out, config_.final_logit_softcapping) : out;
+  }
+
+  /// The next-token loss on hidden states h (B, T, C): cross_entropy(head(h), targets, keep,
+  /// reduction) (keep: GVar{} for none), without storing the (B, T, vocab) logits where it can:
+  /// a frozen head of one matrix (tied embedding, Linear or QuantizedLinear without a bias; the
+  /// LoRA and QLoRA case) and no logit soft cap go through linear_cross_entropy (layers/loss.hpp),
+  /// which skips rows of weight 0 too. A trainable head keeps the logits, whose two products are
+  /// fewer than the fused kernel's three for its weight's gradient; so do bf16 weights and
+  /// autocast (matmul rounds their operands).
+  template <class B>
+  GVar head_loss(GTape<B>& tp, GVar h, GVar targets, GVar keep, Reduction reduction = Reduction::mean,
+                 std::int64_t ignore_index = -100) const {
+    if (config_.final_logit_softcapping <= 0) {
+      auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
+      const std::optional<HeadVars> hv = lm_head ? detail::head_vars(tp, *lm_head) : detail::head_vars(tp, model.embed_tokens);
+      const bool dense_ok = hv && !hv->quantized() && !tp.requires_grad(hv->w) && tp.dtype(hv->w) == tp.dtype(h) &&
+                            tp.autocast() == DType::f32;  // bf16 weights and autocast: matmul's rounding
+      if (hv && (hv->quantized() || dense_ok))
+        return linear_cross_entropy(tp, h, *hv, targets, keep, reduction, ignore_index);
+    }
+    GVar logits = head(tp, h);
+    return keep.valid() ? cross_entropy(tp, logits, targets, keep, reduction, ignore_index)
+                        : cross_entropy(tp, logits, targets, reduction, ignore_index);
+  }
+  /// head_loss(hidden(ids)): the next-token loss of ids (B, T) against targets (B, T).
+  template <class B>
+  GVar loss(GTape<B>& tp, GVar ids, GVar targets, GVar keep, Reduction reduction = Reduction::mean) const {
+    return head_loss(tp, hidden(tp, ids), targets, keep, reduction);
+  }
+  /// The same on packed rows (see Packing).
+  template <class B>
+  GVar loss(GTape<B>& tp, GVar ids, Packing pk, GVar targets, GVar keep, Reduction reduction = Reduction::mean) const {
+    return head_loss(tp, hidden(tp, ids, GVar{}, pk), targets, keep, reduction);
   }
 
   /// Next-token logits (B, T, vocab) for ids (B, T), causal attention only.

@@ -340,7 +340,9 @@ struct MatmulKernelsT {
     return M == 1 || N == 1 || M + N + K < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
   }
 
-  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths.
+ public:
+  /// One row-major GEMM: C[M,N] (+)= op(A) @ op(B), lda/ldb = the stored row lengths (also the
+  /// products of linear_cross_entropy's vocabulary blocks).
   template <class T>
   static void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A, std::int64_t lda,
                    const T* Bp, std::int64_t ldb, T* C, bool acc) {

@@ -952,58 +952,64 @@ struct QuantizedKernelsT {
                                const QuantMatmulAttrs& a, Tensor& y, bool acc) {
     detail::dispatch_float(y.dtype(), "quantized_matmul", [&]<class T>() {
       const std::int64_t K = x.dim(-1), M = x.numel() / std::max<std::int64_t>(K, 1), N = y.dim(-1);
-      const detail::QuantReader<T> rd(wq, scales, biases, a.q);
-      const T* X = x.data<T>();
-      T* Y = y.data<T>();
-      if (M == 0 || N == 0) return;
+      quantized_product<T>(detail::QuantReader<T>(wq, scales, biases, a.q), x.data<T>(), y.data<T>(), M, N, K,
+                           a.transpose, acc);
+    });
+  }
+
+  /// The same on raw rows: Y (M, N) (+)= X (M, K) @ op(W), W read through rd (a block of a
+  /// matrix's rows: QuantReader::rows_from), X and Y contiguous.
+  template <class T>
+  static void quantized_product(const detail::QuantReader<T>& rd, const T* X, T* Y, std::int64_t M, std::int64_t N,
+                                std::int64_t K, bool transpose, bool acc) {
+    if (M == 0 || N == 0) return;
 #if defined(NN_OWN_GEMM)
 #if defined(NN_QUANT_AVX2)
-      const std::int64_t dot_rows = detail::affine_dot_rows512_applies(rd) ? 2 * kFewRows : kFewRows;
+    const std::int64_t dot_rows = detail::affine_dot_rows512_applies(rd) ? 2 * kFewRows : kFewRows;
 #else
-      const std::int64_t dot_rows = kFewRows;
+    const std::int64_t dot_rows = kFewRows;
 #endif
-      if (a.transpose ? M <= dot_rows && K <= 8192 : M <= kFewRowsAxpy) {
-        const int threads = gemm::team_threads(M, N, K);
-        if (threads > 1)
-          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
-            detail::quantized_rows(rd, X, Y, M, N, K, d0, d1, a.transpose, acc);
-          });
-        else
-          detail::quantized_rows(rd, X, Y, M, N, K, 0, N, a.transpose, acc);
+    if (transpose ? M <= dot_rows && K <= 8192 : M <= kFewRowsAxpy) {
+      const int threads = gemm::team_threads(M, N, K);
+      if (threads > 1)
+        gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+          detail::quantized_rows(rd, X, Y, M, N, K, d0, d1, transpose, acc);
+        });
+      else
+        detail::quantized_rows(rd, X, Y, M, N, K, 0, N, transpose, acc);
+      return;
+    }
+    gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
+      using S = gemm::Shape<T, I>;
+      const auto kern = gemm::micro_kernels<T, I>();
+      const gemm::DensePackA<S::MR, T> pa{gemm::Matrix<T>{X, K, false}};
+      const int threads = gemm::team_threads(M, N, K);
+      if (threads > 1 && M < 24 * threads) {  // few rows: each thread packs its own columns
+        gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
+          gemm::gemm_blocked<T, S>(kern, M, d1 - d0, K, pa, gemm::QuantPackB<S::NR, T>{&rd, transpose, d0}, Y + d0,
+                                   N, acc);
+        });
         return;
       }
-      gemm::with_isa(gemm::active_isa(), [&]<Isa I>() {
-        using S = gemm::Shape<T, I>;
-        const auto kern = gemm::micro_kernels<T, I>();
-        const gemm::DensePackA<S::MR, T> pa{gemm::Matrix<T>{X, K, false}};
-        const int threads = gemm::team_threads(M, N, K);
-        if (threads > 1 && M < 24 * threads) {  // few rows: each thread packs its own columns
-          gemm::split_columns(threads, N, [&](gemm::index d0, gemm::index d1) {
-            gemm::gemm_blocked<T, S>(kern, M, d1 - d0, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose, d0}, Y + d0,
-                                     N, acc);
-          });
-          return;
-        }
 #if defined(_OPENMP)
-        if (threads > 1)
-          return gemm::gemm_team<T, S>(threads, kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose}, Y, N,
-                                       acc);
+      if (threads > 1)
+        return gemm::gemm_team<T, S>(threads, kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, transpose}, Y, N,
+                                     acc);
 #endif
-        gemm::gemm_blocked<T, S>(kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, a.transpose}, Y, N, acc);
-      });
-#else
-      // no packing hook on this compiler: blocks of 128 rows of W dequantized into a workspace
-      constexpr std::int64_t R = 128;
-      const std::int64_t wrows = a.transpose ? N : K, wcols = a.transpose ? K : N;
-      T* buf = static_cast<T*>(detail::gemm_workspace(sizeof(T) * static_cast<std::size_t>(R * wcols), 2));
-      for (std::int64_t r0 = 0; r0 < wrows; r0 += R) {
-        const std::int64_t nr = std::min(R, wrows - r0);
-        for (std::int64_t r = 0; r < nr; ++r) rd.run(r0 + r, 0, wcols, buf + r * wcols, 1);
-        if (a.transpose) detail::gemm_serial<T>(false, true, M, nr, K, X, K, buf, K, Y + r0, N, acc);
-        else detail::gemm_serial<T>(false, false, M, N, nr, X + r0, K, buf, N, Y, N, acc || r0 > 0);
-      }
-#endif
+      gemm::gemm_blocked<T, S>(kern, M, N, K, pa, gemm::QuantPackB<S::NR, T>{&rd, transpose}, Y, N, acc);
     });
+#else
+    // no packing hook on this compiler: blocks of 128 rows of W dequantized into a workspace
+    constexpr std::int64_t R = 128;
+    const std::int64_t wrows = transpose ? N : K, wcols = transpose ? K : N;
+    T* buf = static_cast<T*>(detail::gemm_workspace(sizeof(T) * static_cast<std::size_t>(R * wcols), 2));
+    for (std::int64_t r0 = 0; r0 < wrows; r0 += R) {
+      const std::int64_t nr = std::min(R, wrows - r0);
+      for (std::int64_t r = 0; r < nr; ++r) rd.run(r0 + r, 0, wcols, buf + r * wcols, 1);
+      if (transpose) detail::gemm_serial<T>(false, true, M, nr, K, X, K, buf, K, Y + r0, N, acc);
+      else detail::gemm_serial<T>(false, false, M, N, nr, X + r0, K, buf, N, Y, N, acc || r0 > 0);
+    }
+#endif
   }
 
   /// y (n, D) = rows ids[0..n) of the quantized table W (V, D), dequantized to y's dtype.
