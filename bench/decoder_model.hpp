@@ -93,7 +93,13 @@ struct Decoder {
       nn::GVar m = nn::swiglu(tp, l.mlp.gate_proj(tp, x), l.mlp.up_proj(tp, x));  // (B, T, hidden)
       h = nn::add(tp, h, l.mlp.down_proj(tp, m));
     }
-    nn::GVar logits = lm_head(tp, model.norm(tp, h));  // (B, T, vocab)
+    h = model.norm(tp, h);
+    // a frozen head (the LoRA step) takes the head and the loss as one primitive, storing no
+    // logits (linear_cross_entropy); a trainable one, autocast and a bias keep them
+    const nn::GVar w = nn::param(tp, lm_head.weight);
+    if (!lm_head.bias && !tp.requires_grad(w) && tp.autocast() == nn::DType::f32)
+      return nn::linear_cross_entropy(tp, h, nn::HeadVars(w), targets);
+    nn::GVar logits = lm_head(tp, h);  // (B, T, vocab)
     return nn::cross_entropy(tp, logits, targets);
   }
 
