@@ -81,19 +81,22 @@ struct LinearCrossEntropyPrim {
 
   static void forward(GTape<B>& tp, Node<B>& n) {
     const Tensor x = rows(tp.in(n, 0));
-    Tensor& lse = tp.scratch(n, 0, Shape{x.dim(0)}, x.dtype());
-    Tensor& ws = work(tp, n, x);
-    Tensor* dx = nullptr;
-    if (dx_in_forward(tp, n)) dx = &tp.scratch(n, 2, x.shape(), x.dtype());
+    // the highest slot first: a later scratch() never resizes n.saved under a reference taken
+    const bool want = dx_in_forward(tp, n);
+    if (want) tp.scratch(n, 2, x.shape(), x.dtype());
     else if (n.saved.size() > 2) n.saved.resize(2);  // an older gradient no longer matches
-    B::linear_cross_entropy(x, head(tp, n), tp.in(n, 1), keep(tp, n), attrs(n), n.value, lse, ws, dx);
+    work(tp, n, x);
+    tp.scratch(n, 0, Shape{x.dim(0)}, x.dtype());
+    B::linear_cross_entropy(x, head(tp, n), tp.in(n, 1), keep(tp, n), attrs(n), n.value, n.saved[0], n.saved[1],
+                            want ? &n.saved[2] : nullptr);
   }
   static void vjp(GTape<B>& tp, Node<B>& n) {
     const bool want_w = head_needs_grad(tp, n);
     if (!tp.needs_grad(n, 0) && !want_w) return;
     const Tensor x = rows(tp.in(n, 0));
     const bool fresh = n.saved.size() > 2 && n.saved[2].defined();
-    Tensor& dx = tp.scratch(n, 2, x.shape(), x.dtype());
+    Tensor none;  // a trainable head's pass forms x's gradient itself
+    Tensor& dx = want_w ? none : tp.scratch(n, 2, x.shape(), x.dtype());  // slot 2 before slot 1 (above)
     Tensor& ws = work(tp, n, x);
     const auto g = tp.template grad_outs<6>(n);
     B::linear_cross_entropy_vjp(x, head(tp, n), tp.in(n, 1), keep(tp, n), attrs(n), n.saved[0], dx, fresh, n.grad, ws,
