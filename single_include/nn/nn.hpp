@@ -994,6 +994,11 @@ struct AttentionAttrs {
   std::int64_t B = 0, T = 0, H = 0, KV = 0, head_dim = 0;
   double scale = 1.0;
   bool causal = false;
+  // flash attention only (0: off): a causal query i sees keys i - window < j <= i (a sliding
+  // window, as transformers' Gemma 2 / Mistral / Phi-3 masks); scores soft-capped to
+  // softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping)
+  std::int64_t window = 0;
+  double softcap = 0;
 };
 
 /// Softmax cross-entropy's options: a target equal to ignore_index counts nothing (loss and
@@ -1430,6 +1435,22 @@ struct SoftmaxMath {
   NN_HD_GENERIC template <class V, class T>
   NN_LANES_INLINE NN_HD static auto ce_grad(const V& x, T lse, T g) {
     return g * p_from_lse(x, lse);
+  }
+};
+
+/// A soft cap on scores (Gemma 2's attn_logit_softcapping; its final logits use the composite
+/// nn::softcap): y = cap tanh(x / cap) keeps |y| < cap, dy/dx = 1 - (y / cap)^2. Flash
+/// attention caps each tile's scaled scores with it and its vjp multiplies the score gradients by
+/// the derivative, recomputed from y.
+struct SoftcapMath {
+  template <class T>
+  NN_HD static T value(T x, T cap) {
+    return cap * m_tanh(x / cap);
+  }
+  template <class T>
+  NN_HD static T grad(T y, T cap) {
+    const T t = y / cap;
+    return T(1) - t * t;
   }
 };
 
@@ -6837,6 +6858,28 @@ inline const std::int32_t* check_doc_starts(const Tensor& starts, std::int64_t B
   return s;
 }
 
+/// The first key query i sees in flash attention: its document's start (packed rows) and, with a
+/// sliding window W, i - W + 1 (transformers' sliding-window causal mask: i - j < W).
+inline std::int64_t flash_first_key(const std::int32_t* doc_start, std::int64_t i, std::int64_t window) {
+  const std::int64_t d = doc_start ? *doc_start : 0;
+  return window > 0 ? std::max(d, i - window + 1) : d;
+}
+
+/// The keys [j0 + lo, j0 + hi) of the tile [j0, j0 + c) that query i sees (lo >= hi: none).
+inline std::pair<std::int64_t, std::int64_t> flash_visible(const std::int32_t* doc_start, std::int64_t i,
+                                                           std::int64_t window, bool causal, std::int64_t j0,
+                                                           std::int64_t c) {
+  const std::int64_t lo = std::clamp<std::int64_t>(flash_first_key(doc_start, i, window) - j0, 0, c);
+  return {lo, causal ? std::clamp<std::int64_t>(i + 1 - j0, 0, c) : c};
+}
+
+/// Caps a flash tile row's visible scores [lo, hi) in place, y = SoftcapMath::value(sc x, cap), so
+/// the row math after it runs at scale 1.
+template <class T>
+inline void flash_softcap(T* row, std::int64_t lo, std::int64_t hi, T sc, T cap) {
+  for (std::int64_t j = lo; j < hi; ++j) row[j] = SoftcapMath::value(sc * row[j], cap);
+}
+
 }  // namespace detail
 
 namespace cpu_kernels {
@@ -6956,16 +6999,20 @@ struct AttentionKernelsT {
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
   /// starts (B, T) int32, when defined (packed rows; causal only): starts[b, i] is where query
   /// i's document begins, and it sees keys starts[b, i]..i only (block-diagonal causal); key tiles
-  /// before a query block's first document are never touched.
+  /// before a query block's first document are never touched. a.window > 0 (causal only): query i
+  /// sees keys i - window < j <= i too, and key tiles before a block's first row's window are
+  /// never touched. a.softcap > 0: the scaled scores are capped (SoftcapMath) before the softmax.
   static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                               const AttentionAttrs& a, Tensor& out, Tensor& lse) {
     const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
     const double scale = a.scale;
     const bool causal = a.causal;
+    const std::int64_t W = a.window;
     const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
+      const T cap = static_cast<T>(a.softcap);
       const T* Q = static_cast<const T*>(q.raw());
       const T* K = static_cast<const T*>(k.raw());
       const T* V = static_cast<const T*>(v.raw());
@@ -6978,7 +7025,7 @@ struct AttentionKernelsT {
         const std::int64_t bh = t / nqb, b = bh / H, h = bh % H, kh = h / g;
         const std::int64_t i0 = (t % nqb) * Br, r = std::min(T_, i0 + Br) - i0, kend = causal ? i0 + r : T_;
         const std::int32_t* st = St ? St + b * T_ + i0 : nullptr;  // the block's document starts
-        const std::int64_t kbeg = st ? st[0] / Bc * Bc : 0;          // the first key tile any row sees
+        const std::int64_t kbeg = detail::flash_first_key(st, i0, W) / Bc * Bc;  // the first key tile any row sees
         const T* qt = Q + (b * T_ + i0) * qs + h * hd;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
@@ -6993,17 +7040,19 @@ struct AttentionKernelsT {
           detail::gemm_serial<T>(false, true, r, c, hd, qt, qs, kt + j0 * ks, ks, s, Bc, false);  // q k^T
           for (std::int64_t i = 0; i < r; ++i) {
             // keys j0+lo..j0+hi-1 of this tile are visible to query i0 + i; the first tile
-            // (j0 = kbeg) always has one without documents, a later one on the diagonal may have
-            // none, and with documents any tile before the row's document has none
-            const std::int64_t lo = st ? std::clamp<std::int64_t>(st[i] - j0, 0, c) : 0;
-            const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c, n = hi - lo;
+            // (j0 = kbeg) always has one without documents or window, a later one on the diagonal
+            // may have none, and any tile before the row's document or window has none (its
+            // m stays -inf, l 0, and the first tile it sees rebases them to nothing)
+            const auto [lo, hi] = detail::flash_visible(st ? st + i : nullptr, i0 + i, W, causal, j0, c);
             T* row = s + i * Bc;
-            if (n <= 0) {
+            if (hi <= lo) {
               std::fill(row, row + c, T(0));
               continue;
             }
-            const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
-            const T mnew = std::max(m[i], detail::scale_max(row + a0, a1 - a0, sc));
+            T rs = sc;  // the row math's scale: 1 once the scores are capped
+            if (cap > T(0)) detail::flash_softcap(row, lo, hi, std::exchange(rs, T(1)), cap);
+            const auto [a0, a1] = detail::flash_span(row, lo, hi, rs);
+            const T mnew = std::max(m[i], detail::scale_max(row + a0, a1 - a0, rs));
             const T sum = detail::exp_sum(row + a0, a1 - a0, mnew);
             std::fill(row, row + a0, T(0));
             std::fill(row + std::min(a1, c), row + c, T(0));
@@ -7033,7 +7082,9 @@ struct AttentionKernelsT {
   /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
   /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
   /// starts: the forward's document starts (or undefined); query blocks whose documents all begin
-  /// after a key block are skipped, so dq is zeroed first instead of overwritten by key block 0.
+  /// after a key block are skipped, so dq is zeroed first instead of overwritten by key block 0
+  /// (and so with a window, whose query blocks past the key block's reach are skipped too). With
+  /// a soft cap, ds is also multiplied by the cap's derivative, recomputed from the capped scores.
   static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                                   const Tensor& out, const Tensor& lse, const Tensor& g, const AttentionAttrs& a,
                                   Tensor& delta, GradOut oq, GradOut ok, GradOut ov) {
@@ -7041,12 +7092,15 @@ struct AttentionKernelsT {
     const double scale = a.scale;
     const bool causal = a.causal;
     Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const std::int64_t W = a.window;
     const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
-    if (St && gq && !oq.acc) std::memset(gq->raw(), 0, gq->nbytes());
-    const bool acc_q = oq.acc || St, acc_k = ok.acc, acc_v = ov.acc;
+    const bool skips = St || W > 0;  // may a query block not meet key block 0?
+    if (skips && gq && !oq.acc) std::memset(gq->raw(), 0, gq->nbytes());
+    const bool acc_q = oq.acc || skips, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const T cap = static_cast<T>(a.softcap);
       const T* Q = static_cast<const T*>(q.raw());
       const T* K = static_cast<const T*>(k.raw());
       const T* V = static_cast<const T*>(v.raw());
@@ -7068,8 +7122,10 @@ struct AttentionKernelsT {
         const std::int64_t b = t / KV, kh = t % KV;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
-        T* p = static_cast<T*>(detail::gemm_workspace(sizeof(T) * 2 * Br * Bc, 2));  // a tile's probabilities (r, c)
-        T* ds = p + Br * Bc;                                                           // and score gradients
+        // a tile's probabilities (r, c), score gradients and (soft cap) capped scores
+        T* p = static_cast<T*>(detail::gemm_workspace(sizeof(T) * (cap > T(0) ? 3 : 2) * Br * Bc, 2));
+        T* ds = p + Br * Bc;
+        T* y = ds + Br * Bc;
         for (std::int64_t j0 = 0; j0 < T_; j0 += Bc) {
           const std::int64_t c = std::min(T_, j0 + Bc) - j0;
           bool first_k = !acc_k, first_v = !acc_v;  // the first write to this key block overwrites
@@ -7077,21 +7133,26 @@ struct AttentionKernelsT {
             const std::int64_t h = kh * grp + jh, bh = b * H + h;
             // causal: the first query block holding a row that sees key j0
             for (std::int64_t i0 = causal ? j0 / Br * Br : 0; i0 < T_; i0 += Br) {
-              // documents: this block's rows and all later ones begin after the key block
+              // documents: this block's rows and all later ones begin after the key block; window:
+              // they are all past its last key's reach
               if (St && St[b * T_ + i0] >= j0 + c) break;
+              if (W > 0 && i0 >= j0 + c - 1 + W) break;
               const std::int64_t r = std::min(T_, i0 + Br) - i0, o = (b * T_ + i0) * qs + h * hd;
               detail::gemm_serial<T>(false, true, r, c, hd, Q + o, qs, kt + j0 * ks, ks, p, Bc, false);  // q k^T
               for (std::int64_t i = 0; i < r; ++i) {
-                const std::int64_t lo = St ? std::clamp<std::int64_t>(St[b * T_ + i0 + i] - j0, 0, c) : 0;
-                const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
-                const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
+                const auto [lo, hi] = detail::flash_visible(St ? St + b * T_ + i0 + i : nullptr, i0 + i, W, causal, j0, c);
                 T* row = p + i * Bc;
-                if (n <= 0) {
+                if (hi <= lo) {
                   std::fill(row, row + c, T(0));
                   continue;
                 }
-                const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
-                detail::probs_from_lse(row + a0, a1 - a0, sc, L[bh * T_ + i0 + i]);
+                T rs = sc;
+                if (cap > T(0)) {  // keep the capped scores for the cap's derivative below
+                  detail::flash_softcap(row, lo, hi, std::exchange(rs, T(1)), cap);
+                  std::copy(row + lo, row + hi, y + i * Bc + lo);
+                }
+                const auto [a0, a1] = detail::flash_span(row, lo, hi, rs);
+                detail::probs_from_lse(row + a0, a1 - a0, rs, L[bh * T_ + i0 + i]);
                 std::fill(row, row + a0, T(0));
                 std::fill(row + std::min(a1, c), row + c, T(0));
               }
@@ -7100,8 +7161,14 @@ struct AttentionKernelsT {
               first_v = false;
               if (!GQ && !GK) continue;
               detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
-              for (std::int64_t i = 0; i < r; ++i)
+              for (std::int64_t i = 0; i < r; ++i) {
                 detail::softmax_vjp_row(p + i * Bc, ds + i * Bc, c, D[bh * T_ + i0 + i], sc);
+                if (cap > T(0)) {  // through the cap: ds = ds_capped * (1 - (y / cap)^2), on the visible keys
+                  // (sc already applied: d(cap tanh(sc x / cap))/dx = sc (1 - (y / cap)^2))
+                  const auto [lo, hi] = detail::flash_visible(St ? St + b * T_ + i0 + i : nullptr, i0 + i, W, causal, j0, c);
+                  for (std::int64_t j = lo; j < hi; ++j) ds[i * Bc + j] *= detail::SoftcapMath::grad(y[i * Bc + j], cap);
+                }
+              }
               if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
                                              acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
               if (GK) detail::gemm_serial<T>(true, false, c, hd, r, ds, Bc, Q + o, qs, GK + (b * T_ + j0) * ks + kh * hd,
@@ -11193,6 +11260,8 @@ GVar fused_rope(GTape<B>& tp, GVar x, GVar cos, GVar sin, bool traditional = fal
 // flash_attention: the same math (without a mask tensor) tiled with an online softmax, so the
 // (T, T) probabilities are never stored; tests/ops/fused.test.cpp checks it against both.
 
+#include <cmath>
+
 
 namespace nn {
 
@@ -11318,6 +11387,11 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
 ///         keys starts[b, i]..i only, so no token attends across a document boundary; each row
 ///         is whole documents (starts[b, i] is starts[b, i - 1] or i, checked), and the tiles
 ///         before a block's documents are skipped. It gets no gradient.
+///   window (causal only; 0: none): query i sees keys i - window < j <= i only (transformers'
+///         sliding-window causal mask, Gemma 2's even layers, Mistral, Phi-3); the key tiles
+///         before a block's window are skipped, so the work grows as T * window, not T^2 / 2.
+///   softcap (0: none): the scores scale q k^T are capped to softcap * tanh(s / softcap) before
+///         the softmax (Gemma 2's attn_logit_softcapping), as nn::softcap written out would.
 ///   -> q's shape.
 /// The backward recomputes each tile's probabilities from the saved log-sum-exp: one more
 /// q k^T product per tile, in exchange for never reading a (T, T) buffer.
@@ -11325,11 +11399,16 @@ template <class B>
   requires detail::HasFlashAttention<B>
 GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
                      std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false,
-                     GVar starts = GVar{}) {
+                     GVar starts = GVar{}, std::int64_t window = 0, double softcap = 0) {
   const char* op = "flash_attention";
   const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
   const Shape& qs = tp.shape(q);
-  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
+  if (window < 0 || (window > 0 && !causal))
+    detail::fail(op, "a sliding window needs causal attention and window >= 0 (0: none), got window = ", window,
+                 causal ? "" : " without causal");
+  if (!(softcap >= 0) || !std::isfinite(softcap))
+    detail::fail(op, "softcap must be finite and >= 0 (0: none), got ", softcap);
+  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal, window, softcap};
   if (!starts.valid()) {
     GVar in[] = {q, k, v};
     return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));
@@ -12350,9 +12429,12 @@ GVar layernorm(GTape<B>& tp, GVar x, GVar w, GVar b, double eps = 1e-5) {
 }  // namespace nn
 // ---- end nn/layers/norm.hpp ----
 // ---- begin nn/layers/activations.hpp ----
-// Activations at layer level: SiLU, the three GELUs with MLX's definitions, and SwiGLU.
+// Activations at layer level: SiLU, the three GELUs with MLX's definitions, the soft cap and
+// SwiGLU.
 // relu, sigmoid, tanh, softmax and log_softmax are primitives already (nn::relu etc. in
 // ops/elementwise.hpp and ops/softmax.hpp); they are not redefined here.
+
+#include <cmath>
 
 
 namespace nn {
@@ -12385,6 +12467,16 @@ template <class B>
 GVar gelu_fast_approx(GTape<B>& tp, GVar x) {
   detail::layer_float(tp, x, "gelu_fast_approx", "x");
   return unary(tp, Unary::gelu_fast, x);
+}
+
+/// cap * tanh(x / cap), a soft cap that keeps |y| < cap (Gemma 2's attn_logit_softcapping on
+/// attention scores, final_logit_softcapping on logits; SoftcapMath in backend/math.hpp is the
+/// same math inside flash attention's tiles).
+template <class B>
+GVar softcap(GTape<B>& tp, GVar x, double cap) {
+  detail::layer_float(tp, x, "softcap", "x");
+  if (!(cap > 0) || !std::isfinite(cap)) detail::fail("softcap", "cap must be finite and > 0, got ", cap);
+  return scale(tp, unary(tp, Unary::tanh, scale(tp, x, 1.0 / cap)), cap);
 }
 
 namespace detail {
@@ -12715,11 +12807,12 @@ namespace reference {
 /// (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim), so one batched
 /// matmul per kv head serves its whole group: K and V are never repeated, and their gradients
 /// sum over the group inside that matmul's vjp. `scale` multiplies q after RoPE — the same
-/// product as scaling the scores, on head_dim columns instead of T.
+/// product as scaling the scores, on head_dim columns instead of T. `softcap` > 0 caps the
+/// scaled scores (nn::softcap) before the mask is added, as transformers' Gemma 2.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional = false) {
+                   bool traditional = false, double softcap = 0) {
   const Shape qs = tp.shape(q);  // a copy: used after recording
   const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
   const std::int64_t nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
@@ -12733,6 +12826,7 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
   }
   qh = nn::scale(tp, qh, scale);
   GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  if (softcap > 0) scores = nn::softcap(tp, scores, softcap);
   if (mask.valid()) {
     detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
     GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
@@ -12748,11 +12842,12 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 
 namespace detail {
 
-/// gqa_attention's body: causal adds the causal structure (fused) or mask (composite).
+/// gqa_attention's body: causal adds the causal structure (fused) or mask (composite); a window
+/// or a soft cap runs flash attention.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, bool causal, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional, GVar starts = GVar{}) {
+                   bool traditional, GVar starts = GVar{}, std::int64_t window = 0, double softcap = 0) {
   const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
   const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
   const bool roped = cos.valid() || sin.valid();
@@ -12764,13 +12859,22 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
     if constexpr (!detail::HasFlashAttention<B>)
       fail("gqa_attention", "doc_starts (packed rows) need flash attention, which the ", B::name, " backend lacks");
   }
+  // a window or a soft cap: flash attention's options (fold a window into a mask tensor, or cap
+  // with reference::gqa_attention, where it cannot run)
+  const bool flash_only = window != 0 || softcap != 0;
+  if (flash_only) {
+    if (!causal && window != 0) fail("gqa_attention", "a sliding window needs causal attention");
+    if (mask.valid()) fail("gqa_attention", "window and softcap run in flash attention, which takes no mask tensor");
+    if constexpr (!detail::HasFlashAttention<B>)
+      fail("gqa_attention", "window and softcap need flash attention, which the ", B::name, " backend lacks");
+  }
   if (mask.valid()) {
     detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
     detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
   }
   if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask))) {
-    if (per_token || starts.valid())
-      fail("gqa_attention", "per-token RoPE tables and doc_starts need constant tables and mask");
+    if (per_token || starts.valid() || flash_only)
+      fail("gqa_attention", "per-token RoPE tables, doc_starts, window and softcap need constant tables and mask");
     if (causal) mask = causal_mask_fill(tp, T, tp.dtype(q));
     return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
   }
@@ -12783,8 +12887,8 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
     k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bq, P, n_kv_heads, head_dim}), c, s, traditional), ks);
   }
   if constexpr (detail::HasFlashAttention<B>)
-    if (!mask.valid() && (T >= detail::kFlashMinT || starts.valid()))
-      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal, starts);
+    if (!mask.valid() && (T >= detail::kFlashMinT || starts.valid() || flash_only))
+      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal, starts, window, softcap);
   return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
 }
 
@@ -12808,6 +12912,10 @@ struct AttentionOptions {
   // sees only its own document's keys (flash_attention's starts). cos/sin may then be per token,
   // (B * T, dims/2), so that positions restart at each document.
   GVar doc_starts{};
+  // Causal only: query i sees keys i - window < j <= i (transformers' sliding window); 0: none.
+  std::int64_t window = 0;
+  // > 0: the scores are capped to softcap * tanh(s / softcap) before the softmax (Gemma 2).
+  double softcap = 0;
 };
 
 /// Grouped-query attention over packed projections.
@@ -12818,6 +12926,8 @@ struct AttentionOptions {
 ///          causal + padding (attention_mask_fill); none: no mask
 ///   .causal: query i sees keys 0..i with no (T, T) tensor read and the products above the
 ///            diagonal skipped (about half the work); with or without a mask
+///   .window, .softcap: a sliding window (causal) and a soft cap on the scores, in flash
+///            attention only (no mask tensor; backends with the flash kernels: the CPU's)
 ///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
 /// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
 /// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
@@ -12839,7 +12949,7 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions&
   if (o.head_dim <= 0) detail::fail("gqa_attention", "options need head_dim > 0, got ", o.head_dim);
   const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
   return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
-                               o.traditional, o.doc_starts);
+                               o.traditional, o.doc_starts, o.window, o.softcap);
 }
 
 }  // namespace nn

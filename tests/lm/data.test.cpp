@@ -143,7 +143,7 @@ TEST_CASE("the model's chat template: tools and tool calls pass through, keys in
 }
 
 TEST_CASE("batches: inputs, shifted targets, and a mask over the completion only") {
-  std::vector<Example> data{{{1, 2, 3, 4, 5}, 2}, {{7, 8, 9}, 0}};
+  std::vector<Example> data{{{1, 2, 3, 4, 5}, 2, {}}, {{7, 8, 9}, 0, {}}};
   std::vector<std::size_t> rows{0, 1};
   Batch b = make_batch(data, rows, 64);
   CHECK(b.inputs.shape() == Shape{2, 4});
@@ -161,7 +161,7 @@ TEST_CASE("batches: inputs, shifted targets, and a mask over the completion only
 
 TEST_CASE("batch order: length-sorted groups, shuffled per epoch with a seed") {
   std::vector<Example> data;
-  for (int i = 0; i < 10; ++i) data.push_back({std::vector<std::int32_t>(static_cast<std::size_t>(10 - i), 1), 0});
+  for (int i = 0; i < 10; ++i) data.push_back({std::vector<std::int32_t>(static_cast<std::size_t>(10 - i), 1), 0, {}});
   BatchOrder a(data, 3, 7), b(data, 3, 7);
   CHECK(a.batches_per_epoch() == 3);
   for (int i = 0; i < 6; ++i) CHECK(a.next() == b.next());

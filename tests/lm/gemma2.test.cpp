@@ -122,6 +122,19 @@ TEST_CASE("Gemma 2: gradients through the caps, the window and the (1 + w) norms
   MESSAGE("gemma2: analytic vs central-difference gradients, worst relative difference " << worst);
 }
 
+TEST_CASE("Gemma 2 without a padding mask runs its capped and windowed layers in flash attention, as written out") {
+  // no mask tensor: every layer's attention is flash_attention (softcap; window on the even
+  // layers); an all-ones padding mask keeps them written out (softcap(q k^T) + the causal and
+  // window mask, softmax): the same logits and gradients. T = 150 crosses flash's 128-key tile,
+  // and the fixture's window of 4 hides most keys.
+  for (DType dt : {DType::f64, DType::f32}) {
+    CAPTURE(dtype_name(dt));
+    const lm::CausalLM m = lm::load_hf(kModels + "/gemma2", dt);
+    CHECK(test::check_flash_equals_written_out(m, 150, dt == DType::f64 ? 1e-12 : 2e-5) ==
+          static_cast<int>(m.model.layers.size()));
+  }
+}
+
 TEST_CASE("Gemma 2: a LoRA and a DoRA step, compiled, equal the eager steps bit for bit") {
   for (bool dora : {false, true}) {
     CAPTURE(dora);

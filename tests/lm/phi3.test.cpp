@@ -146,8 +146,8 @@ TEST_CASE("Phi-3: the sliding window: the batched forward and decode see the key
   const Tensor ids = test::lm_fixture_inputs().tensor("ids").to(DType::i64);  // row 0: 7 real tokens
   std::vector<std::int64_t> row;
   for (std::int64_t t = 0; t < 7; ++t) row.push_back(static_cast<std::int64_t>(ids.item(t)));
-  // the batched forward (attention written out under the window mask, the fused kernel cannot
-  // slide a window) and decode, token by token: position i sees i-2 .. i. RoPE depends on
+  // the batched forward (flash attention's window: no mask tensor) and decode (attention written
+  // out under the window mask), token by token: position i sees i-2 .. i. RoPE depends on
   // offsets only, so position i equals the last position of the 3 tokens ending at i run on
   // their own.
   GTape<cpu> tp;

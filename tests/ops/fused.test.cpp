@@ -303,6 +303,130 @@ TEST_CASE_TEMPLATE("flash attention with document starts agrees with the composi
   }, {"[gqa_attention]", "doc_starts need causal attention"});
 }
 
+/// The additive (Bn, 1, T, T) mask of causal attention with a sliding window (query i sees keys
+/// i - window < j <= i; 0: no window) inside each row's documents (starts; empty: one document).
+Tensor window_mask(std::int64_t Bn, std::int64_t Tn, std::int64_t window, const std::vector<std::int32_t>& starts,
+                   DType dt) {
+  std::vector<double> m(static_cast<std::size_t>(Bn * Tn * Tn), kMaskedValue);
+  for (std::int64_t b = 0; b < Bn; ++b)
+    for (std::int64_t i = 0; i < Tn; ++i) {
+      std::int64_t j0 = starts.empty() ? 0 : starts[static_cast<std::size_t>(b * Tn + i)];
+      if (window > 0) j0 = std::max(j0, i - window + 1);
+      for (std::int64_t j = j0; j <= i; ++j) m[static_cast<std::size_t>((b * Tn + i) * Tn + j)] = 0.0;
+    }
+  return Tensor::from_doubles({Bn, 1, Tn, Tn}, m, dt);
+}
+
+TEST_CASE_TEMPLATE("flash attention's sliding window and soft cap agree with the composite (window mask, nn::softcap)",
+                   T, float, double) {
+  const DType dt = detail::dtype_of<T>();
+  // T = 300 over tiles of 128: windows of one key, inside a tile, exactly a tile, one past it
+  // (a block's first rows reach two tiles back), most of the row, and as long as the row
+  const std::int64_t Bn = 2, Tn = 300, nh = 4, hd = 8;
+  for (std::int64_t nkv : {4, 1})
+    for (std::int64_t window : {0, 1, 7, 128, 129, 250, 300})
+      for (double cap : {0.0, 1.5}) {
+        if (window == 0 && cap == 0) continue;  // plain causal: the test above
+        CAPTURE(nkv);
+        CAPTURE(window);
+        CAPTURE(cap);
+        std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 60, -2, 2),
+                               test::random_tensor({Bn, Tn, nkv * hd}, dt, 61, -2, 2),
+                               test::random_tensor({Bn, Tn, nkv * hd}, dt, 62)};
+        const Tensor dense = window_mask(Bn, Tn, window, {}, dt);
+        Run flash = run(in, [&](auto& tp, auto& v) {
+          return flash_attention(tp, v[0], v[1], v[2], Tn, nh, nkv, hd, 0.35, true, GVar{}, window, cap);
+        });
+        Run ref = run(in, [&](auto& tp, auto& v) {
+          return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, tp.constant(dense), Tn, nh, nkv, hd, 0.35,
+                                          false, cap);
+        });
+        CHECK(worst(flash, ref) <= tol(dt));
+        if (cap == 0) {
+          Run probs = run(in, [&](auto& tp, auto& v) {
+            return fused_attention(tp, v[0], v[1], v[2], tp.constant(dense), Tn, nh, nkv, hd, 0.35, true);
+          });
+          CHECK(worst(flash, probs) <= tol(dt));
+        }
+      }
+  // a window inside packed documents (a document longer than the window, one shorter, one across
+  // the tile edge), capped, and a soft cap without causality
+  const std::vector<std::vector<std::int64_t>> docs{{1, 130, 9, 120, 40}, {300}};
+  std::vector<std::int32_t> st(static_cast<std::size_t>(Bn * Tn));
+  for (std::int64_t b = 0; b < Bn; ++b) {
+    std::int64_t at = 0;
+    for (std::int64_t len : docs[static_cast<std::size_t>(b)]) {
+      for (std::int64_t t = at; t < at + len; ++t) st[static_cast<std::size_t>(b * Tn + t)] = static_cast<std::int32_t>(at);
+      at += len;
+    }
+  }
+  std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 63, -2, 2), test::random_tensor({Bn, Tn, 2 * hd}, dt, 64, -2, 2),
+                         test::random_tensor({Bn, Tn, 2 * hd}, dt, 65)};
+  const Tensor dense = window_mask(Bn, Tn, 50, st, dt);
+  const Tensor starts = Tensor::from<std::int32_t>({Bn, Tn}, st);
+  Run flash = run(in, [&](auto& tp, auto& v) {
+    return flash_attention(tp, v[0], v[1], v[2], Tn, nh, 2, hd, 0.35, true, tp.input(starts), 50, 2.0);
+  });
+  Run ref = run(in, [&](auto& tp, auto& v) {
+    return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, tp.constant(dense), Tn, nh, 2, hd, 0.35, false, 2.0);
+  });
+  CHECK(worst(flash, ref) <= tol(dt));
+  Run open = run(in, [&](auto& tp, auto& v) {
+    return flash_attention(tp, v[0], v[1], v[2], Tn, nh, 2, hd, 0.35, false, GVar{}, 0, 2.0);
+  });
+  Run open_ref = run(in, [&](auto& tp, auto& v) {
+    return reference::gqa_attention(tp, v[0], v[1], v[2], GVar{}, GVar{}, GVar{}, Tn, nh, 2, hd, 0.35, false, 2.0);
+  });
+  CHECK(worst(open, open_ref) <= tol(dt));
+}
+
+TEST_CASE("gqa_attention runs a window or a soft cap in flash attention at any length; errors name the option") {
+  const DType dt = DType::f64;
+  const std::int64_t Bn = 2, Tn = 40, nh = 4, nkv = 2, hd = 8;
+  RopeTable tab = rope_fill(Tn, hd, 10000.0, 1.0, 0, dt);
+  std::vector<Tensor> in{test::random_tensor({Bn, Tn, nh * hd}, dt, 66), test::random_tensor({Bn, Tn, nkv * hd}, dt, 67),
+                         test::random_tensor({Bn, Tn, nkv * hd}, dt, 68)};
+  const Tensor dense = window_mask(Bn, Tn, 9, {}, dt);
+  std::string kernel;
+  Run fused = run(in, [&](auto& tp, auto& v) {
+    GVar y = gqa_attention(tp, v[0], v[1], v[2], {.T = Tn, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .scale = 0.3,
+                                                  .cos = tp.constant(tab.cos), .sin = tp.constant(tab.sin),
+                                                  .causal = true, .window = 9, .softcap = 3.0});
+    kernel = tp.node(y).name();
+    return y;
+  });
+  Run ref = run(in, [&](auto& tp, auto& v) {
+    return reference::gqa_attention(tp, v[0], v[1], v[2], tp.constant(tab.cos), tp.constant(tab.sin), tp.constant(dense),
+                                    Tn, nh, nkv, hd, 0.3, false, 3.0);
+  });
+  CHECK(kernel == "flash_attention");
+  CHECK(worst(fused, ref) <= tol(dt));
+  GTape<cpu> tp;
+  GVar q = tp.input(in[0]), k = tp.input(in[1]);
+  test::check_error([&] { flash_attention(tp, q, k, k, Tn, nh, nkv, hd, 1.0, false, GVar{}, 4); },
+                    {"[flash_attention]", "window = 4 without causal"});
+  test::check_error([&] { flash_attention(tp, q, k, k, Tn, nh, nkv, hd, 1.0, true, GVar{}, -1); },
+                    {"[flash_attention]", "window = -1"});
+  test::check_error([&] { flash_attention(tp, q, k, k, Tn, nh, nkv, hd, 1.0, true, GVar{}, 0, -2.0); },
+                    {"[flash_attention]", "softcap", "-2"});
+  test::check_error([&] {
+    gqa_attention(tp, q, k, k, {.T = Tn, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .mask = tp.constant(dense),
+                                .causal = true, .window = 9});
+  }, {"[gqa_attention]", "no mask tensor"});
+  test::check_error([&] {
+    gqa_attention(tp, q, k, k, {.T = Tn, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .window = 9});
+  }, {"[gqa_attention]", "window needs causal"});
+}
+
+TEST_CASE("flash attention with a window as long as the row is plain causal attention, bit for bit") {
+  const std::int64_t Tn = 1024, nh = 2, hd = 8;
+  std::vector<Tensor> in{test::random_tensor({1, Tn, nh * hd}, DType::f64, 69), test::random_tensor({1, Tn, nh * hd}, DType::f64, 70),
+                         test::random_tensor({1, Tn, nh * hd}, DType::f64, 71)};
+  Run wide = run(in, [&](auto& tp, auto& v) { return flash_attention(tp, v[0], v[1], v[2], Tn, nh, nh, hd, 0.3, true, GVar{}, Tn); });
+  Run causal = run(in, [&](auto& tp, auto& v) { return flash_attention(tp, v[0], v[1], v[2], Tn, nh, nh, hd, 0.3, true); });
+  CHECK(worst(wide, causal) == 0.0);  // a window of T hides nothing: the same tiles, the same bits
+}
+
 TEST_CASE("gqa_attention without a mask tensor runs flash attention from kFlashMinT on, and agrees with the composite") {
   const DType dt = DType::f64;
   const std::int64_t Bn = 1, nh = 4, nkv = 2, hd = 8;
@@ -380,6 +504,15 @@ TEST_CASE("fused primitives pass central differences in float64") {
                            test::random_tensor({1, 140, 2}, dt, 33)},
                           [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
                             return sq(tp, flash_attention(tp, v[0], v[1], v[2], 140, 2, 1, 2, 0.6, is_causal));
+                          }) <= 1e-7);
+  // with a sliding window across the tile edge and a soft cap (window 0 then 30; cap 0.8, so
+  // the cap's derivative matters)
+  for (std::int64_t window : {0, 30})
+    CHECK(test::gradcheck(window ? "flash attention, window and soft cap" : "flash attention, soft cap",
+                          {test::random_tensor({1, 140, 4}, dt, 34, -2, 2), test::random_tensor({1, 140, 2}, dt, 35, -2, 2),
+                           test::random_tensor({1, 140, 2}, dt, 36)},
+                          [&](GTape<cpu>& tp, const std::vector<GVar>& v) {
+                            return sq(tp, flash_attention(tp, v[0], v[1], v[2], 140, 2, 1, 2, 0.6, true, GVar{}, window, 0.8));
                           }) <= 1e-7);
 }
 

@@ -99,4 +99,31 @@ inline Tensor lm_fixture_logits(const lm::CausalLM& m) {
       .to(DType::f64);
 }
 
+// `m` on ids (2, T) without a mask tensor -- every layer's attention in the fused kernels, so
+// soft-capped and windowed layers in flash attention (CausalLM::hidden) -- against the same
+// under an all-ones padding mask, which keeps those layers written out: sum(logits^2) and every
+// parameter's gradient agree to `tol`. Returns the first tape's flash_attention nodes.
+inline int check_flash_equals_written_out(lm::CausalLM m, std::int64_t T, double tol) {  // a copy shares the weights
+  std::vector<std::int64_t> id(static_cast<std::size_t>(2 * T));
+  for (std::size_t i = 0; i < id.size(); ++i) id[i] = static_cast<std::int64_t>((i * 7 + 3) % m.config().vocab_size);
+  const Tensor ids = Tensor::from<std::int64_t>({2, T}, id), ones = Tensor::ones({2, T}, DType::f32);
+  int flash_nodes = 0;
+  auto run = [&](bool flash) {
+    auto [y, g] = value_and_grad(m, [&](GTape<cpu>& tp, const lm::CausalLM& mm) {
+      GVar lg = flash ? mm.logits(tp, tp.input(ids)) : mm.logits(tp, tp.input(ids), ones);
+      if (flash)
+        for (std::int32_t n = 0; n <= lg.index; ++n) flash_nodes += std::string(tp.node(GVar{&tp, n}).name()) == "flash_attention";
+      return sum(tp, mul(tp, lg, lg));
+    });
+    return std::pair{y.item(), g.parameters()};
+  };
+  const auto [yf, gf] = run(true);
+  const auto [yc, gc] = run(false);
+  CHECK(std::abs(yf - yc) <= tol * std::abs(yc));
+  REQUIRE(gf.size() == gc.size());
+  for (std::size_t i = 0; i < gf.size(); ++i)
+    if (gf[i].second.defined()) CHECK_MESSAGE(rel_err(gf[i].second, gc[i].second) <= tol, gf[i].first);
+  return flash_nodes;
+}
+
 }  // namespace nn::test

@@ -277,6 +277,22 @@ struct SoftmaxMath {
   }
 };
 
+/// A soft cap on scores (Gemma 2's attn_logit_softcapping; its final logits use the composite
+/// nn::softcap): y = cap tanh(x / cap) keeps |y| < cap, dy/dx = 1 - (y / cap)^2. Flash
+/// attention caps each tile's scaled scores with it and its vjp multiplies the score gradients by
+/// the derivative, recomputed from y.
+struct SoftcapMath {
+  template <class T>
+  NN_HD static T value(T x, T cap) {
+    return cap * m_tanh(x / cap);
+  }
+  template <class T>
+  NN_HD static T grad(T y, T cap) {
+    const T t = y / cap;
+    return T(1) - t * t;
+  }
+};
+
 /// RMSNorm per row of C values: rstd = 1 / sqrt(inv_c sum(x^2) + eps), y = (x rstd) w; with
 /// u = g w (or g), gx = rstd u - c x where c = rstd^3 inv_c sum(u x).
 struct RmsNormMath {

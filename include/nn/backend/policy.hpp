@@ -116,6 +116,11 @@ struct AttentionAttrs {
   std::int64_t B = 0, T = 0, H = 0, KV = 0, head_dim = 0;
   double scale = 1.0;
   bool causal = false;
+  // flash attention only (0: off): a causal query i sees keys i - window < j <= i (a sliding
+  // window, as transformers' Gemma 2 / Mistral / Phi-3 masks); scores soft-capped to
+  // softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping)
+  std::int64_t window = 0;
+  double softcap = 0;
 };
 
 /// Softmax cross-entropy's options: a target equal to ignore_index counts nothing (loss and

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// Activations at layer level: SiLU, the three GELUs with MLX's definitions, and SwiGLU.
+// Activations at layer level: SiLU, the three GELUs with MLX's definitions, the soft cap and
+// SwiGLU.
 // relu, sigmoid, tanh, softmax and log_softmax are primitives already (nn::relu etc. in
 // ops/elementwise.hpp and ops/softmax.hpp); they are not redefined here.
 #pragma once
+
+#include <cmath>
 
 #include "../ops/elementwise.hpp"
 #include "../ops/glu.hpp"
@@ -39,6 +42,16 @@ template <class B>
 GVar gelu_fast_approx(GTape<B>& tp, GVar x) {
   detail::layer_float(tp, x, "gelu_fast_approx", "x");
   return unary(tp, Unary::gelu_fast, x);
+}
+
+/// cap * tanh(x / cap), a soft cap that keeps |y| < cap (Gemma 2's attn_logit_softcapping on
+/// attention scores, final_logit_softcapping on logits; SoftcapMath in backend/math.hpp is the
+/// same math inside flash attention's tiles).
+template <class B>
+GVar softcap(GTape<B>& tp, GVar x, double cap) {
+  detail::layer_float(tp, x, "softcap", "x");
+  if (!(cap > 0) || !std::isfinite(cap)) detail::fail("softcap", "cap must be finite and > 0, got ", cap);
+  return scale(tp, unary(tp, Unary::tanh, scale(tp, x, 1.0 / cap)), cap);
 }
 
 namespace detail {

@@ -7,6 +7,7 @@
 #include "../ops/attention.hpp"
 #include "../ops/matmul.hpp"
 #include "../ops/softmax.hpp"
+#include "activations.hpp"
 #include "mask.hpp"
 #include "rope.hpp"
 
@@ -96,11 +97,12 @@ namespace reference {
 /// (B, n_kv, group, T, head_dim) and merged to (B, n_kv, group*T, head_dim), so one batched
 /// matmul per kv head serves its whole group: K and V are never repeated, and their gradients
 /// sum over the group inside that matmul's vjp. `scale` multiplies q after RoPE — the same
-/// product as scaling the scores, on head_dim columns instead of T.
+/// product as scaling the scores, on head_dim columns instead of T. `softcap` > 0 caps the
+/// scaled scores (nn::softcap) before the mask is added, as transformers' Gemma 2.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional = false) {
+                   bool traditional = false, double softcap = 0) {
   const Shape qs = tp.shape(q);  // a copy: used after recording
   const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
   const std::int64_t nkv = n_kv_heads, g = n_heads / n_kv_heads, hd = head_dim;
@@ -114,6 +116,7 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
   }
   qh = nn::scale(tp, qh, scale);
   GVar scores = matmul(tp, detail::view(tp, qh, Shape{Bn, nkv, g * T, hd}), kh, false, true);  // (B, nkv, g*T, T)
+  if (softcap > 0) scores = nn::softcap(tp, scores, softcap);
   if (mask.valid()) {
     detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
     GVar m = detail::grouped_mask(tp, mask, Bn, T, n_heads, nkv);
@@ -129,11 +132,12 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
 
 namespace detail {
 
-/// gqa_attention's body: causal adds the causal structure (fused) or mask (composite).
+/// gqa_attention's body: causal adds the causal structure (fused) or mask (composite); a window
+/// or a soft cap runs flash attention.
 template <class B>
 GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVar mask, bool causal, std::int64_t T,
                    std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double scale,
-                   bool traditional, GVar starts = GVar{}) {
+                   bool traditional, GVar starts = GVar{}, std::int64_t window = 0, double softcap = 0) {
   const Shape qs = tp.shape(q), ks = tp.shape(k);  // copies: used after recording
   const std::int64_t Bn = detail::check_gqa(tp, q, k, v, T, n_heads, n_kv_heads, head_dim);
   const bool roped = cos.valid() || sin.valid();
@@ -145,13 +149,22 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
     if constexpr (!detail::HasFlashAttention<B>)
       fail("gqa_attention", "doc_starts (packed rows) need flash attention, which the ", B::name, " backend lacks");
   }
+  // a window or a soft cap: flash attention's options (fold a window into a mask tensor, or cap
+  // with reference::gqa_attention, where it cannot run)
+  const bool flash_only = window != 0 || softcap != 0;
+  if (flash_only) {
+    if (!causal && window != 0) fail("gqa_attention", "a sliding window needs causal attention");
+    if (mask.valid()) fail("gqa_attention", "window and softcap run in flash attention, which takes no mask tensor");
+    if constexpr (!detail::HasFlashAttention<B>)
+      fail("gqa_attention", "window and softcap need flash attention, which the ", B::name, " backend lacks");
+  }
   if (mask.valid()) {
     detail::layer_same_dtype(tp, q, mask, "gqa_attention", "q", "mask");
     detail::check_gqa_mask(tp, mask, Bn, T, n_heads);
   }
   if ((roped && (tp.requires_grad(cos) || tp.requires_grad(sin))) || (mask.valid() && tp.requires_grad(mask))) {
-    if (per_token || starts.valid())
-      fail("gqa_attention", "per-token RoPE tables and doc_starts need constant tables and mask");
+    if (per_token || starts.valid() || flash_only)
+      fail("gqa_attention", "per-token RoPE tables, doc_starts, window and softcap need constant tables and mask");
     if (causal) mask = causal_mask_fill(tp, T, tp.dtype(q));
     return reference::gqa_attention(tp, q, k, v, cos, sin, mask, T, n_heads, n_kv_heads, head_dim, scale, traditional);
   }
@@ -164,8 +177,8 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar cos, GVar sin, GVa
     k = detail::view(tp, fused_rope(tp, detail::view(tp, k, Shape{Bq, P, n_kv_heads, head_dim}), c, s, traditional), ks);
   }
   if constexpr (detail::HasFlashAttention<B>)
-    if (!mask.valid() && (T >= detail::kFlashMinT || starts.valid()))
-      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal, starts);
+    if (!mask.valid() && (T >= detail::kFlashMinT || starts.valid() || flash_only))
+      return flash_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, scale, causal, starts, window, softcap);
   return fused_attention(tp, q, k, v, mask, T, n_heads, n_kv_heads, head_dim, scale, causal);
 }
 
@@ -189,6 +202,10 @@ struct AttentionOptions {
   // sees only its own document's keys (flash_attention's starts). cos/sin may then be per token,
   // (B * T, dims/2), so that positions restart at each document.
   GVar doc_starts{};
+  // Causal only: query i sees keys i - window < j <= i (transformers' sliding window); 0: none.
+  std::int64_t window = 0;
+  // > 0: the scores are capped to softcap * tanh(s / softcap) before the softmax (Gemma 2).
+  double softcap = 0;
 };
 
 /// Grouped-query attention over packed projections.
@@ -199,6 +216,8 @@ struct AttentionOptions {
 ///          causal + padding (attention_mask_fill); none: no mask
 ///   .causal: query i sees keys 0..i with no (T, T) tensor read and the products above the
 ///            diagonal skipped (about half the work); with or without a mask
+///   .window, .softcap: a sliding window (causal) and a soft cap on the scores, in flash
+///            attention only (no mask tensor; backends with the flash kernels: the CPU's)
 ///   -> (B, T, n_heads * head_dim) (the rank of q), heads concatenated in order.
 /// n_heads must be a multiple of n_kv_heads: query head h reads kv head h / (n_heads / n_kv_heads)
 /// (HF's repeat_kv); n_kv_heads == n_heads is MHA, n_kv_heads == 1 is MQA.
@@ -220,7 +239,7 @@ GVar gqa_attention(GTape<B>& tp, GVar q, GVar k, GVar v, const AttentionOptions&
   if (o.head_dim <= 0) detail::fail("gqa_attention", "options need head_dim > 0, got ", o.head_dim);
   const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(o.head_dim));
   return detail::gqa_attention(tp, q, k, v, o.cos, o.sin, o.mask, o.causal, o.T, o.n_heads, n_kv, o.head_dim, scale,
-                               o.traditional, o.doc_starts);
+                               o.traditional, o.doc_starts, o.window, o.softcap);
 }
 
 }  // namespace nn

@@ -100,12 +100,6 @@ inline RmsNorm make_norm(std::int64_t dims, const ModelConfig& c, DType dt, bool
   return n;
 }
 
-/// cap * tanh(x / cap), Gemma 2's soft cap on attention scores and logits.
-template <class B>
-GVar softcap(GTape<B>& tp, GVar x, double cap) {
-  return nn::scale(tp, nn::tanh(tp, nn::scale(tp, x, 1.0 / cap)), cap);
-}
-
 /// The additive mask (1, 1, 1, Tq, S) of queries at positions S0 .. S0+Tq-1 (S = S0 + Tq) over
 /// keys 0 .. S-1: key j is seen when j <= i and, with a window W > 0, i - j < W (transformers'
 /// sliding-window causal mask).
@@ -130,7 +124,7 @@ GVar composite_attention(GTape<B>& tp, GVar qh, GVar kh, GVar vh, GVar mask, dou
   qh = nn::scale(tp, qh, scale);
   GVar scores = matmul(tp, nn::detail::view(tp, qh, Shape{Bn, nkv, g * Tq, hd}), kh, false, true);  // (B, nkv, g*Tq, S)
   scores = nn::detail::view(tp, scores, Shape{Bn, nkv, g, Tq, S});
-  if (cap > 0) scores = softcap(tp, scores, cap);
+  if (cap > 0) scores = nn::softcap(tp, scores, cap);
   GVar p = softmax(tp, add(tp, scores, mask));                                    // (B, nkv, g, Tq, S)
   GVar ctx = matmul(tp, nn::detail::view(tp, p, Shape{Bn, nkv, g * Tq, S}), vh);  // (B, nkv, g*Tq, hd)
   ctx = permute(tp, nn::detail::view(tp, ctx, Shape{Bn, nkv, g, Tq, hd}), {0, 3, 1, 2, 4});  // (B, Tq, nkv, g, hd)
@@ -343,18 +337,24 @@ struct CausalLM {
       rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
     }
     const double scale = c.attention_scale();
-    // Layers the fused kernel cannot run (soft-capped scores; a window shorter than the rows)
-    // run attention written out, under the causal + window mask (1, 1, 1, T, T) and the padding
-    // mask; packed rows need the fused kernel.
+    // Soft-capped scores and a window shorter than the rows run in flash attention (its window
+    // and softcap options). Where it cannot -- a padding mask tensor, or a backend without the
+    // flash kernels -- attention is written out, under the causal + window mask (1, 1, 1, T, T)
+    // and the padding mask; packed rows then cannot run.
+    auto window_of = [&](std::size_t li) {
+      return c.window_on(static_cast<std::int64_t>(li)) && T > c.sliding_window ? c.sliding_window : std::int64_t{0};
+    };
     auto composite = [&](std::size_t li) {
-      return c.attn_logit_softcapping > 0 || (c.window_on(static_cast<std::int64_t>(li)) && T > c.sliding_window);
+      const bool special = c.attn_logit_softcapping > 0 || window_of(li) > 0;
+      if constexpr (nn::detail::HasFlashAttention<B>) return special && mask.valid();
+      return special;
     };
     GVar window_mask[2];  // [windowed]
     for (std::size_t li = 0; li < model.layers.size(); ++li)
       if (composite(li)) {
         if (pk.valid())
-          nn::detail::fail(L, "packed rows need the fused attention kernel, which ", c.model_type,
-                           "'s soft-capped or sliding-window layers cannot use");
+          nn::detail::fail(L, "packed rows need flash attention for ", c.model_type,
+                           "'s soft-capped or sliding-window layers, which the ", B::name, " backend lacks");
         const bool w = c.window_on(static_cast<std::int64_t>(li));
         if (!window_mask[w].valid()) {
           GVar m = tp.constant(nn::detail::on_backend<B>(detail::causal_window_mask(T, 0, w ? c.sliding_window : 0, dt)));
@@ -400,7 +400,8 @@ struct CausalLM {
                                             window_mask[c.window_on(static_cast<std::int64_t>(li))], scale,
                                             c.attn_logit_softcapping);
         } else {
-          // causal only: the fused kernel's causal form (no (T, T) mask, half the products)
+          // causal only: the fused kernel's causal form (no (T, T) mask, half the products, or
+          // T * window with a window); capped scores and windows: flash attention
           ctx = gqa_attention(tp, q, k, v,
                               {.T = T,
                                .n_heads = c.num_attention_heads,
@@ -411,7 +412,9 @@ struct CausalLM {
                                .sin = rp.sin,
                                .mask = mask,
                                .causal = !mask.valid(),
-                               .doc_starts = pk.starts});  // (B, T, n_heads * hd)
+                               .doc_starts = pk.starts,
+                               .window = window_of(li),
+                               .softcap = c.attn_logit_softcapping});  // (B, T, n_heads * hd)
         }
       }
       return l.mlp_residual(tp, l.attention_residual(tp, h, ctx));
@@ -430,7 +433,7 @@ struct CausalLM {
   GVar head(GTape<B>& tp, GVar h) const {
     auto s = tp.scope(lm_head ? "lm_head" : "model.embed_tokens");
     GVar out = lm_head ? detail::project(tp, *lm_head, h) : detail::embed_as_linear(tp, model.embed_tokens, h);
-    return config_.final_logit_softcapping > 0 ? detail::softcap(tp, out, config_.final_logit_softcapping) : out;
+    return config_.final_logit_softcapping > 0 ? nn::softcap(tp, out, config_.final_logit_softcapping) : out;
   }
 
   /// The next-token loss on hidden states h (B, T, C): cross_entropy(head(h), targets, keep,

@@ -8,6 +8,8 @@
 // (T, T) probabilities are never stored; tests/ops/fused.test.cpp checks it against both.
 #pragma once
 
+#include <cmath>
+
 #include "common.hpp"
 
 namespace nn {
@@ -134,6 +136,11 @@ GVar fused_attention(GTape<B>& tp, GVar q, GVar k, GVar v, GVar mask, std::int64
 ///         keys starts[b, i]..i only, so no token attends across a document boundary; each row
 ///         is whole documents (starts[b, i] is starts[b, i - 1] or i, checked), and the tiles
 ///         before a block's documents are skipped. It gets no gradient.
+///   window (causal only; 0: none): query i sees keys i - window < j <= i only (transformers'
+///         sliding-window causal mask, Gemma 2's even layers, Mistral, Phi-3); the key tiles
+///         before a block's window are skipped, so the work grows as T * window, not T^2 / 2.
+///   softcap (0: none): the scores scale q k^T are capped to softcap * tanh(s / softcap) before
+///         the softmax (Gemma 2's attn_logit_softcapping), as nn::softcap written out would.
 ///   -> q's shape.
 /// The backward recomputes each tile's probabilities from the saved log-sum-exp: one more
 /// q k^T product per tile, in exchange for never reading a (T, T) buffer.
@@ -141,11 +148,16 @@ template <class B>
   requires detail::HasFlashAttention<B>
 GVar flash_attention(GTape<B>& tp, GVar q, GVar k, GVar v, std::int64_t T, std::int64_t n_heads,
                      std::int64_t n_kv_heads, std::int64_t head_dim, double scale, bool causal = false,
-                     GVar starts = GVar{}) {
+                     GVar starts = GVar{}, std::int64_t window = 0, double softcap = 0) {
   const char* op = "flash_attention";
   const std::int64_t Bn = detail::check_attention(tp, q, k, v, T, n_heads, n_kv_heads, head_dim, op);
   const Shape& qs = tp.shape(q);
-  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal};
+  if (window < 0 || (window > 0 && !causal))
+    detail::fail(op, "a sliding window needs causal attention and window >= 0 (0: none), got window = ", window,
+                 causal ? "" : " without causal");
+  if (!(softcap >= 0) || !std::isfinite(softcap))
+    detail::fail(op, "softcap must be finite and >= 0 (0: none), got ", softcap);
+  const AttentionAttrs a{Bn, T, n_heads, n_kv_heads, head_dim, scale, causal, window, softcap};
   if (!starts.valid()) {
     GVar in[] = {q, k, v};
     return tp.record(detail::FlashAttentionPrim<B>::def, in, a, qs, tp.dtype(q));

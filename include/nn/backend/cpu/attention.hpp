@@ -60,6 +60,28 @@ inline const std::int32_t* check_doc_starts(const Tensor& starts, std::int64_t B
   return s;
 }
 
+/// The first key query i sees in flash attention: its document's start (packed rows) and, with a
+/// sliding window W, i - W + 1 (transformers' sliding-window causal mask: i - j < W).
+inline std::int64_t flash_first_key(const std::int32_t* doc_start, std::int64_t i, std::int64_t window) {
+  const std::int64_t d = doc_start ? *doc_start : 0;
+  return window > 0 ? std::max(d, i - window + 1) : d;
+}
+
+/// The keys [j0 + lo, j0 + hi) of the tile [j0, j0 + c) that query i sees (lo >= hi: none).
+inline std::pair<std::int64_t, std::int64_t> flash_visible(const std::int32_t* doc_start, std::int64_t i,
+                                                           std::int64_t window, bool causal, std::int64_t j0,
+                                                           std::int64_t c) {
+  const std::int64_t lo = std::clamp<std::int64_t>(flash_first_key(doc_start, i, window) - j0, 0, c);
+  return {lo, causal ? std::clamp<std::int64_t>(i + 1 - j0, 0, c) : c};
+}
+
+/// Caps a flash tile row's visible scores [lo, hi) in place, y = SoftcapMath::value(sc x, cap), so
+/// the row math after it runs at scale 1.
+template <class T>
+inline void flash_softcap(T* row, std::int64_t lo, std::int64_t hi, T sc, T cap) {
+  for (std::int64_t j = lo; j < hi; ++j) row[j] = SoftcapMath::value(sc * row[j], cap);
+}
+
 }  // namespace detail
 
 namespace cpu_kernels {
@@ -179,16 +201,20 @@ struct AttentionKernelsT {
   /// q, out: (B, T, H * hd); k, v: (B, T, KV * hd); query head h reads kv head h / (H / KV).
   /// starts (B, T) int32, when defined (packed rows; causal only): starts[b, i] is where query
   /// i's document begins, and it sees keys starts[b, i]..i only (block-diagonal causal); key tiles
-  /// before a query block's first document are never touched.
+  /// before a query block's first document are never touched. a.window > 0 (causal only): query i
+  /// sees keys i - window < j <= i too, and key tiles before a block's first row's window are
+  /// never touched. a.softcap > 0: the scaled scores are capped (SoftcapMath) before the softmax.
   static void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                               const AttentionAttrs& a, Tensor& out, Tensor& lse) {
     const std::int64_t Bn = a.B, T_ = a.T, H = a.H, KV = a.KV, hd = a.head_dim;
     const double scale = a.scale;
     const bool causal = a.causal;
+    const std::int64_t W = a.window;
     const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t g = H / KV, qs = H * hd, ks = KV * hd, nqb = (T_ + Br - 1) / Br;
+      const T cap = static_cast<T>(a.softcap);
       const T* Q = static_cast<const T*>(q.raw());
       const T* K = static_cast<const T*>(k.raw());
       const T* V = static_cast<const T*>(v.raw());
@@ -201,7 +227,7 @@ struct AttentionKernelsT {
         const std::int64_t bh = t / nqb, b = bh / H, h = bh % H, kh = h / g;
         const std::int64_t i0 = (t % nqb) * Br, r = std::min(T_, i0 + Br) - i0, kend = causal ? i0 + r : T_;
         const std::int32_t* st = St ? St + b * T_ + i0 : nullptr;  // the block's document starts
-        const std::int64_t kbeg = st ? st[0] / Bc * Bc : 0;          // the first key tile any row sees
+        const std::int64_t kbeg = detail::flash_first_key(st, i0, W) / Bc * Bc;  // the first key tile any row sees
         const T* qt = Q + (b * T_ + i0) * qs + h * hd;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
@@ -216,17 +242,19 @@ struct AttentionKernelsT {
           detail::gemm_serial<T>(false, true, r, c, hd, qt, qs, kt + j0 * ks, ks, s, Bc, false);  // q k^T
           for (std::int64_t i = 0; i < r; ++i) {
             // keys j0+lo..j0+hi-1 of this tile are visible to query i0 + i; the first tile
-            // (j0 = kbeg) always has one without documents, a later one on the diagonal may have
-            // none, and with documents any tile before the row's document has none
-            const std::int64_t lo = st ? std::clamp<std::int64_t>(st[i] - j0, 0, c) : 0;
-            const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c, n = hi - lo;
+            // (j0 = kbeg) always has one without documents or window, a later one on the diagonal
+            // may have none, and any tile before the row's document or window has none (its
+            // m stays -inf, l 0, and the first tile it sees rebases them to nothing)
+            const auto [lo, hi] = detail::flash_visible(st ? st + i : nullptr, i0 + i, W, causal, j0, c);
             T* row = s + i * Bc;
-            if (n <= 0) {
+            if (hi <= lo) {
               std::fill(row, row + c, T(0));
               continue;
             }
-            const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
-            const T mnew = std::max(m[i], detail::scale_max(row + a0, a1 - a0, sc));
+            T rs = sc;  // the row math's scale: 1 once the scores are capped
+            if (cap > T(0)) detail::flash_softcap(row, lo, hi, std::exchange(rs, T(1)), cap);
+            const auto [a0, a1] = detail::flash_span(row, lo, hi, rs);
+            const T mnew = std::max(m[i], detail::scale_max(row + a0, a1 - a0, rs));
             const T sum = detail::exp_sum(row + a0, a1 - a0, mnew);
             std::fill(row, row + a0, T(0));
             std::fill(row + std::min(a1, c), row + c, T(0));
@@ -256,7 +284,9 @@ struct AttentionKernelsT {
   /// (batch, kv head), so every gradient row has one writer: key blocks outside, the group's
   /// query heads and the query blocks that see the key block inside. Any of gq, gk, gv may be null.
   /// starts: the forward's document starts (or undefined); query blocks whose documents all begin
-  /// after a key block are skipped, so dq is zeroed first instead of overwritten by key block 0.
+  /// after a key block are skipped, so dq is zeroed first instead of overwritten by key block 0
+  /// (and so with a window, whose query blocks past the key block's reach are skipped too). With
+  /// a soft cap, ds is also multiplied by the cap's derivative, recomputed from the capped scores.
   static void flash_attention_vjp(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                                   const Tensor& out, const Tensor& lse, const Tensor& g, const AttentionAttrs& a,
                                   Tensor& delta, GradOut oq, GradOut ok, GradOut ov) {
@@ -264,12 +294,15 @@ struct AttentionKernelsT {
     const double scale = a.scale;
     const bool causal = a.causal;
     Tensor *gq = oq.g, *gk = ok.g, *gv = ov.g;
+    const std::int64_t W = a.window;
     const std::int32_t* St = detail::check_doc_starts(starts, Bn, T_, causal);
-    if (St && gq && !oq.acc) std::memset(gq->raw(), 0, gq->nbytes());
-    const bool acc_q = oq.acc || St, acc_k = ok.acc, acc_v = ov.acc;
+    const bool skips = St || W > 0;  // may a query block not meet key block 0?
+    if (skips && gq && !oq.acc) std::memset(gq->raw(), 0, gq->nbytes());
+    const bool acc_q = oq.acc || skips, acc_k = ok.acc, acc_v = ov.acc;
     detail::dispatch_float(q.dtype(), "flash_attention", [&]<class T>() {
       constexpr std::int64_t Br = detail::kFlashRows, Bc = detail::kFlashCols;
       const std::int64_t grp = H / KV, qs = H * hd, ks = KV * hd;
+      const T cap = static_cast<T>(a.softcap);
       const T* Q = static_cast<const T*>(q.raw());
       const T* K = static_cast<const T*>(k.raw());
       const T* V = static_cast<const T*>(v.raw());
@@ -291,8 +324,10 @@ struct AttentionKernelsT {
         const std::int64_t b = t / KV, kh = t % KV;
         const T* kt = K + b * T_ * ks + kh * hd;
         const T* vt = V + b * T_ * ks + kh * hd;
-        T* p = static_cast<T*>(detail::gemm_workspace(sizeof(T) * 2 * Br * Bc, 2));  // a tile's probabilities (r, c)
-        T* ds = p + Br * Bc;                                                           // and score gradients
+        // a tile's probabilities (r, c), score gradients and (soft cap) capped scores
+        T* p = static_cast<T*>(detail::gemm_workspace(sizeof(T) * (cap > T(0) ? 3 : 2) * Br * Bc, 2));
+        T* ds = p + Br * Bc;
+        T* y = ds + Br * Bc;
         for (std::int64_t j0 = 0; j0 < T_; j0 += Bc) {
           const std::int64_t c = std::min(T_, j0 + Bc) - j0;
           bool first_k = !acc_k, first_v = !acc_v;  // the first write to this key block overwrites
@@ -300,21 +335,26 @@ struct AttentionKernelsT {
             const std::int64_t h = kh * grp + jh, bh = b * H + h;
             // causal: the first query block holding a row that sees key j0
             for (std::int64_t i0 = causal ? j0 / Br * Br : 0; i0 < T_; i0 += Br) {
-              // documents: this block's rows and all later ones begin after the key block
+              // documents: this block's rows and all later ones begin after the key block; window:
+              // they are all past its last key's reach
               if (St && St[b * T_ + i0] >= j0 + c) break;
+              if (W > 0 && i0 >= j0 + c - 1 + W) break;
               const std::int64_t r = std::min(T_, i0 + Br) - i0, o = (b * T_ + i0) * qs + h * hd;
               detail::gemm_serial<T>(false, true, r, c, hd, Q + o, qs, kt + j0 * ks, ks, p, Bc, false);  // q k^T
               for (std::int64_t i = 0; i < r; ++i) {
-                const std::int64_t lo = St ? std::clamp<std::int64_t>(St[b * T_ + i0 + i] - j0, 0, c) : 0;
-                const std::int64_t hi = causal ? std::clamp<std::int64_t>(i0 + i + 1 - j0, 0, c) : c;
-                const std::int64_t n = std::max<std::int64_t>(hi - lo, 0);
+                const auto [lo, hi] = detail::flash_visible(St ? St + b * T_ + i0 + i : nullptr, i0 + i, W, causal, j0, c);
                 T* row = p + i * Bc;
-                if (n <= 0) {
+                if (hi <= lo) {
                   std::fill(row, row + c, T(0));
                   continue;
                 }
-                const auto [a0, a1] = detail::flash_span(row, lo, hi, sc);
-                detail::probs_from_lse(row + a0, a1 - a0, sc, L[bh * T_ + i0 + i]);
+                T rs = sc;
+                if (cap > T(0)) {  // keep the capped scores for the cap's derivative below
+                  detail::flash_softcap(row, lo, hi, std::exchange(rs, T(1)), cap);
+                  std::copy(row + lo, row + hi, y + i * Bc + lo);
+                }
+                const auto [a0, a1] = detail::flash_span(row, lo, hi, rs);
+                detail::probs_from_lse(row + a0, a1 - a0, rs, L[bh * T_ + i0 + i]);
                 std::fill(row, row + a0, T(0));
                 std::fill(row + std::min(a1, c), row + c, T(0));
               }
@@ -323,8 +363,14 @@ struct AttentionKernelsT {
               first_v = false;
               if (!GQ && !GK) continue;
               detail::gemm_serial<T>(false, true, r, c, hd, G + o, qs, vt + j0 * ks, ks, ds, Bc, false);  // g v^T
-              for (std::int64_t i = 0; i < r; ++i)
+              for (std::int64_t i = 0; i < r; ++i) {
                 detail::softmax_vjp_row(p + i * Bc, ds + i * Bc, c, D[bh * T_ + i0 + i], sc);
+                if (cap > T(0)) {  // through the cap: ds = ds_capped * (1 - (y / cap)^2), on the visible keys
+                  // (sc already applied: d(cap tanh(sc x / cap))/dx = sc (1 - (y / cap)^2))
+                  const auto [lo, hi] = detail::flash_visible(St ? St + b * T_ + i0 + i : nullptr, i0 + i, W, causal, j0, c);
+                  for (std::int64_t j = lo; j < hi; ++j) ds[i * Bc + j] *= detail::SoftcapMath::grad(y[i * Bc + j], cap);
+                }
+              }
               if (GQ) detail::gemm_serial<T>(false, false, r, hd, c, ds, Bc, kt + j0 * ks, ks, GQ + o, qs,
                                              acc_q || j0 > 0);  // ds k (query block i0 meets key block 0 first)
               if (GK) detail::gemm_serial<T>(true, false, c, hd, r, ds, Bc, Q + o, qs, GK + (b * T_ + j0) * ks + kh * hd,
