@@ -20,9 +20,9 @@
 // Kept out of <nn/nn.hpp> so a program that only trains its own model does not compile it.
 
 // ---- begin nn/lm/config.hpp ----
-// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder,
-// parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config, Qwen3Config,
-// Phi3Config, Gemma2Config) with errors that name the file and field.
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Mistral / SmolLM
+// decoder, parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config,
+// Qwen3Config, Phi3Config, Gemma2Config, MistralConfig) with errors that name the file and field.
 
 #include <cmath>
 #include <cstdint>
@@ -93,8 +93,10 @@ namespace nn::lm {
 /// window on attention. Gemma 2 scales the embeddings by sqrt(hidden), normalises with (1 + w),
 /// wraps attention and MLP in norms before and after ("sandwich"), runs a GeGLU MLP (tanh GELU),
 /// caps attention scores and logits softly (cap * tanh(x / cap)) and slides a window over every
-/// other layer's attention (the even ones).
-enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2 };
+/// other layer's attention (the even ones). Mistral is Llama (no biases) with a sliding window on
+/// every layer's attention (MistralConfig's sliding_window: 4096 when absent, none when null);
+/// llama.cpp runs it as a "llama" model, and nn writes its GGUF so (without the window).
+enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2, mistral };
 
 /// The family's model_type in config.json, which is also its GGUF general.architecture.
 inline const char* arch_name(Arch a) {
@@ -104,6 +106,7 @@ inline const char* arch_name(Arch a) {
     case Arch::qwen3: return "qwen3";
     case Arch::phi3: return "phi3";
     case Arch::gemma2: return "gemma2";
+    case Arch::mistral: return "mistral";
   }
   return "?";
 }
@@ -115,18 +118,25 @@ inline const char* hf_architecture(Arch a) {
     case Arch::qwen3: return "Qwen3ForCausalLM";
     case Arch::phi3: return "Phi3ForCausalLM";
     case Arch::gemma2: return "Gemma2ForCausalLM";
+    case Arch::mistral: return "MistralForCausalLM";
   }
   return "?";
 }
 /// model_type / general.architecture -> family; nullopt for one nn does not run.
 inline std::optional<Arch> arch_from_name(std::string_view name) {
   if (name == "llama" || name == "smollm") return Arch::llama;
-  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2})
+  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2, Arch::mistral})
     if (name == arch_name(a)) return a;
   return std::nullopt;
 }
 /// What the unsupported-family errors list.
-inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2";
+inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2, mistral";
+/// The family's general.architecture in GGUF files: llama.cpp's converter writes Mistral as
+/// "llama" (its q/k rows permuted for llama.cpp's interleaved RoPE, see uses_llama_rope_layout).
+inline const char* gguf_arch_name(Arch a) { return a == Arch::mistral ? "llama" : arch_name(a); }
+/// Whether llama.cpp runs the family with interleaved RoPE pairs, so its GGUF q/k rows are
+/// permuted (convert_hf_to_gguf.py's LlamaModel, which also converts Mistral).
+inline bool uses_llama_rope_layout(Arch a) { return a == Arch::llama || a == Arch::mistral; }
 
 /// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
 /// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
@@ -160,7 +170,7 @@ struct ModelConfig {
   bool mlp_bias = false;   // Llama: mlp_bias
   bool qk_norm = false;    // Qwen3: q_norm and k_norm, RMSNorms over head_dim
   /// sliding_window: on the layers window_on() names, a query sees only the keys less than this
-  /// many positions back (Phi-3: every layer; Gemma 2: the even layers); 0 for none.
+  /// many positions back (Phi-3, Mistral: every layer; Gemma 2: the even layers); 0 for none.
   std::int64_t sliding_window = 0;
   // Gemma 2 (all off / zero for the other families):
   bool norm_unit_offset = false;      // every RMSNorm scales by (1 + weight); weights stored as w
@@ -389,10 +399,11 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
                  ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
   c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama    ? 2048
-                                                                  : c.arch == Arch::phi3   ? 4096
-                                                                  : c.arch == Arch::gemma2 ? 8192
-                                                                                           : 32768);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama     ? 2048
+                                                                  : c.arch == Arch::phi3    ? 4096
+                                                                  : c.arch == Arch::gemma2  ? 8192
+                                                                  : c.arch == Arch::mistral ? 131072
+                                                                                            : 32768);
   c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
   c.rope_theta = r.opt_num("rope_theta", 10000.0);
   c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", c.arch == Arch::gemma2);
@@ -436,6 +447,12 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     if (prf != 1.0)
       nn::detail::fail("config", label, ": field \"partial_rotary_factor\": ", prf,
                        " is not supported (RoPE over whole heads, 1.0, only)");
+  } else if (c.arch == Arch::mistral) {
+    // MistralAttention / MistralMLP: no biases. MistralConfig's sliding_window is 4096 when the
+    // field is absent, and null (written out) means none.
+    const auto sw = r.j.find("sliding_window");
+    c.sliding_window = sw == r.j.end() ? 4096 : r.opt_int("sliding_window", 0);
+    if (c.sliding_window < 0) nn::detail::fail("config", label, ": field \"sliding_window\" must not be negative, got ", c.sliding_window);
   } else {
     // Llama and Qwen3: attention_bias on q/k/v and o_proj; Qwen3's MLP has no bias field
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
@@ -9553,7 +9570,7 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
                       {c.gelu_mlp ? "hidden_activation" : "hidden_act", c.gelu_mlp ? "gelu_pytorch_tanh" : "silu"},
                       {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
   if (c.arch == Arch::llama || c.arch == Arch::qwen3) j["attention_bias"] = c.qkv_bias;  // Qwen2, Phi-3: fixed
-  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2)
+  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2 || c.arch == Arch::mistral)
     j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json();
   if (c.arch == Arch::gemma2) {
     j["attention_bias"] = c.qkv_bias;
@@ -10418,7 +10435,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
   const std::string where = (folder / "tokenizer.json").string();
   const nlohmann::json tj = detail::gguf_read_json(folder / "tokenizer.json");
   const Tokenizer tok = Tokenizer::from_file(where);
-  const std::string a = arch_name(c.arch);
+  const std::string a = gguf_arch_name(c.arch);
   if (!c.rope_freq_factors.empty() || (c.rope_scaling.type != "default" && !c.rope_scaling.type.empty() && c.rope_scaling.type != "linear"))
     nn::detail::fail("gguf", folder.string(), ": rope_scaling '", c.rope_scaling.type, "' is not written (default, linear are)");
   GgufWriter w;
@@ -10439,7 +10456,10 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
     w.set(a + ".attention.key_length", static_cast<std::uint32_t>(c.head_dim));
     w.set(a + ".attention.value_length", static_cast<std::uint32_t>(c.head_dim));
   }
-  if (c.sliding_window > 0) w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
+  // (Mistral goes out as "llama", whose llama.cpp graph has no window: convert_hf_to_gguf.py
+  // writes none for it either)
+  if (c.sliding_window > 0 && c.arch != Arch::mistral)
+    w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
   if (c.rope_scaling.type == "linear") {
     w.set(a + ".rope.scaling.type", "linear");
     w.set(a + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
@@ -10522,7 +10542,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
 inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, GgufWriter w,
                                   const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
-  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the families
+  const std::string arch = gguf_arch_name(c.arch);  // llama.cpp's names for the families (Mistral: llama)
   if (c.arch == Arch::gemma2)
     nn::detail::fail("gguf", path.string(), ": writing Gemma 2 as GGUF is not supported (save_hf writes the folder, "
                      "which llama.cpp's convert_hf_to_gguf.py converts)");
@@ -10548,7 +10568,7 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
   for (const auto& [hf, t0] : params) {
     const std::string g = detail::hf_to_gguf_name(hf, path.string(), c.arch);
     Tensor t = t0.to(DType::f32);
-    if (c.arch == Arch::llama) {  // llama.cpp runs Llama with interleaved RoPE pairs
+    if (uses_llama_rope_layout(c.arch)) {  // llama.cpp runs Llama (and Mistral) with interleaved RoPE pairs
       if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
       if (g.find(".attn_k.") != std::string::npos) t = detail::permute_rows(t, c.num_key_value_heads, g, true);
     }
@@ -10623,7 +10643,7 @@ void save_gguf_adapter(const std::filesystem::path& path, const M& model, const 
                      "matrix, and nn trains their parts as separate LoRA layers, which a llama.cpp adapter cannot name: "
                      "export the fused model instead (--fuse OUT.gguf)");
   GgufWriter w;
-  w.set("general.architecture", arch_name(c.arch));
+  w.set("general.architecture", gguf_arch_name(c.arch));
   w.set("general.type", "adapter");
   w.set("adapter.type", "lora");
   const double eff = cfg.rslora ? cfg.scale / std::sqrt(static_cast<double>(cfg.rank)) : cfg.scale;
@@ -10639,7 +10659,7 @@ void save_gguf_adapter(const std::filesystem::path& path, const M& model, const 
     const std::string g = detail::hf_to_gguf_name(p.substr(0, p.size() - 7) + ".weight", path.string());
     // mlx-lm's factors (in, r) and (r, out), transposed to PEFT's (r, in) and (out, r).
     Tensor t = tp.value(transpose(tp, tp.constant(v))).to(DType::f32);
-    if (b && c.arch == Arch::llama) {
+    if (b && uses_llama_rope_layout(c.arch)) {
       if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
       if (g.find(".attn_k.") != std::string::npos) t = detail::permute_rows(t, c.num_key_value_heads, g, true);
     }

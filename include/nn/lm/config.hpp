@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder,
-// parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config, Qwen3Config,
-// Phi3Config, Gemma2Config) with errors that name the file and field.
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Mistral / SmolLM
+// decoder, parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config,
+// Qwen3Config, Phi3Config, Gemma2Config, MistralConfig) with errors that name the file and field.
 #pragma once
 
 #include <cmath>
@@ -30,8 +30,10 @@ namespace nn::lm {
 /// window on attention. Gemma 2 scales the embeddings by sqrt(hidden), normalises with (1 + w),
 /// wraps attention and MLP in norms before and after ("sandwich"), runs a GeGLU MLP (tanh GELU),
 /// caps attention scores and logits softly (cap * tanh(x / cap)) and slides a window over every
-/// other layer's attention (the even ones).
-enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2 };
+/// other layer's attention (the even ones). Mistral is Llama (no biases) with a sliding window on
+/// every layer's attention (MistralConfig's sliding_window: 4096 when absent, none when null);
+/// llama.cpp runs it as a "llama" model, and nn writes its GGUF so (without the window).
+enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2, mistral };
 
 /// The family's model_type in config.json, which is also its GGUF general.architecture.
 inline const char* arch_name(Arch a) {
@@ -41,6 +43,7 @@ inline const char* arch_name(Arch a) {
     case Arch::qwen3: return "qwen3";
     case Arch::phi3: return "phi3";
     case Arch::gemma2: return "gemma2";
+    case Arch::mistral: return "mistral";
   }
   return "?";
 }
@@ -52,18 +55,25 @@ inline const char* hf_architecture(Arch a) {
     case Arch::qwen3: return "Qwen3ForCausalLM";
     case Arch::phi3: return "Phi3ForCausalLM";
     case Arch::gemma2: return "Gemma2ForCausalLM";
+    case Arch::mistral: return "MistralForCausalLM";
   }
   return "?";
 }
 /// model_type / general.architecture -> family; nullopt for one nn does not run.
 inline std::optional<Arch> arch_from_name(std::string_view name) {
   if (name == "llama" || name == "smollm") return Arch::llama;
-  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2})
+  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2, Arch::mistral})
     if (name == arch_name(a)) return a;
   return std::nullopt;
 }
 /// What the unsupported-family errors list.
-inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2";
+inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2, mistral";
+/// The family's general.architecture in GGUF files: llama.cpp's converter writes Mistral as
+/// "llama" (its q/k rows permuted for llama.cpp's interleaved RoPE, see uses_llama_rope_layout).
+inline const char* gguf_arch_name(Arch a) { return a == Arch::mistral ? "llama" : arch_name(a); }
+/// Whether llama.cpp runs the family with interleaved RoPE pairs, so its GGUF q/k rows are
+/// permuted (convert_hf_to_gguf.py's LlamaModel, which also converts Mistral).
+inline bool uses_llama_rope_layout(Arch a) { return a == Arch::llama || a == Arch::mistral; }
 
 /// rope_scaling of config.json. "default" is plain RoPE; "linear" divides every frequency by
 /// `factor` (position interpolation, Chen et al. 2023); "llama3" is Meta's Llama 3.1 frequency
@@ -97,7 +107,7 @@ struct ModelConfig {
   bool mlp_bias = false;   // Llama: mlp_bias
   bool qk_norm = false;    // Qwen3: q_norm and k_norm, RMSNorms over head_dim
   /// sliding_window: on the layers window_on() names, a query sees only the keys less than this
-  /// many positions back (Phi-3: every layer; Gemma 2: the even layers); 0 for none.
+  /// many positions back (Phi-3, Mistral: every layer; Gemma 2: the even layers); 0 for none.
   std::int64_t sliding_window = 0;
   // Gemma 2 (all off / zero for the other families):
   bool norm_unit_offset = false;      // every RMSNorm scales by (1 + weight); weights stored as w
@@ -326,10 +336,11 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     nn::detail::fail("config", label, ": field \"hidden_size\" (", c.hidden_size,
                  ") is not a multiple of num_attention_heads (", c.num_attention_heads, ") and no head_dim is given");
   c.head_dim = r.opt_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama    ? 2048
-                                                                  : c.arch == Arch::phi3   ? 4096
-                                                                  : c.arch == Arch::gemma2 ? 8192
-                                                                                           : 32768);
+  c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama     ? 2048
+                                                                  : c.arch == Arch::phi3    ? 4096
+                                                                  : c.arch == Arch::gemma2  ? 8192
+                                                                  : c.arch == Arch::mistral ? 131072
+                                                                                            : 32768);
   c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
   c.rope_theta = r.opt_num("rope_theta", 10000.0);
   c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", c.arch == Arch::gemma2);
@@ -373,6 +384,12 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     if (prf != 1.0)
       nn::detail::fail("config", label, ": field \"partial_rotary_factor\": ", prf,
                        " is not supported (RoPE over whole heads, 1.0, only)");
+  } else if (c.arch == Arch::mistral) {
+    // MistralAttention / MistralMLP: no biases. MistralConfig's sliding_window is 4096 when the
+    // field is absent, and null (written out) means none.
+    const auto sw = r.j.find("sliding_window");
+    c.sliding_window = sw == r.j.end() ? 4096 : r.opt_int("sliding_window", 0);
+    if (c.sliding_window < 0) nn::detail::fail("config", label, ": field \"sliding_window\" must not be negative, got ", c.sliding_window);
   } else {
     // Llama and Qwen3: attention_bias on q/k/v and o_proj; Qwen3's MLP has no bias field
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);

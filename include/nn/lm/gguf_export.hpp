@@ -158,7 +158,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
   const std::string where = (folder / "tokenizer.json").string();
   const nlohmann::json tj = detail::gguf_read_json(folder / "tokenizer.json");
   const Tokenizer tok = Tokenizer::from_file(where);
-  const std::string a = arch_name(c.arch);
+  const std::string a = gguf_arch_name(c.arch);
   if (!c.rope_freq_factors.empty() || (c.rope_scaling.type != "default" && !c.rope_scaling.type.empty() && c.rope_scaling.type != "linear"))
     nn::detail::fail("gguf", folder.string(), ": rope_scaling '", c.rope_scaling.type, "' is not written (default, linear are)");
   GgufWriter w;
@@ -179,7 +179,10 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
     w.set(a + ".attention.key_length", static_cast<std::uint32_t>(c.head_dim));
     w.set(a + ".attention.value_length", static_cast<std::uint32_t>(c.head_dim));
   }
-  if (c.sliding_window > 0) w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
+  // (Mistral goes out as "llama", whose llama.cpp graph has no window: convert_hf_to_gguf.py
+  // writes none for it either)
+  if (c.sliding_window > 0 && c.arch != Arch::mistral)
+    w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
   if (c.rope_scaling.type == "linear") {
     w.set(a + ".rope.scaling.type", "linear");
     w.set(a + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
@@ -262,7 +265,7 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
 inline GgufExportReport save_gguf(const std::filesystem::path& path, const CausalLM& model, GgufWriter w,
                                   const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
-  const std::string arch = arch_name(c.arch);  // llama.cpp's names for the families
+  const std::string arch = gguf_arch_name(c.arch);  // llama.cpp's names for the families (Mistral: llama)
   if (c.arch == Arch::gemma2)
     nn::detail::fail("gguf", path.string(), ": writing Gemma 2 as GGUF is not supported (save_hf writes the folder, "
                      "which llama.cpp's convert_hf_to_gguf.py converts)");
@@ -288,7 +291,7 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
   for (const auto& [hf, t0] : params) {
     const std::string g = detail::hf_to_gguf_name(hf, path.string(), c.arch);
     Tensor t = t0.to(DType::f32);
-    if (c.arch == Arch::llama) {  // llama.cpp runs Llama with interleaved RoPE pairs
+    if (uses_llama_rope_layout(c.arch)) {  // llama.cpp runs Llama (and Mistral) with interleaved RoPE pairs
       if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
       if (g.find(".attn_k.") != std::string::npos) t = detail::permute_rows(t, c.num_key_value_heads, g, true);
     }
@@ -363,7 +366,7 @@ void save_gguf_adapter(const std::filesystem::path& path, const M& model, const 
                      "matrix, and nn trains their parts as separate LoRA layers, which a llama.cpp adapter cannot name: "
                      "export the fused model instead (--fuse OUT.gguf)");
   GgufWriter w;
-  w.set("general.architecture", arch_name(c.arch));
+  w.set("general.architecture", gguf_arch_name(c.arch));
   w.set("general.type", "adapter");
   w.set("adapter.type", "lora");
   const double eff = cfg.rslora ? cfg.scale / std::sqrt(static_cast<double>(cfg.rank)) : cfg.scale;
@@ -379,7 +382,7 @@ void save_gguf_adapter(const std::filesystem::path& path, const M& model, const 
     const std::string g = detail::hf_to_gguf_name(p.substr(0, p.size() - 7) + ".weight", path.string());
     // mlx-lm's factors (in, r) and (r, out), transposed to PEFT's (r, in) and (out, r).
     Tensor t = tp.value(transpose(tp, tp.constant(v))).to(DType::f32);
-    if (b && c.arch == Arch::llama) {
+    if (b && uses_llama_rope_layout(c.arch)) {
       if (g.find(".attn_q.") != std::string::npos) t = detail::permute_rows(t, c.num_attention_heads, g, true);
       if (g.find(".attn_k.") != std::string::npos) t = detail::permute_rows(t, c.num_key_value_heads, g, true);
     }

@@ -118,7 +118,7 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
                       {c.gelu_mlp ? "hidden_activation" : "hidden_act", c.gelu_mlp ? "gelu_pytorch_tanh" : "silu"},
                       {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
   if (c.arch == Arch::llama || c.arch == Arch::qwen3) j["attention_bias"] = c.qkv_bias;  // Qwen2, Phi-3: fixed
-  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2)
+  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2 || c.arch == Arch::mistral)
     j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json();
   if (c.arch == Arch::gemma2) {
     j["attention_bias"] = c.qkv_bias;
