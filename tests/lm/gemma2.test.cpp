@@ -27,14 +27,6 @@ Tensor want(const std::string& which = "") {
 
 Tensor run_logits(const lm::CausalLM& m) { return test::lm_fixture_logits(m); }
 
-/// `m`'s weights under another config of the same shapes.
-lm::CausalLM with_config(const lm::CausalLM& m, const lm::ModelConfig& c) {
-  lm::CausalLM out(c, m.dtype());
-  out.model = m.model;
-  out.lm_head = m.lm_head;
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("Gemma 2: config, the four norms a layer, logits equal transformers' in float64") {
@@ -66,59 +58,31 @@ TEST_CASE("Gemma 2: config, the four norms a layer, logits equal transformers' i
   // without the soft caps: layer 1 (no window) then runs the fused attention kernel
   lm::ModelConfig nocap = c;
   nocap.attn_logit_softcapping = nocap.final_logit_softcapping = 0;
-  const double err_nocap = test::rel_err(run_logits(with_config(m, nocap)), want("nocap."));
+  const double err_nocap = test::rel_err(run_logits(test::with_config(m, nocap)), want("nocap."));
   MESSAGE("gemma2 without the caps: " << err_nocap);
   CHECK(err_nocap <= 1e-10);
   lm::ModelConfig nowindow = c;
   nowindow.sliding_window = 0;
-  CHECK(test::rel_err(run_logits(with_config(m, nowindow)), want("nowindow.")) <= 1e-10);
+  CHECK(test::rel_err(run_logits(test::with_config(m, nowindow)), want("nowindow.")) <= 1e-10);
   // and each of them matters
-  CHECK(test::rel_err(run_logits(with_config(m, nocap)), want()) > 1e-3);
-  CHECK(test::rel_err(run_logits(with_config(m, nowindow)), want()) > 1e-3);
+  CHECK(test::rel_err(run_logits(test::with_config(m, nocap)), want()) > 1e-3);
+  CHECK(test::rel_err(run_logits(test::with_config(m, nowindow)), want()) > 1e-3);
 }
 
 TEST_CASE("Gemma 2: gradients through the caps, the window and the (1 + w) norms equal central differences") {
   lm::CausalLM m = lm::load_hf(kModels + "/gemma2", DType::f64);
-  const test::LmBatch bt = test::lm_batch(m);
-  auto loss = [&](lm::CausalLM& mm) {
-    return value_and_grad(mm, [&](GTape<cpu>& tp, const lm::CausalLM& x) {
-      return test::lm_loss(tp, x, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
-    });
-  };
-  auto [l0, g] = loss(m);
-  struct Probe {
-    const char* what;
-    Tensor param, grad;
-  };
+  auto [l0, g] = test::lm_batch_loss(m);
   const auto& L0 = m.model.layers[0];
   const auto& G0 = g.model.layers[0];
-  const std::vector<Probe> probes = {
-      {"layer 0 post_feedforward_layernorm", L0.post_feedforward_layernorm->weight.value, G0.post_feedforward_layernorm->weight.value},
-      {"layer 0 post_attention_layernorm", L0.post_attention_layernorm.weight.value, G0.post_attention_layernorm.weight.value},
-      {"layer 2 q_proj", std::get<Linear>(m.model.layers[2].self_attn.q_proj).weight.value,
-       std::get<Linear>(g.model.layers[2].self_attn.q_proj).weight.value},
-      {"layer 1 gate_proj", std::get<Linear>(m.model.layers[1].mlp.gate_proj).weight.value,
-       std::get<Linear>(g.model.layers[1].mlp.gate_proj).weight.value},
-      {"embedding (tied head)", std::get<Embedding>(m.model.embed_tokens).weight.value,
-       std::get<Embedding>(g.model.embed_tokens).weight.value}};
-  double worst = 0;
-  for (const Probe& p : probes) {
-    for (std::int64_t i : {std::int64_t{3}, p.param.numel() / 2 + 1}) {
-      double* w = static_cast<double*>(const_cast<void*>(p.param.raw())) + i;
-      const double keep = *w, h = 1e-5;
-      *w = keep + h;
-      const double up = loss(m).first.item();
-      *w = keep - h;
-      const double down = loss(m).first.item();
-      *w = keep;
-      const double fd = (up - down) / (2 * h), an = p.grad.item(i);
-      CAPTURE(p.what);
-      CAPTURE(i);
-      const double e = std::abs(fd - an) / std::max(1e-6, std::abs(fd));
-      worst = std::max(worst, e);
-      CHECK(e <= 1e-6);
-    }
-  }
+  const double worst = test::check_lm_central_differences(
+      m, {{"layer 0 post_feedforward_layernorm", L0.post_feedforward_layernorm->weight.value, G0.post_feedforward_layernorm->weight.value},
+          {"layer 0 post_attention_layernorm", L0.post_attention_layernorm.weight.value, G0.post_attention_layernorm.weight.value},
+          {"layer 2 q_proj", std::get<Linear>(m.model.layers[2].self_attn.q_proj).weight.value,
+           std::get<Linear>(g.model.layers[2].self_attn.q_proj).weight.value},
+          {"layer 1 gate_proj", std::get<Linear>(m.model.layers[1].mlp.gate_proj).weight.value,
+           std::get<Linear>(g.model.layers[1].mlp.gate_proj).weight.value},
+          {"embedding (tied head)", std::get<Embedding>(m.model.embed_tokens).weight.value,
+           std::get<Embedding>(g.model.embed_tokens).weight.value}});
   MESSAGE("gemma2: analytic vs central-difference gradients, worst relative difference " << worst);
 }
 

@@ -40,9 +40,7 @@ TEST_CASE("Mistral: config (the window on every layer), logits equal transformer
   CHECK(err <= 1e-10);
   lm::ModelConfig nowindow = c;
   nowindow.sliding_window = 0;
-  lm::CausalLM plain(nowindow, DType::f64);
-  plain.model = m.model;
-  plain.lm_head = m.lm_head;
+  const lm::CausalLM plain = test::with_config(m, nowindow);
   CHECK(test::rel_err(run_logits(plain), want("nowindow.")) <= 1e-10);
   CHECK(test::rel_err(run_logits(plain), want()) > 1e-3);  // the control: the window matters
 

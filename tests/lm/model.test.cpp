@@ -324,7 +324,7 @@ TEST_CASE("logits: shape and dtype errors") {
 // ---- KV cache ----------------------------------------------------------------------------------
 
 TEST_CASE("decode: a prompt prefill then one token at a time gives the full forward's logits") {
-  for (const char* name : {"llama", "qwen2", "smollm_bf16", "qwen3", "phi3", "gemma2"}) {  // qwen3: q_norm / k_norm before the cache; phi3: split qkv; gemma2: caps, window
+  for (const char* name : {"llama", "qwen2", "smollm_bf16", "qwen3", "phi3", "gemma2", "gemma3"}) {  // qwen3: q_norm / k_norm before the cache; phi3: split qkv; gemma2: caps, window; gemma3: two RoPE tables
     lm::CausalLM m = lm::load_hf(kModels + "/" + name, DType::f64);
     const Tensor ids = fixture_ids(), keep = fixture_keep();
     const Tensor full = run_logits(m);

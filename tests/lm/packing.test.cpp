@@ -75,11 +75,11 @@ TEST_CASE("pack_examples: first-fit decreasing places every example once; pack_f
   CHECK(pb.batch.tokens == 22 - 2);  // example 1's prompt: targets 1 and 2 are masked
 }
 
-TEST_CASE("packed rows give each token its unpacked loss and the same gradients (llama, qwen2, gemma2; f32, f64)") {
+TEST_CASE("packed rows give each token its unpacked loss and the same gradients (llama, qwen2, gemma2, gemma3; f32, f64)") {
   // gemma2: capped scores and a window of 4 on the even layers, in flash attention when packed,
-  // written out under the padding mask when not
+  // written out under the padding mask when not; gemma3: both RoPE tables gathered by position
   const std::vector<Example> d = examples();
-  for (const char* name : {"llama", "qwen2", "gemma2"})
+  for (const char* name : {"llama", "qwen2", "gemma2", "gemma3"})
     for (DType dt : {DType::f64, DType::f32}) {
       CAPTURE(name);
       CAPTURE(dtype_name(dt));

@@ -86,6 +86,52 @@ inline FusionStats check_adapter_step_compiled_equals_eager(const std::string& f
   return step.fusion();
 }
 
+// `m`'s weights (shared storage) under another config of the same shapes: a family's control
+// without one of its features (the window, a cap, the local RoPE).
+inline lm::CausalLM with_config(const lm::CausalLM& m, const lm::ModelConfig& c) {
+  lm::CausalLM out(c, m.dtype());
+  out.model = m.model;
+  out.lm_head = m.lm_head;
+  return out;
+}
+
+// One parameter's entries to check by central differences: `param` a float64 weight of the model,
+// `grad` the same entry of its analytic gradient; `at` the flat indices (default: 3 and the middle).
+struct GradProbe {
+  std::string what;
+  Tensor param, grad;
+  std::vector<std::int64_t> at = {};
+};
+// lm_loss of the float64 model `m` on lm_batch(m): (loss, gradients).
+inline std::pair<Tensor, lm::CausalLM> lm_batch_loss(lm::CausalLM& m) {
+  const LmBatch bt = lm_batch(m);
+  return value_and_grad(m, [&](GTape<cpu>& tp, const lm::CausalLM& x) {
+    return lm_loss(tp, x, tp.input(bt.ids), tp.input(bt.mask), tp.input(bt.targets));
+  });
+}
+// Each probe's analytic gradient against the central difference (h = 1e-5) of lm_batch_loss,
+// relative difference (over max(1e-6, |fd|)) within `tol`; returns the worst.
+inline double check_lm_central_differences(lm::CausalLM& m, const std::vector<GradProbe>& probes, double tol = 1e-6) {
+  double worst = 0;
+  for (const GradProbe& p : probes)
+    for (std::int64_t i : p.at.empty() ? std::vector<std::int64_t>{3, p.param.numel() / 2 + 1} : p.at) {
+      double* w = static_cast<double*>(const_cast<void*>(p.param.raw())) + i;
+      const double keep = *w, h = 1e-5;
+      *w = keep + h;
+      const double up = lm_batch_loss(m).first.item();
+      *w = keep - h;
+      const double down = lm_batch_loss(m).first.item();
+      *w = keep;
+      const double fd = (up - down) / (2 * h), an = p.grad.item(i);
+      CAPTURE(p.what);
+      CAPTURE(i);
+      const double e = std::abs(fd - an) / std::max(1e-6, std::abs(fd));
+      worst = std::max(worst, e);
+      CHECK(e <= tol);
+    }
+  return worst;
+}
+
 // The right-padded fixture batch of tests/fixtures/lm/models/expected.safetensors ("ids",
 // "keep", (2, 7)), whose logits the oracle scripts record per model.
 inline const SafetensorsFile& lm_fixture_inputs() {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Mistral / SmolLM
-// decoder, parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config,
-// Qwen3Config, Phi3Config, Gemma2Config, MistralConfig) with errors that name the file and field.
+// ModelConfig: the hyperparameters of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 / Mistral /
+// SmolLM decoder, parsed from a Hugging Face config.json (transformers' LlamaConfig, Qwen2Config,
+// Qwen3Config, Phi3Config, Gemma2Config, Gemma3TextConfig, MistralConfig) with errors that name the
+// file and field.
 #pragma once
 
 #include <cmath>
@@ -27,13 +28,18 @@ namespace nn::lm {
 /// with an RMSNorm on each head's query and key (q_norm, k_norm) before RoPE. Phi-3 is Llama
 /// with q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (its checkpoints only: nn
 /// splits them on load and joins them on save, see detail::fused_projections) and a sliding
-/// window on attention. Gemma 2 scales the embeddings by sqrt(hidden), normalises with (1 + w),
+/// window on attention (Qwen2 and Qwen3 too under use_sliding_window, on the layers from
+/// max_window_layers on). Gemma 2 scales the embeddings by sqrt(hidden), normalises with (1 + w),
 /// wraps attention and MLP in norms before and after ("sandwich"), runs a GeGLU MLP (tanh GELU),
 /// caps attention scores and logits softly (cap * tanh(x / cap)) and slides a window over every
-/// other layer's attention (the even ones). Mistral is Llama (no biases) with a sliding window on
+/// other layer's attention (the even ones). Gemma 3's text models (model_type "gemma3_text":
+/// gemma-3-270m, gemma-3-1b) are Gemma 2 with Qwen3's per-head q/k norms (as (1 + w) norms),
+/// no soft caps by default, and the layers named by layer_types (every sixth global, the others
+/// sliding) running RoPE of their own base (rope_local_base_freq, unscaled) where the global
+/// layers run rope_theta and rope_scaling. Mistral is Llama (no biases) with a sliding window on
 /// every layer's attention (MistralConfig's sliding_window: 4096 when absent, none when null);
 /// llama.cpp runs it as a "llama" model, and nn writes its GGUF so (without the window).
-enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2, mistral };
+enum class Arch : std::uint8_t { llama, qwen2, qwen3, phi3, gemma2, gemma3, mistral };
 
 /// The family's model_type in config.json, which is also its GGUF general.architecture.
 inline const char* arch_name(Arch a) {
@@ -43,6 +49,7 @@ inline const char* arch_name(Arch a) {
     case Arch::qwen3: return "qwen3";
     case Arch::phi3: return "phi3";
     case Arch::gemma2: return "gemma2";
+    case Arch::gemma3: return "gemma3_text";
     case Arch::mistral: return "mistral";
   }
   return "?";
@@ -55,6 +62,7 @@ inline const char* hf_architecture(Arch a) {
     case Arch::qwen3: return "Qwen3ForCausalLM";
     case Arch::phi3: return "Phi3ForCausalLM";
     case Arch::gemma2: return "Gemma2ForCausalLM";
+    case Arch::gemma3: return "Gemma3ForCausalLM";
     case Arch::mistral: return "MistralForCausalLM";
   }
   return "?";
@@ -62,15 +70,17 @@ inline const char* hf_architecture(Arch a) {
 /// model_type / general.architecture -> family; nullopt for one nn does not run.
 inline std::optional<Arch> arch_from_name(std::string_view name) {
   if (name == "llama" || name == "smollm") return Arch::llama;
-  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2, Arch::mistral})
+  for (Arch a : {Arch::qwen2, Arch::qwen3, Arch::phi3, Arch::gemma2, Arch::gemma3, Arch::mistral})
     if (name == arch_name(a)) return a;
   return std::nullopt;
 }
 /// What the unsupported-family errors list.
-inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2, mistral";
+inline constexpr const char* kSupportedFamilies = "llama (also SmolLM / SmolLM2), qwen2, qwen3, phi3, gemma2, gemma3_text, mistral";
 /// The family's general.architecture in GGUF files: llama.cpp's converter writes Mistral as
 /// "llama" (its q/k rows permuted for llama.cpp's interleaved RoPE, see uses_llama_rope_layout).
-inline const char* gguf_arch_name(Arch a) { return a == Arch::mistral ? "llama" : arch_name(a); }
+inline const char* gguf_arch_name(Arch a) {
+  return a == Arch::mistral ? "llama" : a == Arch::gemma3 ? "gemma3" : arch_name(a);
+}
 /// Whether llama.cpp runs the family with interleaved RoPE pairs, so its GGUF q/k rows are
 /// permuted (convert_hf_to_gguf.py's LlamaModel, which also converts Mistral).
 inline bool uses_llama_rope_layout(Arch a) { return a == Arch::llama || a == Arch::mistral; }
@@ -107,8 +117,17 @@ struct ModelConfig {
   bool mlp_bias = false;   // Llama: mlp_bias
   bool qk_norm = false;    // Qwen3: q_norm and k_norm, RMSNorms over head_dim
   /// sliding_window: on the layers window_on() names, a query sees only the keys less than this
-  /// many positions back (Phi-3, Mistral: every layer; Gemma 2: the even layers); 0 for none.
+  /// many positions back (Phi-3, Mistral: every layer; Gemma 2: the even layers; Gemma 3: those
+  /// layer_types calls "sliding_attention"); 0 for none.
   std::int64_t sliding_window = 0;
+  /// Per layer, whether it is a "sliding_attention" layer: Gemma 3 (config.json's layer_types, or
+  /// its sliding_window_pattern p: layer i slides unless (i + 1) % p == 0), Qwen2 / Qwen3 with
+  /// use_sliding_window (layer_types, or the layers from max_window_layers on); empty for the
+  /// others, whose rule is in sliding_layer().
+  std::vector<bool> sliding_layers;
+  /// Gemma 3's rope_local_base_freq: the sliding layers' RoPE base (plain RoPE, no rope_scaling);
+  /// 0: every layer runs rope_theta and rope_scaling.
+  double rope_local_base_freq = 0;
   // Gemma 2 (all off / zero for the other families):
   bool norm_unit_offset = false;      // every RMSNorm scales by (1 + weight); weights stored as w
   bool sandwich_norms = false;        // post_attention_layernorm on the attention's output,
@@ -119,10 +138,16 @@ struct ModelConfig {
   double attn_logit_softcapping = 0;  // scores -> cap * tanh(scores / cap) before the mask; 0: none
   double final_logit_softcapping = 0; // logits -> cap * tanh(logits / cap); 0: none
 
-  /// Whether layer `layer`'s attention slides a window (see sliding_window).
-  bool window_on(std::int64_t layer) const {
-    return sliding_window > 0 && (arch != Arch::gemma2 || layer % 2 == 0);
+  /// Whether layer `layer` is of the sliding kind (Gemma 2: the even layers; Gemma 3: by
+  /// sliding_layers; the others: every layer, with no window when sliding_window is 0).
+  bool sliding_layer(std::int64_t layer) const {
+    if (!sliding_layers.empty()) return sliding_layers[static_cast<std::size_t>(layer)];
+    return arch != Arch::gemma2 || layer % 2 == 0;
   }
+  /// Whether layer `layer`'s attention slides a window (see sliding_window).
+  bool window_on(std::int64_t layer) const { return sliding_window > 0 && sliding_layer(layer); }
+  /// Whether layer `layer` runs the local RoPE (inv_freq(true); Gemma 3's sliding layers).
+  bool local_rope(std::int64_t layer) const { return rope_local_base_freq > 0 && sliding_layer(layer); }
   /// The factor on q k^T: 1 / sqrt(query_pre_attn_scalar or head_dim).
   double attention_scale() const {
     return 1.0 / std::sqrt(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim));
@@ -137,13 +162,16 @@ struct ModelConfig {
 
   /// The RoPE inverse frequencies, head_dim / 2 of them, in double:
   ///   inv_freq[i] = 1 / theta^(2i / head_dim)        (HF's _compute_default_rope_parameters)
-  /// then remapped by rope_scaling and divided by rope_freq_factors.
-  std::vector<double> inv_freq() const {
+  /// then remapped by rope_scaling and divided by rope_freq_factors. local: Gemma 3's sliding
+  /// layers, theta = rope_local_base_freq and nothing remapped (transformers' rotary_emb_local).
+  std::vector<double> inv_freq(bool local = false) const {
     const std::int64_t half = head_dim / 2;
+    const double theta = local ? rope_local_base_freq : rope_theta;
     std::vector<double> f(static_cast<std::size_t>(half));
     for (std::int64_t i = 0; i < half; ++i)
       f[static_cast<std::size_t>(i)] =
-          1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+          1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    if (local) return f;
     const RopeScaling& s = rope_scaling;
     if (s.type == "linear") {
       for (double& x : f) x /= s.factor;
@@ -214,6 +242,11 @@ struct ModelConfig {
       nn::detail::fail("config", label, ": field \"rms_norm_eps\" must be a positive number, got ", rms_norm_eps);
     if (!(rope_theta > 0) || !std::isfinite(rope_theta))
       nn::detail::fail("config", label, ": field \"rope_theta\" must be a positive number, got ", rope_theta);
+    if (rope_local_base_freq < 0 || !std::isfinite(rope_local_base_freq))
+      nn::detail::fail("config", label, ": field \"rope_local_base_freq\" must be a positive number, got ", rope_local_base_freq);
+    if (!sliding_layers.empty() && static_cast<std::int64_t>(sliding_layers.size()) != num_hidden_layers)
+      nn::detail::fail("config", label, ": field \"layer_types\" names ", sliding_layers.size(), " layers for num_hidden_layers ",
+                       num_hidden_layers);
     if (!rope_freq_factors.empty() && static_cast<std::int64_t>(rope_freq_factors.size()) != head_dim / 2)
       nn::detail::fail("config", label, ": ", rope_freq_factors.size(), " rope frequency factors for head_dim ", head_dim,
                    " (expected ", head_dim / 2, ")");
@@ -277,6 +310,26 @@ struct ConfigReader {
   }
 };
 
+/// config.json's layer_types (transformers >= 4.53): per layer, whether it is "sliding_attention"
+/// (true) or "full_attention"; nullopt when absent. Raises on another kind, or on a list whose
+/// length is not num_hidden_layers.
+inline std::optional<std::vector<bool>> read_layer_types(const ConfigReader& r, std::int64_t layers) {
+  const nlohmann::json* lt = r.find("layer_types");
+  if (!lt) return std::nullopt;
+  if (!lt->is_array()) r.bad("layer_types", "a list", *lt);
+  if (static_cast<std::int64_t>(lt->size()) != layers)
+    nn::detail::fail("config", r.label, ": field \"layer_types\" lists ", lt->size(), " layers; num_hidden_layers is ", layers);
+  std::vector<bool> kinds;
+  for (std::size_t i = 0; i < lt->size(); ++i) {
+    const bool sliding = (*lt)[i] == "sliding_attention";
+    if (!(sliding || (*lt)[i] == "full_attention"))
+      nn::detail::fail("config", r.label, ": field \"layer_types\"[", i, "]: ", (*lt)[i].dump(),
+                       " (expected \"sliding_attention\" or \"full_attention\")");
+    kinds.push_back(sliding);
+  }
+  return kinds;
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -308,6 +361,9 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
   if (!mt) nn::detail::fail("config", label, ": missing field \"model_type\" (one of ", kSupportedFamilies, ")");
   if (!mt->is_string()) r.bad("model_type", "a string", *mt);
   c.model_type = mt->get<std::string>();
+  if (c.model_type == "gemma3")  // Gemma3Config: the image-text models, the decoder under text_config
+    nn::detail::fail("config", label, ": model_type \"gemma3\" is Gemma 3's image-text model (Gemma3ForConditionalGeneration); "
+                     "nn runs Gemma 3's text-only checkpoints, model_type \"gemma3_text\" (gemma-3-270m, gemma-3-1b)");
   if (const std::optional<Arch> a = arch_from_name(c.model_type)) c.arch = *a;
   else {
     const nlohmann::json* archs = r.find("architectures");
@@ -316,11 +372,12 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
                      " is not a supported model family (supported: ", kSupportedFamilies, ")");
   }
 
-  if (c.arch == Arch::gemma2) {  // Gemma2Config names the MLP's activation hidden_activation
+  const bool gemma = c.arch == Arch::gemma2 || c.arch == Arch::gemma3;
+  if (gemma) {  // Gemma2Config / Gemma3TextConfig name the MLP's activation hidden_activation
     const char* field = r.find("hidden_activation") ? "hidden_activation" : "hidden_act";
     const std::string act = r.opt_str(field, "gelu_pytorch_tanh");
     if (act != "gelu_pytorch_tanh")
-      nn::detail::fail("config", label, ": field \"", field, "\": \"", act, "\" is not supported (Gemma 2's GeGLU uses gelu_pytorch_tanh)");
+      nn::detail::fail("config", label, ": field \"", field, "\": \"", act, "\" is not supported (Gemma's GeGLU uses gelu_pytorch_tanh)");
   } else {
     const std::string act = r.opt_str("hidden_act", "silu");
     if (act != "silu")
@@ -339,22 +396,23 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
   c.max_position_embeddings = r.opt_int("max_position_embeddings", c.arch == Arch::llama     ? 2048
                                                                   : c.arch == Arch::phi3    ? 4096
                                                                   : c.arch == Arch::gemma2  ? 8192
-                                                                  : c.arch == Arch::mistral ? 131072
+                                                                  : c.arch == Arch::mistral || c.arch == Arch::gemma3 ? 131072
                                                                                             : 32768);
   c.rms_norm_eps = r.opt_num("rms_norm_eps", 1e-6);
-  c.rope_theta = r.opt_num("rope_theta", 10000.0);
-  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", c.arch == Arch::gemma2);
+  c.rope_theta = r.opt_num("rope_theta", c.arch == Arch::gemma3 ? 1000000.0 : 10000.0);
+  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", gemma);
   if (c.arch == Arch::qwen2) {
     // Qwen2Attention hard-codes bias=True on q/k/v and bias=False on o_proj; the MLP has none.
     c.qkv_bias = true;
-    if (r.opt_bool("use_sliding_window", false))
-      nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
-  } else if (c.arch == Arch::gemma2) {
-    // Gemma2Config's defaults where a field is absent; attention_bias on q/k/v/o, no MLP bias.
+  } else if (gemma) {
+    // Gemma2Config's / Gemma3TextConfig's defaults where a field is absent; attention_bias on
+    // q/k/v/o, no MLP bias.
+    const bool g3 = c.arch == Arch::gemma3;
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
     c.norm_unit_offset = c.sandwich_norms = c.gelu_mlp = true;
+    c.qk_norm = g3;
     c.embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
-    c.query_pre_attn_scalar = r.opt_num("query_pre_attn_scalar", 224);
+    c.query_pre_attn_scalar = r.opt_num("query_pre_attn_scalar", g3 ? 256 : 224);
     c.attn_logit_softcapping = r.opt_num("attn_logit_softcapping", 0);
     c.final_logit_softcapping = r.opt_num("final_logit_softcapping", 0);
     c.sliding_window = r.opt_int("sliding_window", 4096);
@@ -362,15 +420,30 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
         c.sliding_window < 0)
       nn::detail::fail("config", label, ": query_pre_attn_scalar must be positive, the soft caps and sliding_window "
                        "not negative");
-    // transformers 5 lists each layer's kind; nn runs Gemma 2's alternation (even layers slide)
-    if (const nlohmann::json* lt = r.find("layer_types")) {
-      if (!lt->is_array()) r.bad("layer_types", "a list", *lt);
-      for (std::size_t i = 0; i < lt->size(); ++i) {
-        const bool sliding = (*lt)[i] == "sliding_attention";
-        if (sliding != (i % 2 == 0) || !((*lt)[i] == "sliding_attention" || (*lt)[i] == "full_attention"))
-          nn::detail::fail("config", label, ": field \"layer_types\"[", i, "]: ", (*lt)[i].dump(),
-                           " (nn runs Gemma 2's pattern: sliding_attention on even layers, full_attention on odd)");
-      }
+    if (g3 && r.opt_bool("use_bidirectional_attention", false))  // EmbeddingGemma: an encoder
+      nn::detail::fail("config", label, ": field \"use_bidirectional_attention\": bidirectional attention (EmbeddingGemma) "
+                       "is not supported (nn runs causal decoders)");
+    // Gemma 3's layer kinds: layer_types (transformers >= 4.53), else sliding_window_pattern
+    // (4.50-4.52; "_sliding_window_pattern" later), 6 by default: layer i slides unless (i + 1) % p == 0.
+    if (g3) {
+      const char* pf = r.find("sliding_window_pattern") ? "sliding_window_pattern" : "_sliding_window_pattern";
+      const std::int64_t pattern = r.opt_int(pf, 6);
+      if (pattern <= 0) nn::detail::fail("config", label, ": field \"", pf, "\" must be a positive integer, got ", pattern);
+      ModelConfig::check_size(label, "num_hidden_layers", c.num_hidden_layers, ModelConfig::kMaxLayers);  // before the list
+      for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.sliding_layers.push_back((i + 1) % pattern != 0);
+      c.rope_local_base_freq = r.opt_num("rope_local_base_freq", 10000.0);
+      if (!(c.rope_local_base_freq > 0))
+        nn::detail::fail("config", label, ": field \"rope_local_base_freq\" must be a positive number, got ", c.rope_local_base_freq);
+    }
+    // Each layer's kind (transformers >= 4.53 writes it for both). Gemma 2 runs its alternation
+    // (even layers slide); Gemma 3 takes the list as given.
+    if (const std::optional<std::vector<bool>> kinds = detail::read_layer_types(r, c.num_hidden_layers)) {
+      if (g3) c.sliding_layers = *kinds;
+      else
+        for (std::size_t i = 0; i < kinds->size(); ++i)
+          if ((*kinds)[i] != (i % 2 == 0))
+            nn::detail::fail("config", label, ": field \"layer_types\"[", i, "]: ", r.find("layer_types")->at(i).dump(),
+                             " (nn runs Gemma 2's pattern: sliding_attention on even layers, full_attention on odd)");
     }
   } else if (c.arch == Arch::phi3) {
     // Phi3Attention / Phi3MLP: no biases anywhere. Only partial_rotary_factor 1 (Phi-3 itself;
@@ -395,19 +468,47 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
     c.qkv_bias = c.o_bias = r.opt_bool("attention_bias", false);
     c.mlp_bias = r.opt_bool("mlp_bias", false);
   }
-  if (c.arch == Arch::qwen3) {
-    c.qk_norm = true;
-    if (r.opt_bool("use_sliding_window", false))
-      nn::detail::fail("config", label, ": field \"use_sliding_window\": sliding-window attention is not supported");
+  if (c.arch == Arch::qwen3) c.qk_norm = true;
+  if (c.arch == Arch::qwen2 || c.arch == Arch::qwen3) {
+    // Qwen2Config / Qwen3Config: use_sliding_window (off in every released Qwen2.5 / Qwen3
+    // checkpoint) slides sliding_window (4096 when absent) over the layers from
+    // max_window_layers (28) on, or over those layer_types names; without it no layer slides.
+    if (r.opt_bool("use_sliding_window", false)) {
+      const auto sw = r.j.find("sliding_window");  // null: transformers slides no layer
+      c.sliding_window = sw == r.j.end() ? 4096 : r.opt_int("sliding_window", 0);
+      const std::int64_t from = r.opt_int("max_window_layers", 28);
+      if (c.sliding_window < 0 || from < 0)
+        nn::detail::fail("config", label, ": fields \"sliding_window\" (", c.sliding_window, ") and \"max_window_layers\" (",
+                         from, ") must not be negative");
+      ModelConfig::check_size(label, "num_hidden_layers", c.num_hidden_layers, ModelConfig::kMaxLayers);  // before the list
+      for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.sliding_layers.push_back(i >= from);
+      if (const std::optional<std::vector<bool>> kinds = detail::read_layer_types(r, c.num_hidden_layers)) c.sliding_layers = *kinds;
+    }
   }
 
   // RoPE's scaling: "rope_scaling" (transformers 4), or "rope_parameters" (transformers 5, which
   // writes rope_theta there too and no top-level rope_theta).
-  const char* rope_field = r.find("rope_parameters") ? "rope_parameters" : "rope_scaling";
-  if (const nlohmann::json* rs = r.find(rope_field)) {
-    if (!rs->is_object()) r.bad(rope_field, "null or an object", *rs);
+  std::string rope_field = r.find("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (const nlohmann::json* rs = r.find(rope_field.c_str())) {
+    if (!rs->is_object()) r.bad(rope_field.c_str(), "null or an object", *rs);
+    // transformers 5's Gemma 3 keys them by layer kind: the sliding layers' (plain RoPE, whose
+    // base is rope_local_base_freq) and the global layers' (read as every other family's)
+    if (c.arch == Arch::gemma3 && rs->contains("full_attention")) {
+      detail::ConfigReader kinds{*rs, label};
+      if (const nlohmann::json* loc = kinds.find("sliding_attention")) {
+        if (!loc->is_object()) r.bad("rope_parameters.sliding_attention", "an object", *loc);
+        detail::ConfigReader l{*loc, label};
+        if (l.opt_str("rope_type", "default") != "default")
+          nn::detail::fail("config", label, ": field \"rope_parameters.sliding_attention.rope_type\": the sliding layers' RoPE "
+                           "must be \"default\", got \"", l.opt_str("rope_type", ""), "\"");
+        c.rope_local_base_freq = l.opt_num("rope_theta", c.rope_local_base_freq);
+      }
+      rope_field += ".full_attention";
+      rs = kinds.find("full_attention");
+      if (!rs || !rs->is_object()) r.bad(rope_field.c_str(), "an object", rs ? *rs : nlohmann::json());
+    }
     detail::ConfigReader s{*rs, label};
-    auto sub = [&](const char* k) { return std::string(rope_field) + "." + k; };
+    auto sub = [&](const char* k) { return rope_field + "." + k; };
     if (!r.find("rope_theta") && s.find("rope_theta")) {
       const std::string tk = sub("rope_theta");
       c.rope_theta = s.number(*s.find("rope_theta"), tk.c_str());

@@ -179,9 +179,9 @@ inline GgufWriter gguf_metadata_hf(const std::filesystem::path& folder, const Mo
     w.set(a + ".attention.key_length", static_cast<std::uint32_t>(c.head_dim));
     w.set(a + ".attention.value_length", static_cast<std::uint32_t>(c.head_dim));
   }
-  // (Mistral goes out as "llama", whose llama.cpp graph has no window: convert_hf_to_gguf.py
-  // writes none for it either)
-  if (c.sliding_window > 0 && c.arch != Arch::mistral)
+  // Phi-3 only: Mistral goes out as "llama", and llama.cpp's qwen2 / qwen3 graphs have no window
+  // either (convert_hf_to_gguf.py writes none for them)
+  if (c.sliding_window > 0 && c.arch == Arch::phi3)
     w.set(a + ".attention.sliding_window", static_cast<std::uint32_t>(c.sliding_window));
   if (c.rope_scaling.type == "linear") {
     w.set(a + ".rope.scaling.type", "linear");
@@ -266,9 +266,9 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
                                   const std::string& outtype, const GgufFile* source, std::uint32_t same_type = 0) {
   const ModelConfig& c = model.config();
   const std::string arch = gguf_arch_name(c.arch);  // llama.cpp's names for the families (Mistral: llama)
-  if (c.arch == Arch::gemma2)
-    nn::detail::fail("gguf", path.string(), ": writing Gemma 2 as GGUF is not supported (save_hf writes the folder, "
-                     "which llama.cpp's convert_hf_to_gguf.py converts)");
+  if (c.arch == Arch::gemma2 || c.arch == Arch::gemma3)
+    nn::detail::fail("gguf", path.string(), ": writing Gemma ", c.arch == Arch::gemma2 ? 2 : 3,
+                     " as GGUF is not supported (save_hf writes the folder, which llama.cpp's convert_hf_to_gguf.py converts)");
   if (source)
     if (const GgufValue* a = source->find("general.architecture"); a && a->is_string() && a->as_string() != arch)
       nn::detail::fail("gguf", path.string(), ": the source ", source->path(), " is a '", a->as_string(),
@@ -358,9 +358,9 @@ inline GgufExportReport save_gguf(const std::filesystem::path& path, const Causa
 /// F32. Raises, leaving no file, when the model has no LoRA layers or one has no llama.cpp name.
 template <class M>
 void save_gguf_adapter(const std::filesystem::path& path, const M& model, const LoraConfig& cfg, const ModelConfig& c) {
-  if (c.arch == Arch::gemma2)
-    nn::detail::fail("gguf", path.string(), ": llama.cpp adapters for Gemma 2 are not written (use the mlx-lm or PEFT "
-                     "adapter, or fuse)");
+  if (c.arch == Arch::gemma2 || c.arch == Arch::gemma3)
+    nn::detail::fail("gguf", path.string(), ": llama.cpp adapters for Gemma ", c.arch == Arch::gemma2 ? 2 : 3,
+                     " are not written (use the mlx-lm or PEFT adapter, or fuse)");
   if (!detail::fused_projections(c).empty())
     nn::detail::fail("gguf", path.string(), ": llama.cpp's ", arch_name(c.arch), " graph has one attn_qkv and one ffn_up "
                      "matrix, and nn trains their parts as separate LoRA layers, which a llama.cpp adapter cannot name: "

@@ -613,9 +613,9 @@ inline ModelConfig gguf_config(const GgufFile& f) {
   const std::string label = f.path();
   ModelConfig c;
   c.model_type = m.read("general.architecture", [](const GgufValue& v) { return v.as_string(); });
-  if (c.model_type == "gemma2")  // llama.cpp stores Gemma's norms as 1 + w, and names them its own way
-    nn::detail::fail("gguf", label, ": general.architecture \"gemma2\": nn reads Gemma 2 from Hugging Face folders only, "
-                     "not from GGUF (supported here: llama, qwen2, qwen3, phi3)");
+  if (c.model_type == "gemma2" || c.model_type == "gemma3")  // llama.cpp stores Gemma's norms as 1 + w, named its own way
+    nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\": nn reads Gemma 2 and 3 from Hugging Face "
+                     "folders only, not from GGUF (supported here: llama, qwen2, qwen3, phi3)");
   if (const std::optional<Arch> arch = arch_from_name(c.model_type); arch && c.model_type != "smollm") c.arch = *arch;
   else
     nn::detail::fail("gguf", label, ": general.architecture \"", c.model_type, "\" is not a supported model family (supported: ",

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
-// CausalLM: the Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / SmolLM decoder-only transformer as
-// Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM and
-// Gemma2ForCausalLM compute it, as a module tree whose parameter paths are HF's own
-// ("model.layers.0.self_attn.q_proj.weight"; Phi-3's fused qkv_proj / gate_up_proj held split),
+// CausalLM: the Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 / Mistral / SmolLM decoder-only
+// transformer as Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+// Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and MistralForCausalLM compute it, as a
+// module tree whose parameter paths are HF's own ("model.layers.0.self_attn.q_proj.weight";
+// Phi-3's fused qkv_proj / gate_up_proj held split),
 // with a batched forward on the tape and a KV-cached forward for generation.
 //
 // One decoder layer (HF LlamaDecoderLayer):
@@ -13,11 +14,14 @@
 // Gemma 2 (Gemma2DecoderLayer): x starts as embed * sqrt(C), every RMSNorm scales by (1 + w),
 //   h = x + RMSNorm(o_proj(attention(...)))     scores cap*tanh(s/cap), scale 1/sqrt(qpas)
 //   y = h + RMSNorm(down_proj(gelu_tanh(gate_proj(n2)) * up_proj(n2)))   n2 = RMSNorm(h)
-// and the logits cap*tanh(logits/cap). Sliding-window layers (Phi-3: all; Gemma 2: even) see
+// and the logits cap*tanh(logits/cap). Gemma 3 (Gemma3DecoderLayer): Gemma 2 with Qwen3's q/k
+// head norms ((1 + w) norms), usually no caps, and RoPE of base rope_local_base_freq on its
+// sliding layers. Sliding-window layers (Phi-3: all; Gemma 2: even; Gemma 3: by layer_types) see
 // the keys less than sliding_window positions back.
 // RoPE is the NEOX half-split form (HF rotate_half) with the config's inverse frequencies.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -143,8 +147,9 @@ GVar heads_first(GTape<B>& tp, GVar x, std::int64_t nkv, std::int64_t g, std::in
 /// cos and sin (T, head_dim/2) for positions offset .. offset+T-1, angles t * inv_freq[i] in
 /// double, rounded once to dt. (nn::rope_fill takes a base and a scale; Llama 3's remapped
 /// frequencies need the table per frequency, so it is built here from ModelConfig::inv_freq.)
-inline RopeTable rope_table(const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
-  const std::vector<double> f = c.inv_freq();
+/// local: Gemma 3's sliding layers' table (ModelConfig::local_rope).
+inline RopeTable rope_table(const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt, bool local = false) {
+  const std::vector<double> f = c.inv_freq(local);
   const std::int64_t half = static_cast<std::int64_t>(f.size());
   std::vector<double> cs(static_cast<std::size_t>(T * half)), sn(cs.size());
   for (std::int64_t t = 0; t < T; ++t)
@@ -157,9 +162,20 @@ inline RopeTable rope_table(const ModelConfig& c, std::int64_t T, std::int64_t o
 }
 
 template <class B>
-RopeVars rope_vars(GTape<B>& tp, const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
-  RopeTable t = rope_table(c, T, offset, dt);
+RopeVars rope_vars(GTape<B>& tp, const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt, bool local = false) {
+  RopeTable t = rope_table(c, T, offset, dt, local);
   return {tp.constant(nn::detail::on_backend<B>(t.cos)), tp.constant(nn::detail::on_backend<B>(t.sin))};
+}
+
+/// The tables a forward needs, [local]: the global one, and Gemma 3's local one when a layer runs it.
+template <class B>
+std::array<RopeVars, 2> rope_vars_per_kind(GTape<B>& tp, const ModelConfig& c, std::int64_t T, std::int64_t offset, DType dt) {
+  std::array<RopeVars, 2> rp;
+  for (std::int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    const bool local = c.local_rope(li);
+    if (!rp[local].cos.valid()) rp[local] = rope_vars(tp, c, T, offset, dt, local);
+  }
+  return rp;
 }
 
 }  // namespace detail
@@ -326,15 +342,18 @@ struct CausalLM {
     const std::int64_t T = ids_shape[1];
     const ModelConfig& c = config_;
     const DType dt = dtype();
-    RopeVars rp = detail::rope_vars(tp, c, T, 0, dt);
+    std::array<RopeVars, 2> rp_kind = detail::rope_vars_per_kind(tp, c, T, 0, dt);  // [local]
     if (pk.valid()) {
       if (mask.valid()) nn::detail::fail(L, "packed rows take no mask (documents are kept apart by pk.starts)");
       if (!pk.positions.valid() || !(tp.shape(pk.positions) == ids_shape) || tp.dtype(pk.positions) != DType::i32)
         nn::detail::fail(L, "packed rows need positions (B, T) int32 beside the starts");
       // each token's angles, by its position inside its document: (B * T, head_dim / 2)
-      const std::int64_t n = ids_shape.numel(), half = tp.shape(rp.cos)[1];
-      rp.cos = reshape(tp, gather_rows(tp, rp.cos, pk.positions), {n, half});
-      rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
+      for (RopeVars& rp : rp_kind)
+        if (rp.cos.valid()) {
+          const std::int64_t n = ids_shape.numel(), half = tp.shape(rp.cos)[1];
+          rp.cos = reshape(tp, gather_rows(tp, rp.cos, pk.positions), {n, half});
+          rp.sin = reshape(tp, gather_rows(tp, rp.sin, pk.positions), {n, half});
+        }
     }
     const double scale = c.attention_scale();
     // Soft-capped scores and a window shorter than the rows run in flash attention (its window
@@ -392,6 +411,7 @@ struct CausalLM {
         GVar q = Attention::head_norm(tp, at.q_norm, detail::project(tp, at.q_proj, n1), c.head_dim);  // (B, T, n_heads * hd)
         GVar k = Attention::head_norm(tp, at.k_norm, detail::project(tp, at.k_proj, n1), c.head_dim);  // (B, T, n_kv * hd)
         GVar v = detail::project(tp, at.v_proj, n1);
+        const RopeVars& rp = rp_kind[c.local_rope(static_cast<std::int64_t>(li))];
         if (composite(li)) {
           const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
           GVar qh = rope(tp, detail::heads_first(tp, q, nkv, g, hd), rp.cos, rp.sin);  // (B, nkv, g, T, hd)
@@ -539,7 +559,7 @@ struct CausalLM {
         masks[w] = add(tp, tp.constant(nn::detail::on_backend<B>(detail::causal_window_mask(Tq, S0, w ? c.sliding_window : 0, dt))),
                        key_pad);
     }
-    RopeVars rp = detail::rope_vars(tp, c, Tq, S0, dt);
+    const std::array<RopeVars, 2> rp_kind = detail::rope_vars_per_kind(tp, c, Tq, S0, dt);  // [local]
     const std::int64_t nkv = c.num_key_value_heads, g = c.num_attention_heads / nkv, hd = c.head_dim;
 
     std::vector<Tensor> new_k(nl), new_v(nl);
@@ -556,6 +576,7 @@ struct CausalLM {
       GVar qh = detail::heads_first(tp, q, nkv, g, hd);  // (B, nkv, g, Tq, hd)
       GVar kh = detail::heads_first(tp, k, nkv, 0, hd);  // (B, nkv, Tq, hd)
       GVar vh = detail::heads_first(tp, v, nkv, 0, hd);  // (B, nkv, Tq, hd)
+      const RopeVars& rp = rp_kind[c.local_rope(static_cast<std::int64_t>(li))];
       qh = rope(tp, qh, rp.cos, rp.sin);
       kh = rope(tp, kh, rp.cos, rp.sin);
       if (S0 > 0) {

@@ -118,14 +118,40 @@ inline void save_hf(const std::filesystem::path& folder, const CausalLM& model) 
                       {c.gelu_mlp ? "hidden_activation" : "hidden_act", c.gelu_mlp ? "gelu_pytorch_tanh" : "silu"},
                       {"torch_dtype", model.dtype() == DType::f64 ? "float64" : "float32"}};
   if (c.arch == Arch::llama || c.arch == Arch::qwen3) j["attention_bias"] = c.qkv_bias;  // Qwen2, Phi-3: fixed
-  if (c.arch == Arch::phi3 || c.arch == Arch::gemma2 || c.arch == Arch::mistral)
+  const bool gemma = c.arch == Arch::gemma2 || c.arch == Arch::gemma3;
+  if (c.arch == Arch::phi3 || gemma || c.arch == Arch::mistral)
     j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json();
-  if (c.arch == Arch::gemma2) {
+  if (gemma) {
     j["attention_bias"] = c.qkv_bias;
     j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
     auto cap = [](double v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(); };
     j["attn_logit_softcapping"] = cap(c.attn_logit_softcapping);
     j["final_logit_softcapping"] = cap(c.final_logit_softcapping);
+  }
+  if (c.arch == Arch::qwen2 || c.arch == Arch::qwen3) {
+    j["use_sliding_window"] = c.sliding_window > 0;
+    if (c.sliding_window > 0) {
+      std::int64_t from = 0;  // max_window_layers for transformers < 4.53, which reads no layer_types
+      while (from < c.num_hidden_layers && !c.sliding_layer(from)) ++from;
+      j["sliding_window"] = c.sliding_window;
+      j["max_window_layers"] = from;
+    }
+  }
+  if (c.arch == Arch::gemma3 || !c.sliding_layers.empty()) {
+    // layer_types for transformers >= 4.53; sliding_window_pattern too where the kinds follow one
+    // (4.50-4.52 read only that)
+    nlohmann::json kinds = nlohmann::json::array();
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) kinds.push_back(c.sliding_layer(i) ? "sliding_attention" : "full_attention");
+    j["layer_types"] = kinds;
+    for (std::int64_t p = 1; c.arch == Arch::gemma3 && p <= c.num_hidden_layers + 1; ++p) {
+      bool fits = true;
+      for (std::int64_t i = 0; i < c.num_hidden_layers && fits; ++i) fits = c.sliding_layer(i) == ((i + 1) % p != 0);
+      if (fits) {
+        j["sliding_window_pattern"] = p;
+        break;
+      }
+    }
+    if (c.arch == Arch::gemma3) j["rope_local_base_freq"] = c.rope_local_base_freq;
   }
   if (c.arch == Arch::llama) j["mlp_bias"] = c.mlp_bias;
   const RopeScaling& rs = c.rope_scaling;
