@@ -201,8 +201,9 @@ struct ModelConfig {
   double attn_logit_softcapping = 0;  // scores -> cap * tanh(scores / cap) before the mask; 0: none
   double final_logit_softcapping = 0; // logits -> cap * tanh(logits / cap); 0: none
 
-  /// Whether layer `layer` is of the sliding kind (Gemma 2: the even layers; Gemma 3: by
-  /// sliding_layers; the others: every layer, with no window when sliding_window is 0).
+  /// Whether layer `layer` is of the sliding kind (Gemma 2: the even layers; Gemma 3 and Qwen
+  /// with use_sliding_window: by sliding_layers; the others: every layer, with no window when
+  /// sliding_window is 0).
   bool sliding_layer(std::int64_t layer) const {
     if (!sliding_layers.empty()) return sliding_layers[static_cast<std::size_t>(layer)];
     return arch != Arch::gemma2 || layer % 2 == 0;
@@ -494,9 +495,7 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
       if (pattern <= 0) nn::detail::fail("config", label, ": field \"", pf, "\" must be a positive integer, got ", pattern);
       ModelConfig::check_size(label, "num_hidden_layers", c.num_hidden_layers, ModelConfig::kMaxLayers);  // before the list
       for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.sliding_layers.push_back((i + 1) % pattern != 0);
-      c.rope_local_base_freq = r.opt_num("rope_local_base_freq", 10000.0);
-      if (!(c.rope_local_base_freq > 0))
-        nn::detail::fail("config", label, ": field \"rope_local_base_freq\" must be a positive number, got ", c.rope_local_base_freq);
+      c.rope_local_base_freq = r.opt_num("rope_local_base_freq", 10000.0);  // checked below, wherever it came from
     }
     // Each layer's kind (transformers >= 4.53 writes it for both). Gemma 2 runs its alternation
     // (even layers slide); Gemma 3 takes the list as given.
@@ -608,6 +607,8 @@ inline ModelConfig config_from_json(const nlohmann::json& j, const std::string& 
                    "\" is not supported (supported: default, linear, llama3)");
     }
   }
+  if (c.arch == Arch::gemma3 && !(c.rope_local_base_freq > 0))  // (0 in a ModelConfig means one table for all layers)
+    nn::detail::fail("config", label, ": field \"rope_local_base_freq\" must be a positive number, got ", c.rope_local_base_freq);
   c.validate(label);
   return c;
 }

@@ -164,6 +164,9 @@ TEST_CASE("Gemma 3: transformers 4.50's and 5's config forms read as the same mo
   j["rope_parameters"]["sliding_attention"]["rope_type"] = "linear";
   test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "rope_parameters.sliding_attention.rope_type"});
   j["rope_parameters"]["sliding_attention"]["rope_type"] = "default";
+  j["rope_parameters"]["sliding_attention"]["rope_theta"] = 0.0;  // refused, not read as "no local RoPE"
+  test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "rope_local_base_freq"});
+  j["rope_parameters"]["sliding_attention"]["rope_theta"] = 100.0;
   j["rope_parameters"]["full_attention"]["rope_type"] = "yarn";
   test::check_error([&] { lm::config_from_json(j, "c.json"); }, {"[config]", "rope_parameters.full_attention", "yarn"});
 
